@@ -1,0 +1,42 @@
+# kvshim build. `make` builds out/libkvshim.so; `make demo` and `make test`
+# are the README's two set-up commands.
+GO      ?= go
+PYTHON  ?= python3
+OUT     := out
+LIB     := $(OUT)/libkvshim.so
+VERSION := $(shell cat VERSION)+$(shell git rev-parse --short HEAD 2>/dev/null || echo nogit)
+SOURCES := $(shell find . -path ./$(OUT) -prune -o \( -name '*.go' -o -name '*.c' -o -name '*.h' \) -print) go.mod go.sum
+
+.PHONY: all lib ctest test demo wheel bench-ipc bench-server bench-copy bench-l2 gpu-check clean
+
+all: lib
+
+lib: $(LIB)
+
+$(LIB): $(SOURCES)
+	@mkdir -p $(OUT)
+	CGO_ENABLED=1 $(GO) build -buildmode=c-shared -trimpath \
+		-ldflags "-X main.version=$(VERSION)" -o $(LIB) ./export
+	$(PYTHON) build/check-header.py export/kvshim.h $(OUT)/libkvshim.h
+
+# The C ABI test: compiled against the handwritten header, linked to the .so.
+ctest: $(LIB)
+	$(CC) -std=c11 -Wall -Wextra -Werror -Iexport -o $(OUT)/abi_test tests/c/abi_test.c \
+		-L$(OUT) -lkvshim -Wl,-rpath,'$$ORIGIN'
+	$(OUT)/abi_test
+
+# Everything CI runs: installs what a fresh machine lacks, then gofmt, vet,
+# go test -race, the C ABI test and pytest.
+test:
+	build/test.sh
+
+# The main job on the embedded default: store and restore a model-shaped KV
+# cache and verify it byte for byte.
+demo: $(LIB)
+	build/demo.sh
+
+wheel:
+	$(PYTHON) -m pip wheel --no-deps -w $(OUT)/dist .
+
+clean:
+	rm -rf $(OUT) build/lib build/bdist* *.egg-info python/*.egg-info

@@ -1,0 +1,66 @@
+package cli
+
+import (
+	"fmt"
+	"io"
+	"os"
+	"sort"
+	"strings"
+)
+
+// Info describes the library the CLI runs in.
+type Info struct {
+	Version string
+	ABI     int
+}
+
+type command struct {
+	summary string
+	run     func(args []string, info Info, stdout, stderr io.Writer) int
+}
+
+var commands = map[string]command{}
+
+func usage(w io.Writer) {
+	names := make([]string, 0, len(commands))
+	for n := range commands {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	fmt.Fprintln(w, "usage: kvshim <command> [flags]\n\ncommands:")
+	for _, n := range names {
+		fmt.Fprintf(w, "  %-8s %s\n", n, commands[n].summary)
+	}
+}
+
+// Main runs the command named by args[1] (args[0] is the program name) and
+// returns the process exit code: 0 success, 1 failure, 2 usage error.
+func Main(args []string, info Info) int {
+	return run(args, info, os.Stdout, os.Stderr)
+}
+
+func run(args []string, info Info, stdout, stderr io.Writer) int {
+	if len(args) < 2 || args[1] == "-h" || args[1] == "--help" || args[1] == "help" {
+		usage(stderr)
+		if len(args) < 2 {
+			return 2
+		}
+		return 0
+	}
+	cmd, ok := commands[args[1]]
+	if !ok {
+		fmt.Fprintf(stderr, "kvshim: unknown command %q\n", args[1])
+		usage(stderr)
+		return 2
+	}
+	return cmd.run(args[2:], info, stdout, stderr)
+}
+
+// joinQuoted is for error messages that list valid choices.
+func joinQuoted(xs []string) string {
+	q := make([]string, len(xs))
+	for i, x := range xs {
+		q[i] = fmt.Sprintf("%q", x)
+	}
+	return strings.Join(q, ", ")
+}

@@ -1,0 +1,90 @@
+package main
+
+import (
+	"fmt"
+	"sync"
+)
+
+// firstHandle keeps small integers (0, 1, -1, a stray fd) from ever being a
+// valid handle, as libtailscale does.
+const firstHandle = 42<<16 + 1
+
+// instance is what a handle names: one connector instance (or tool session)
+// with its own last error. Its resources are released by close.
+type instance struct {
+	id int64
+
+	mu      sync.Mutex
+	lastErr string
+	closers []func() error // run in reverse order by close
+	state   any            // the role-specific object (skeleton store, connector, ...)
+}
+
+func (in *instance) setErr(err error) {
+	in.mu.Lock()
+	in.lastErr = err.Error()
+	in.mu.Unlock()
+}
+
+func (in *instance) close() error {
+	in.mu.Lock()
+	cl := in.closers
+	in.closers = nil
+	in.mu.Unlock()
+	var first error
+	for i := len(cl) - 1; i >= 0; i-- {
+		if err := cl[i](); err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
+type handleTable struct {
+	mu   sync.Mutex
+	next int64
+	m    map[int64]*instance
+}
+
+var handles = handleTable{next: firstHandle, m: map[int64]*instance{}}
+
+func (t *handleTable) add(in *instance) int64 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	in.id = t.next
+	t.next++
+	t.m[in.id] = in
+	return in.id
+}
+
+func (t *handleTable) get(h int64) *instance {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.m[h]
+}
+
+// lookup returns the instance or an errBadHandle naming h.
+func (t *handleTable) lookup(h int64) (*instance, error) {
+	if in := t.get(h); in != nil {
+		return in, nil
+	}
+	return nil, fmt.Errorf("handle %d: %w", h, errBadHandle)
+}
+
+// remove takes h out of the table; a second remove of the same h fails.
+func (t *handleTable) remove(h int64) (*instance, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	in := t.m[h]
+	if in == nil {
+		return nil, fmt.Errorf("handle %d: %w", h, errBadHandle)
+	}
+	delete(t.m, h)
+	return in, nil
+}
+
+func (t *handleTable) len() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.m)
+}

@@ -1,0 +1,119 @@
+/*
+ * kvshim.h - the stable C ABI of libkvshim.so.
+ *
+ * kvshim saves vLLM's paged KV cache to shared host memory (L1) and shared
+ * storage (L2) and restores it into fresh pages. This header is handwritten
+ * and versioned by KVSHIM_ABI_VERSION; cgo's generated header is a build
+ * artefact. build/check-header.py fails the build when the two disagree.
+ *
+ * Conventions:
+ *   - Objects are named by integer handles (kvshim_handle). 0 is never a
+ *     valid handle; it names "the library" in kvshim_last_error.
+ *   - Every function that can fail returns KVSHIM_OK (0) or a negative
+ *     KVSHIM_E* code; kvshim_last_error copies the message of the last
+ *     failure of a handle (or of the library, handle 0).
+ *   - The caller owns every buffer; the library never keeps a pointer to
+ *     caller memory after a call returns, except the KV cache memory it was
+ *     registered with, which must outlive the handle.
+ *   - A panic inside the library is recovered and returned as
+ *     KVSHIM_EPANIC; it never crashes the host process.
+ *   - The Go runtime does not survive fork(): load the library after the
+ *     process has forked (vLLM workers: in the connector's constructor).
+ */
+#ifndef KVSHIM_H
+#define KVSHIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVSHIM_ABI_VERSION 1
+
+typedef int64_t kvshim_handle;
+
+#define KVSHIM_OK         0
+#define KVSHIM_EINVAL    -1  /* bad argument: NULL pointer, malformed JSON, bad geometry */
+#define KVSHIM_EBADH     -2  /* unknown or closed handle */
+#define KVSHIM_EPANIC    -3  /* a panic inside the library, recovered */
+#define KVSHIM_ERANGE    -4  /* caller's buffer too small; output truncated */
+#define KVSHIM_ENOTSUP   -5  /* not supported here (e.g. no CUDA driver) */
+#define KVSHIM_ETIMEDOUT -6  /* a wait ran past its timeout */
+#define KVSHIM_EIO       -7  /* the server or a peer failed */
+#define KVSHIM_ENOSPC    -8  /* the cache is full */
+#define KVSHIM_ECLOSED   -9  /* the handle or its connection is shutting down */
+#define KVSHIM_EINTERNAL -10 /* anything else; see kvshim_last_error */
+
+/* Returns KVSHIM_ABI_VERSION of the loaded library. Never fails. */
+int kvshim_abi_version(void);
+
+/* Copies the library version string, NUL-terminated, into buf[0:len].
+ * Returns KVSHIM_OK, KVSHIM_EINVAL (buf NULL or len 0) or KVSHIM_ERANGE
+ * (truncated; buf still holds a NUL-terminated prefix). */
+int kvshim_version(char *buf, size_t len);
+
+/* Copies the last error message of handle h (h == 0: of calls that had no
+ * valid handle, such as a failed kvshim_open or an unknown handle) into
+ * buf[0:len], NUL-terminated. Reading does not clear the message.
+ * Returns KVSHIM_OK, KVSHIM_EINVAL, KVSHIM_ERANGE (truncated) or
+ * KVSHIM_EBADH (h is not open). */
+int kvshim_last_error(kvshim_handle h, char *buf, size_t len);
+
+/* Opens a handle described by a JSON object whose "role" selects what it is
+ * (see the Python package for the roles and their keys). On success stores
+ * the handle in *out and returns KVSHIM_OK. Errors: KVSHIM_EINVAL (NULL
+ * argument, not JSON, unknown role or key), or the role's own failures;
+ * read the message with kvshim_last_error(0, ...). */
+int kvshim_open(const char *config_json, kvshim_handle *out);
+
+/* Closes h and releases everything it owns (connections, holds, staging
+ * space, copy streams). Returns KVSHIM_OK or KVSHIM_EBADH (unknown or
+ * already closed; the message is on handle 0). */
+int kvshim_close(kvshim_handle h);
+
+/* Returns how many handles are open (a leak check for tests). */
+int kvshim_handle_count(void);
+
+/* Test hook: panics inside the library and returns KVSHIM_EPANIC with the
+ * panic text as the last error of h (or of the library when h is not open).
+ * It exists so tests can prove a panic never crashes the host. */
+int kvshim_debug_panic(kvshim_handle h);
+
+/* Runs the kvshim command line (doctor, serve, stat, ...) with argv[0] the
+ * program name; blocks until the command ends and returns its exit code
+ * (0 success, 1 failure, 2 usage error). */
+int kvshim_main(int argc, char **argv);
+
+/* Walking skeleton (role "skeleton"): an in-process host-memory store that
+ * proves the wiring ctypes -> export -> shim -> store -> copies. The
+ * connector roles replace it. cache points at num_blocks * block_bytes
+ * bytes of a paged KV cache whose blocks are contiguous; tokens are the
+ * prompt's token ids; block_ids[i] holds tokens [i*B, (i+1)*B).
+ *
+ * kvshim_skeleton_save stores every full chunk of the prompt not yet stored
+ * and sets *saved to the number of chunks written. */
+int kvshim_skeleton_save(kvshim_handle h, void *cache, uint64_t cache_bytes,
+                         const int64_t *block_ids, size_t n_blocks,
+                         const uint32_t *tokens, size_t n_tokens,
+                         uint64_t *saved);
+
+/* Sets *chunks to the number of leading full chunks of the prompt that are
+ * stored. */
+int kvshim_skeleton_lookup(kvshim_handle h, const uint32_t *tokens,
+                           size_t n_tokens, uint64_t *chunks);
+
+/* Restores the first `chunks` chunks of the prompt into block_ids (which may
+ * differ from the blocks they were saved from). KVSHIM_EINVAL when a chunk
+ * is missing or a block id is out of range; nothing is written then. */
+int kvshim_skeleton_load(kvshim_handle h, void *cache, uint64_t cache_bytes,
+                         const int64_t *block_ids, size_t n_blocks,
+                         const uint32_t *tokens, size_t n_tokens,
+                         uint64_t chunks);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVSHIM_H */

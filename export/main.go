@@ -1,0 +1,6 @@
+package main
+
+import "C"
+
+// main is required by -buildmode=c-shared and never runs.
+func main() {}

@@ -1,0 +1,3 @@
+from kvshim.cli import main
+
+raise SystemExit(main())

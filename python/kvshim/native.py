@@ -1,0 +1,134 @@
+"""ctypes bindings of libkvshim.so, loaded lazily on first use.
+
+Nothing here runs at import: `library()` loads the shared object the first
+time a caller needs it, in the process that needs it (after any fork).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+from kvshim.errors import error_for
+
+ABI_VERSION = 1  # kvshim.h's KVSHIM_ABI_VERSION
+
+_c_handle = ctypes.c_int64
+_u64p = ctypes.POINTER(ctypes.c_uint64)
+_i64p = ctypes.POINTER(ctypes.c_int64)
+_u32p = ctypes.POINTER(ctypes.c_uint32)
+
+# name -> argtypes; every function returns int.
+_SIGNATURES: dict[str, list[type]] = {
+    "kvshim_abi_version": [],
+    "kvshim_version": [ctypes.c_char_p, ctypes.c_size_t],
+    "kvshim_last_error": [_c_handle, ctypes.c_char_p, ctypes.c_size_t],
+    "kvshim_open": [ctypes.c_char_p, ctypes.POINTER(_c_handle)],
+    "kvshim_close": [_c_handle],
+    "kvshim_handle_count": [],
+    "kvshim_debug_panic": [_c_handle],
+    "kvshim_main": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+    "kvshim_skeleton_save": [_c_handle, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t, _u32p, ctypes.c_size_t, _u64p],
+    "kvshim_skeleton_lookup": [_c_handle, _u32p, ctypes.c_size_t, _u64p],
+    "kvshim_skeleton_load": [_c_handle, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t, _u32p, ctypes.c_size_t, ctypes.c_uint64],
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_loaded_pid: int | None = None
+
+
+def library_path() -> Path:
+    """Where the shared object is: $KVSHIM_LIBRARY, else inside the package."""
+    env = os.environ.get("KVSHIM_LIBRARY")
+    if env:
+        return Path(env)
+    return Path(__file__).with_name("libkvshim.so")
+
+
+def library() -> ctypes.CDLL:
+    """Loads libkvshim.so once per process and checks its ABI version."""
+    global _lib, _loaded_pid
+    with _lock:
+        if _lib is not None:
+            if _loaded_pid != os.getpid():
+                # The Go runtime's threads did not survive the fork; calling
+                # into it here would hang or crash.
+                raise RuntimeError(
+                    "libkvshim.so was loaded before this process forked; load it only after fork "
+                    "(create kvshim objects in the child)"
+                )
+            return _lib
+        path = library_path()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"libkvshim.so not found at {path}: install the kvshim wheel, or build it with `make` "
+                "and set KVSHIM_LIBRARY=out/libkvshim.so"
+            )
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int
+        abi = lib.kvshim_abi_version()
+        if abi != ABI_VERSION:
+            raise ImportError(f"{path} has ABI version {abi}, this package needs {ABI_VERSION}")
+        _lib, _loaded_pid = lib, os.getpid()
+        return lib
+
+
+def loaded() -> bool:
+    """Whether this process has loaded the library (tests check imports stay lazy)."""
+    return _lib is not None
+
+
+def last_error(handle: int = 0) -> str:
+    buf = ctypes.create_string_buffer(4096)
+    library().kvshim_last_error(handle, buf, len(buf))
+    return buf.value.decode("utf-8", "replace")
+
+
+def check(rc: int, handle: int = 0) -> int:
+    """Raises the exception for a negative return code with its message."""
+    if rc < 0:
+        # Errors of an unknown handle are recorded on the library (handle 0).
+        msg = last_error(handle) if handle and rc != -2 else last_error(0)
+        raise error_for(rc, msg)
+    return rc
+
+
+def version() -> str:
+    buf = ctypes.create_string_buffer(256)
+    check(library().kvshim_version(buf, len(buf)))
+    return buf.value.decode()
+
+
+def run_main(argv: list[str]) -> int:
+    """Runs the Go command line (doctor, serve, stat) in this process."""
+    args = (ctypes.c_char_p * (len(argv) + 1))(*[a.encode() for a in argv], None)
+    return library().kvshim_main(len(argv), args)
+
+
+class Handle:
+    """An open kvshim handle; close() (or a with-block) releases it."""
+
+    def __init__(self, config: str) -> None:
+        out = _c_handle(0)
+        check(library().kvshim_open(config.encode(), ctypes.byref(out)))
+        self.value: int = out.value
+
+    def close(self) -> None:
+        if self.value:
+            h, self.value = self.value, 0
+            check(library().kvshim_close(h))
+
+    def check(self, rc: int) -> int:
+        return check(rc, self.value)
+
+    def __enter__(self) -> "Handle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,41 @@
+// Package shim owns the connector's logic, independent of Python and of the
+// C ABI (package export only marshals calls into it): the per-request state
+// machines of both connector roles (scheduler and worker), chunk keys and
+// namespaces, folding vLLM's per-block view into per-chunk objects, and save
+// and load planning. It never touches GPU memory; copies are planned here and
+// executed elsewhere.
+//
+// # Keys
+//
+// A stored object is named (namespace, kv rank, chunk hash), see
+// architecture §3 and ipc.AllocReq.
+//
+// The namespace (namespace.go) is the first 16 bytes of SHA-256 over a
+// versioned, length-prefixed encoding of everything that makes KV bytes
+// incompatible: model, KV dtype, layout fingerprint, object format version,
+// the KV world (world size and TP size; for MLA only the pipeline dimension,
+// since every TP rank holds the same latent KV), chunk size and KV-cache
+// group. Deployments that differ in any of these miss; they never read
+// each other's bytes.
+//
+// Chunk hashes (keys.go) chain SHA-256 over full chunks of chunk_size tokens;
+// the partial tail is never hashed. The root mixes in the namespace and the
+// request's per-request identity (cache_salt, LoRA), so every hash of a
+// salted or LoRA request differs from the unsalted one. A multimodal input is
+// mixed into exactly the chunks its placeholder range overlaps:
+//
+//	root = H("kvshim.root.v1" ‖ ns ‖ lp(cache_salt) ‖ lp(lora))
+//
+//	        chunk 0            chunk 1            chunk 2        tail
+//	tokens [t0 … t255]        [t256 … t511]      [t512 … t767]  [t768 …]
+//	                                   ├── image A ──┤            (dropped)
+//	h0 = H(C ‖ root ‖ n ‖ tok0 ‖ 0)
+//	h1 = H(C ‖ h0   ‖ n ‖ tok1 ‖ 1 ‖ mm(A))
+//	h2 = H(C ‖ h1   ‖ n ‖ tok2 ‖ 1 ‖ mm(A))
+//
+//	C = "kvshim.chunk.v1", n = u32 token count, tokens = u32 little-endian,
+//	lp(x) = u32 length ‖ x, mm(A) = lp(hash) ‖ u64 offset ‖ u64 length.
+//
+// The encoding is pinned by golden vectors in testdata/: a change to any byte
+// of it changes every key of every deployment and must bump the version tags.
+package shim

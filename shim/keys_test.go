@@ -1,0 +1,316 @@
+package shim
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
+	"slices"
+	"testing"
+
+	"github.com/google/go-cmp/cmp/cmpopts"
+	"gotest.tools/v3/assert"
+	is "gotest.tools/v3/assert/cmp"
+
+	"github.com/kvshim/kvshim/ipc"
+)
+
+// refChunkHashes is a deliberately naive second implementation of the v1
+// encoding in doc.go (fresh buffers, full mm scan per chunk) that the fast
+// path is checked against.
+func refChunkHashes(ns ipc.Namespace, tokens []uint32, chunkSize int, ex Extras) []ipc.Hash {
+	lp := func(b *bytes.Buffer, s []byte) {
+		binary.Write(b, binary.LittleEndian, uint32(len(s)))
+		b.Write(s)
+	}
+	var root bytes.Buffer
+	root.WriteString("kvshim.root.v1")
+	root.Write(ns[:])
+	lp(&root, []byte(ex.CacheSalt))
+	lp(&root, []byte(ex.LoRA))
+	prev := ipc.Hash(sha256.Sum256(root.Bytes()))
+
+	mm := slices.Clone(ex.MM)
+	slices.SortFunc(mm, compareMM)
+	var out []ipc.Hash
+	for i := 0; (i+1)*chunkSize <= len(tokens); i++ {
+		start, end := i*chunkSize, (i+1)*chunkSize
+		var b bytes.Buffer
+		b.WriteString("kvshim.chunk.v1")
+		b.Write(prev[:])
+		binary.Write(&b, binary.LittleEndian, uint32(chunkSize))
+		binary.Write(&b, binary.LittleEndian, tokens[start:end])
+		var sel []MMInput
+		for _, m := range mm {
+			if m.Offset < end && m.Offset+m.Length > start {
+				sel = append(sel, m)
+			}
+		}
+		binary.Write(&b, binary.LittleEndian, uint32(len(sel)))
+		for _, m := range sel {
+			lp(&b, m.Hash)
+			binary.Write(&b, binary.LittleEndian, uint64(m.Offset))
+			binary.Write(&b, binary.LittleEndian, uint64(m.Length))
+		}
+		prev = sha256.Sum256(b.Bytes())
+		out = append(out, prev)
+	}
+	return out
+}
+
+// testTokens is a deterministic token sequence (Knuth multiplicative hash).
+func testTokens(n int, seed uint32) []uint32 {
+	t := make([]uint32, n)
+	for i := range t {
+		t[i] = uint32(i)*2654435761 + seed
+	}
+	return t
+}
+
+var testNS = ipc.Namespace{0: 0x6b, 1: 0x76, 15: 0x01}
+
+func mustHashes(t testing.TB, tokens []uint32, chunkSize int, ex Extras) []ipc.Hash {
+	t.Helper()
+	h, err := ChunkHashes(testNS, tokens, chunkSize, ex)
+	assert.NilError(t, err)
+	return h
+}
+
+func TestChunkHashesMatchReference(t *testing.T) {
+	img := func(s string, off, n int) MMInput { return MMInput{Hash: []byte(s), Offset: off, Length: n} }
+	tests := []struct {
+		name      string
+		n, chunk  int
+		ex        Extras
+		wantCount int
+	}{
+		{name: "empty", n: 0, chunk: 256, wantCount: 0},
+		{name: "tail only", n: 255, chunk: 256, wantCount: 0},
+		{name: "one chunk", n: 256, chunk: 256, wantCount: 1},
+		{name: "tail dropped", n: 1000, chunk: 256, wantCount: 3},
+		{name: "chunk 1", n: 7, chunk: 1, wantCount: 7},
+		{name: "salt and lora", n: 768, chunk: 256, ex: Extras{CacheSalt: "s", LoRA: "l"}, wantCount: 3},
+		{name: "mm unsorted, nested, spanning", n: 2048, chunk: 128, wantCount: 16, ex: Extras{MM: []MMInput{
+			img("b", 900, 600), img("a", 100, 50), img("c", 950, 10), img("d", 127, 2), img("e", 5000, 9),
+		}}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			tokens := testTokens(tc.n, 7)
+			want := refChunkHashes(testNS, tokens, tc.chunk, tc.ex)
+			got := mustHashes(t, tokens, tc.chunk, tc.ex)
+			assert.Check(t, is.Len(got, tc.wantCount))
+			assert.DeepEqual(t, got, want, cmpopts.EquateEmpty())
+
+			// The portable (big-endian host) path encodes the same bytes.
+			nativeLE = false
+			defer func() { nativeLE = true }()
+			assert.DeepEqual(t, mustHashes(t, tokens, tc.chunk, tc.ex), want, cmpopts.EquateEmpty())
+		})
+	}
+}
+
+func TestChunkHashesSeparation(t *testing.T) {
+	tokens := testTokens(5*256+17, 1)
+	base := mustHashes(t, tokens, 256, Extras{})
+	assert.Assert(t, is.Len(base, 5))
+
+	allDiffer := func(t *testing.T, got []ipc.Hash) {
+		t.Helper()
+		assert.Assert(t, is.Len(got, len(base)))
+		for i := range got {
+			assert.Check(t, got[i] != base[i], "chunk %d aliases the base", i)
+		}
+	}
+	t.Run("salt", func(t *testing.T) {
+		a := mustHashes(t, tokens, 256, Extras{CacheSalt: "tenant-a"})
+		b := mustHashes(t, tokens, 256, Extras{CacheSalt: "tenant-b"})
+		allDiffer(t, a)
+		allDiffer(t, b)
+		assert.Check(t, a[0] != b[0])
+	})
+	t.Run("lora", func(t *testing.T) {
+		allDiffer(t, mustHashes(t, tokens, 256, Extras{LoRA: "sql"}))
+	})
+	t.Run("salt and lora do not swap", func(t *testing.T) {
+		a := mustHashes(t, tokens, 256, Extras{CacheSalt: "x"})
+		b := mustHashes(t, tokens, 256, Extras{LoRA: "x"})
+		c := mustHashes(t, tokens, 256, Extras{CacheSalt: "x", LoRA: "x"})
+		assert.Check(t, a[0] != b[0] && a[0] != c[0] && b[0] != c[0])
+	})
+	t.Run("namespace", func(t *testing.T) {
+		other := testNS
+		other[3] ^= 1
+		got, err := ChunkHashes(other, tokens, 256, Extras{})
+		assert.NilError(t, err)
+		allDiffer(t, got)
+	})
+	t.Run("image only in chunk 2", func(t *testing.T) {
+		for _, m := range []MMInput{
+			{Hash: []byte("img"), Offset: 512, Length: 256},  // exactly chunk 2
+			{Hash: []byte("img"), Offset: 700, Length: 68},   // tail of chunk 2
+			{Hash: []byte("img"), Offset: 767, Length: 1000}, // last token of chunk 2 on
+		} {
+			got := mustHashes(t, tokens, 256, Extras{MM: []MMInput{m}})
+			assert.DeepEqual(t, got[:2], base[:2])
+			for i := 2; i < len(got); i++ {
+				assert.Check(t, got[i] != base[i], "chunk %d, %+v", i, m)
+			}
+		}
+	})
+	t.Run("same placeholders, different images", func(t *testing.T) {
+		a := mustHashes(t, tokens, 256, Extras{MM: []MMInput{{Hash: []byte("cat"), Offset: 300, Length: 100}}})
+		b := mustHashes(t, tokens, 256, Extras{MM: []MMInput{{Hash: []byte("dog"), Offset: 300, Length: 100}}})
+		assert.DeepEqual(t, a[:1], b[:1])
+		assert.Check(t, a[1] != b[1])
+	})
+	t.Run("same image, different position", func(t *testing.T) {
+		a := mustHashes(t, tokens, 256, Extras{MM: []MMInput{{Hash: []byte("cat"), Offset: 300, Length: 100}}})
+		b := mustHashes(t, tokens, 256, Extras{MM: []MMInput{{Hash: []byte("cat"), Offset: 301, Length: 100}}})
+		assert.Check(t, a[1] != b[1])
+	})
+	t.Run("mm order does not matter", func(t *testing.T) {
+		x := MMInput{Hash: []byte("x"), Offset: 10, Length: 500}
+		y := MMInput{Hash: []byte("y"), Offset: 20, Length: 30}
+		assert.DeepEqual(t,
+			mustHashes(t, tokens, 256, Extras{MM: []MMInput{x, y}}),
+			mustHashes(t, tokens, 256, Extras{MM: []MMInput{y, x}}))
+	})
+	t.Run("mm beyond the full chunks", func(t *testing.T) {
+		got := mustHashes(t, tokens, 256, Extras{MM: []MMInput{{Hash: []byte("z"), Offset: 5 * 256, Length: 10}}})
+		assert.DeepEqual(t, got, base)
+	})
+	t.Run("token boundary is not ambiguous", func(t *testing.T) {
+		// Moving tokens between chunk boundaries must change the hashes.
+		a := mustHashes(t, tokens[:512], 128, Extras{})
+		b := mustHashes(t, tokens[:512], 256, Extras{})
+		assert.Check(t, a[1] != b[0])
+	})
+}
+
+func TestChunkHashesPrefixAndTail(t *testing.T) {
+	ex := Extras{CacheSalt: "s", MM: []MMInput{{Hash: []byte("i"), Offset: 250, Length: 300}}}
+	tokens := testTokens(4096+100, 3)
+	full := mustHashes(t, tokens, 256, ex)
+	assert.Assert(t, is.Len(full, 16))
+	for _, n := range []int{0, 1, 255, 256, 257, 511, 512, 2000, 4096, 4196} {
+		got := mustHashes(t, tokens[:n], 256, ex)
+		assert.Check(t, is.Len(got, n/256))
+		assert.DeepEqual(t, got, full[:n/256], cmpopts.EquateEmpty())
+	}
+	// A different partial tail never changes the hashes.
+	other := slices.Clone(tokens)
+	for i := 4096; i < len(other); i++ {
+		other[i]++
+	}
+	assert.DeepEqual(t, mustHashes(t, other, 256, ex), full)
+	// A changed token changes its chunk and every later one, never earlier.
+	other = slices.Clone(tokens)
+	other[1000]++
+	got := mustHashes(t, other, 256, ex)
+	assert.DeepEqual(t, got[:3], full[:3])
+	for i := 3; i < len(got); i++ {
+		assert.Check(t, got[i] != full[i], "chunk %d", i)
+	}
+}
+
+func TestExtendChunkHashes(t *testing.T) {
+	ex := Extras{LoRA: "a", MM: []MMInput{{Hash: []byte("i"), Offset: 40, Length: 100}}}
+	tokens := testTokens(1000, 9)
+	want := mustHashes(t, tokens, 64, ex)
+
+	// Decode-like growth, one token at a time, from nothing.
+	var hs []ipc.Hash
+	for n := 0; n <= len(tokens); n++ {
+		var err error
+		hs, err = ExtendChunkHashes(testNS, hs, tokens[:n], 64, ex)
+		assert.NilError(t, err)
+		assert.Assert(t, is.Len(hs, n/64))
+	}
+	assert.DeepEqual(t, hs, want)
+
+	// From any prefix, in one step.
+	for k := 0; k <= len(want); k++ {
+		got, err := ExtendChunkHashes(testNS, slices.Clone(want[:k]), tokens, 64, ex)
+		assert.NilError(t, err)
+		assert.DeepEqual(t, got, want, cmpopts.EquateEmpty())
+	}
+
+	_, err := ExtendChunkHashes(testNS, want, tokens[:100], 64, ex)
+	assert.ErrorIs(t, err, ErrBadPrefix)
+}
+
+func TestChunkHashesErrors(t *testing.T) {
+	long := string(make([]byte, MaxFieldLen+1))
+	tests := []struct {
+		name  string
+		chunk int
+		ex    Extras
+		want  error
+	}{
+		{name: "zero chunk", chunk: 0, want: ErrBadChunkSize},
+		{name: "negative chunk", chunk: -256, want: ErrBadChunkSize},
+		{name: "huge chunk", chunk: MaxChunkSize + 1, want: ErrBadChunkSize},
+		{name: "long salt", chunk: 16, ex: Extras{CacheSalt: long}, want: ErrBadExtras},
+		{name: "long lora", chunk: 16, ex: Extras{LoRA: long}, want: ErrBadExtras},
+		{name: "empty mm hash", chunk: 16, ex: Extras{MM: []MMInput{{Offset: 0, Length: 1}}}, want: ErrBadExtras},
+		{name: "long mm hash", chunk: 16, ex: Extras{MM: []MMInput{{Hash: []byte(long), Length: 1}}}, want: ErrBadExtras},
+		{name: "negative offset", chunk: 16, ex: Extras{MM: []MMInput{{Hash: []byte("h"), Offset: -1, Length: 1}}}, want: ErrBadExtras},
+		{name: "zero length", chunk: 16, ex: Extras{MM: []MMInput{{Hash: []byte("h"), Offset: 1}}}, want: ErrBadExtras},
+		{name: "huge offset", chunk: 16, ex: Extras{MM: []MMInput{{Hash: []byte("h"), Offset: 1 << 62, Length: 1}}}, want: ErrBadExtras},
+	}
+	tokens := testTokens(64, 0)
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			dst := make([]ipc.Hash, 1, 8)
+			got, err := AppendChunkHashes(dst, testNS, tokens, tc.chunk, tc.ex)
+			assert.ErrorIs(t, err, tc.want)
+			assert.Check(t, is.Len(got, 1), "dst must come back unchanged")
+			_, err = ChunkHashes(testNS, tokens, tc.chunk, tc.ex)
+			assert.ErrorIs(t, err, tc.want)
+			_, err = ExtendChunkHashes(testNS, nil, tokens, tc.chunk, tc.ex)
+			assert.ErrorIs(t, err, tc.want)
+		})
+	}
+}
+
+func TestRootHash(t *testing.T) {
+	ex := Extras{CacheSalt: "s", LoRA: "l"}
+	root, err := RootHash(testNS, ex)
+	assert.NilError(t, err)
+	// Chunk 0 chains from the root: extending "nothing" from a root-seeded
+	// chain is what ChunkHashes does.
+	tokens := testTokens(32, 0)
+	h := getHasher()
+	defer putHasher(h)
+	assert.DeepEqual(t, h.chain(nil, root, 0, tokens, 16, nil), mustHashes(t, tokens, 16, ex))
+	// MM never enters the root.
+	root2, err := RootHash(testNS, Extras{CacheSalt: "s", LoRA: "l", MM: []MMInput{{Hash: []byte("i"), Length: 1}}})
+	assert.NilError(t, err)
+	assert.Equal(t, root, root2)
+}
+
+func TestAppendChunkHashesAllocs(t *testing.T) {
+	if raceEnabled {
+		t.Skip("sync.Pool drops items under -race")
+	}
+	tokens := testTokens(128<<10, 0)
+	dst := make([]ipc.Hash, 0, 512)
+	ex := Extras{CacheSalt: "s", MM: []MMInput{{Hash: []byte("i"), Offset: 1000, Length: 600}}}
+	allocs := testing.AllocsPerRun(20, func() {
+		var err error
+		dst, err = AppendChunkHashes(dst[:0], testNS, tokens, 256, ex)
+		if err != nil {
+			t.Fatal(err)
+		}
+	})
+	assert.Check(t, is.Equal(allocs, 0.0))
+	assert.Check(t, is.Len(dst, 512))
+}
+
+func TestNumFullChunks(t *testing.T) {
+	for _, tc := range []struct{ n, c, want int }{
+		{0, 256, 0}, {255, 256, 0}, {256, 256, 1}, {1000, 256, 3}, {10, 0, 0}, {10, -1, 0}, {-5, 4, 0},
+	} {
+		assert.Check(t, is.Equal(NumFullChunks(tc.n, tc.c), tc.want), "%+v", tc)
+	}
+}
