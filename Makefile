@@ -7,7 +7,7 @@ LIB     := $(OUT)/libkvshim.so
 VERSION := $(shell cat VERSION)+$(shell git rev-parse --short HEAD 2>/dev/null || echo nogit)
 SOURCES := $(shell find . -path ./$(OUT) -prune -o \( -name '*.go' -o -name '*.c' -o -name '*.h' \) -print) go.mod go.sum
 
-.PHONY: all lib ctest test demo wheel bench-ipc bench-server bench-copy bench-l2 gpu-check clean
+.PHONY: all lib ctest test demo wheel bench-ipc bench-server bench-copy bench-l2 bench-keys gpu-check clean
 
 all: lib
 
@@ -40,3 +40,23 @@ wheel:
 
 clean:
 	rm -rf $(OUT) build/lib build/bdist* *.egg-info python/*.egg-info
+
+# Benchmarks: not tests. Each prints one JSON object as its last line.
+bench-ipc: $(LIB)
+	$(GO) run ./cmd/kvshim-bench-ipc
+
+bench-server:
+	$(GO) run ./cmd/kvshim-bench-server
+
+bench-copy:
+	$(GO) run ./cmd/kvshim-bench-copy -cache-gib 2 -repeats 5
+
+bench-l2:
+	$(GO) run ./cmd/kvshim-bench-l2
+
+bench-keys:
+	$(GO) run ./cmd/kvshim-bench-keys
+
+# Builds the GPU check's binaries here; build/gpu-check.sh runs them on a GPU machine.
+gpu-check:
+	build/gpu-check.sh --prepare

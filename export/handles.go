@@ -18,6 +18,7 @@ type instance struct {
 	lastErr string
 	closers []func() error // run in reverse order by close
 	state   any            // the role-specific object (skeleton store, connector, ...)
+	pending []byte         // output that did not fit the caller's buffer (kvshim_take_output)
 }
 
 func (in *instance) setErr(err error) {

@@ -112,6 +112,72 @@ int kvshim_skeleton_load(kvshim_handle h, void *cache, uint64_t cache_bytes,
                          const uint32_t *tokens, size_t n_tokens,
                          uint64_t chunks);
 
+/* Returns output that did not fit: a call that writes variable-length
+ * output into (buf, cap) sets *out_len to the length; when it does not fit
+ * it returns KVSHIM_ERANGE and keeps the bytes on the handle, and this call
+ * copies them into a buffer of at least *out_len bytes. */
+int kvshim_take_output(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
+
+/* Server and connector counters of h as one JSON object (variable-length
+ * output, see kvshim_take_output). */
+int kvshim_stats(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
+
+/* ---- Scheduler role: the vLLM scheduler-side connector. ----
+ *
+ * kvshim_sched_match answers get_num_new_matched_tokens for request req_id
+ * with prompt tokens[0:n_tokens] and extras_json ({"cache_salt", "lora",
+ * "mm": [{"hash", "offset", "length"}]}, or NULL). *out is the number of
+ * tokens beyond num_computed that can be loaded asynchronously, or -1 while
+ * the lookup is pending (ask again next step). A dead or slow server is a
+ * miss (0), never an error. */
+int kvshim_sched_match(kvshim_handle h, const char *req_id, const uint32_t *tokens,
+                       size_t n_tokens, const char *extras_json, int64_t num_computed,
+                       int64_t *out);
+
+/* Answers update_state_after_alloc: blocks are all block ids of the
+ * request in token order (group 0); num_computed the tokens vLLM has;
+ * num_external the tokens to load. Plans the load; releases other holds. */
+int kvshim_sched_after_alloc(kvshim_handle h, const char *req_id, const int64_t *blocks,
+                             size_t n_blocks, int64_t num_computed, int64_t num_external);
+
+/* Answers build_connector_meta for one step described by step_json
+ * ({"requests": [{"req", "blocks", "new_blocks", "computed", "scheduled"}],
+ * "preempted": [...]}); writes the workers' metadata (variable-length
+ * output). Resets the pending loads and finished requests. */
+int kvshim_sched_build_meta(kvshim_handle h, const char *step_json, void *buf, size_t cap,
+                            size_t *out_len);
+
+/* Answers request_finished: releases the request's holds and sets *delay to
+ * 1 when vLLM must keep its blocks until the workers report the request in
+ * finished_sending, else 0. */
+int kvshim_sched_finished(kvshim_handle h, const char *req_id, int *delay);
+
+/* ---- Worker role: the vLLM worker-side connector (one per rank). ---- */
+
+/* Registers the KV cache tensors: a JSON array of tensor descriptions
+ * (layer, group, backend, device, data_ptr, dtype_size, shape,
+ * stride_bytes, dims). Refuses unsupported or inconsistent geometry with a
+ * message naming the layer and the field. */
+int kvshim_worker_register(kvshim_handle h, const char *tensors_json);
+
+/* Binds one step's metadata (meta[0:n] from kvshim_sched_build_meta) and
+ * waits at most timeout_ms for the copies of requests it lists as
+ * preempted. */
+int kvshim_worker_bind(kvshim_handle h, const void *meta, size_t n, int64_t timeout_ms);
+
+/* Starts the bound step's loads (asynchronous; see kvshim_worker_poll). */
+int kvshim_worker_start_loads(kvshim_handle h);
+
+/* Starts the bound step's saves after the forward pass; stream_event is a
+ * CUevent recorded on vLLM's stream (0 for CPU caches). */
+int kvshim_worker_start_saves(kvshim_handle h, uint64_t stream_event);
+
+/* Reports, as JSON {"sending": [...], "recving": [...], "error_blocks": [...]},
+ * the delay-freed requests whose copies ended, the requests whose loads
+ * ended, and the blocks whose loads failed, since the last call
+ * (variable-length output). */
+int kvshim_worker_poll(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
+
 #ifdef __cplusplus
 }
 #endif

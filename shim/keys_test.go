@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
+	"fmt"
 	"slices"
+	"sync"
 	"testing"
 
 	"github.com/google/go-cmp/cmp/cmpopts"
@@ -171,9 +173,11 @@ func TestChunkHashesSeparation(t *testing.T) {
 	t.Run("mm order does not matter", func(t *testing.T) {
 		x := MMInput{Hash: []byte("x"), Offset: 10, Length: 500}
 		y := MMInput{Hash: []byte("y"), Offset: 20, Length: 30}
+		unsorted := []MMInput{y, x}
 		assert.DeepEqual(t,
 			mustHashes(t, tokens, 256, Extras{MM: []MMInput{x, y}}),
-			mustHashes(t, tokens, 256, Extras{MM: []MMInput{y, x}}))
+			mustHashes(t, tokens, 256, Extras{MM: unsorted}))
+		assert.DeepEqual(t, unsorted, []MMInput{y, x}) // the caller's slice is not reordered
 	})
 	t.Run("mm beyond the full chunks", func(t *testing.T) {
 		got := mustHashes(t, tokens, 256, Extras{MM: []MMInput{{Hash: []byte("z"), Offset: 5 * 256, Length: 10}}})
@@ -305,6 +309,33 @@ func TestAppendChunkHashesAllocs(t *testing.T) {
 	})
 	assert.Check(t, is.Equal(allocs, 0.0))
 	assert.Check(t, is.Len(dst, 512))
+}
+
+func TestChunkHashesConcurrent(t *testing.T) {
+	tokens := testTokens(64*64, 5)
+	ex := Extras{CacheSalt: "c", MM: []MMInput{{Hash: []byte("i"), Offset: 100, Length: 300}}}
+	want := mustHashes(t, tokens, 64, ex)
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for g := range 8 {
+		wg.Go(func() {
+			for range 20 {
+				got, err := ChunkHashes(testNS, tokens[:64*(g+1)*8], 64, ex)
+				if err == nil && !slices.Equal(got, want[:len(got)]) {
+					err = fmt.Errorf("goroutine %d: hashes differ", g)
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
 }
 
 func TestNumFullChunks(t *testing.T) {

@@ -19,6 +19,7 @@ _c_handle = ctypes.c_int64
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 _i64p = ctypes.POINTER(ctypes.c_int64)
 _u32p = ctypes.POINTER(ctypes.c_uint32)
+_sizep = ctypes.POINTER(ctypes.c_size_t)
 
 # name -> argtypes; every function returns int.
 _SIGNATURES: dict[str, list[type]] = {
@@ -33,6 +34,17 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_skeleton_save": [_c_handle, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t, _u32p, ctypes.c_size_t, _u64p],
     "kvshim_skeleton_lookup": [_c_handle, _u32p, ctypes.c_size_t, _u64p],
     "kvshim_skeleton_load": [_c_handle, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t, _u32p, ctypes.c_size_t, ctypes.c_uint64],
+    "kvshim_take_output": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
+    "kvshim_stats": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
+    "kvshim_sched_match": [_c_handle, ctypes.c_char_p, _u32p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_int64, _i64p],
+    "kvshim_sched_after_alloc": [_c_handle, ctypes.c_char_p, _i64p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64],
+    "kvshim_sched_build_meta": [_c_handle, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],
+    "kvshim_sched_finished": [_c_handle, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)],
+    "kvshim_worker_register": [_c_handle, ctypes.c_char_p],
+    "kvshim_worker_bind": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64],
+    "kvshim_worker_start_loads": [_c_handle],
+    "kvshim_worker_start_saves": [_c_handle, ctypes.c_uint64],
+    "kvshim_worker_poll": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
 }
 
 _lock = threading.Lock()
@@ -118,6 +130,7 @@ class Handle:
         out = _c_handle(0)
         check(library().kvshim_open(config.encode(), ctypes.byref(out)))
         self.value: int = out.value
+        self._buf = ctypes.create_string_buffer(64 << 10)
 
     def close(self) -> None:
         if self.value:
@@ -126,6 +139,19 @@ class Handle:
 
     def check(self, rc: int) -> int:
         return check(rc, self.value)
+
+    def output(self, fn_name: str, *args: object) -> bytes:
+        """Calls a function with variable-length output (buf, cap, out_len
+        last) and returns the bytes, fetching them with kvshim_take_output
+        when they did not fit the first buffer."""
+        lib = library()
+        n = ctypes.c_size_t(0)
+        rc = getattr(lib, fn_name)(self.value, *args, self._buf, len(self._buf), ctypes.byref(n))
+        if rc == -4:  # KVSHIM_ERANGE: kept on the handle, fetch with a buffer that fits
+            self._buf = ctypes.create_string_buffer(max(n.value, 2 * len(self._buf)))
+            rc = lib.kvshim_take_output(self.value, self._buf, len(self._buf), ctypes.byref(n))
+        self.check(rc)
+        return self._buf.raw[: n.value]
 
     def __enter__(self) -> "Handle":
         return self

@@ -1,0 +1,84 @@
+package cuda
+
+import "time"
+
+// Span is one contiguous copy of Len bytes from Src to Dst (raw addresses).
+// It aliases the same unnamed struct as layout.Span, so a plan from
+// layout.Plan is a []cuda.Span without conversion.
+type Span = struct {
+	Src, Dst, Len uint64
+}
+
+// Direction of a copy job. The values match layout.Save and layout.Load, so
+// cuda.Direction(layoutDir) converts.
+type Direction uint8
+
+const (
+	// Save copies KV blocks out: device to host (D2H) on a CUDA engine.
+	Save Direction = 1
+	// Load copies KV blocks in: host to device (H2D) on a CUDA engine.
+	Load Direction = 2
+)
+
+func (d Direction) String() string {
+	switch d {
+	case Save:
+		return "save"
+	case Load:
+		return "load"
+	}
+	return "direction(?)"
+}
+
+// Engine executes copy plans. Both implementations (HostEngine for CPU KV
+// caches, DeviceEngine for CUDA) are safe for concurrent use.
+type Engine interface {
+	// Submit starts copying spans. It does not keep spans after it returns.
+	// waitEvent is a CUevent handle (Python: torch.cuda.Event.cuda_event)
+	// that the copies must wait for, recorded on vLLM's stream; 0 = none.
+	// The host engine accepts only 0.
+	Submit(spans []Span, dir Direction, waitEvent uint64) (Job, error)
+	// Close waits (bounded) for submitted copies and releases resources.
+	Close() error
+}
+
+// Job is one submitted copy, for polling from the connector.
+type Job interface {
+	// Done reports whether the copy finished (successfully or not). It
+	// never blocks on the copy.
+	Done() bool
+	// Wait blocks until the copy finishes or timeout passes (ErrTimeout).
+	// It returns the job's error.
+	Wait(timeout time.Duration) error
+	// Err is the job's error once Done; nil before.
+	Err() error
+}
+
+// checkSpans refuses spans that are empty or wrap the address space.
+func checkSpans(spans []Span, dir Direction) (total uint64, err error) {
+	if dir != Save && dir != Load {
+		return 0, errorf(ErrBadSpan, "direction %d", dir)
+	}
+	for i, s := range spans {
+		if s.Len == 0 || s.Src == 0 || s.Dst == 0 || s.Src+s.Len < s.Src || s.Dst+s.Len < s.Dst {
+			return 0, errorf(ErrBadSpan, "span %d {src %#x dst %#x len %d}", i, s.Src, s.Dst, s.Len)
+		}
+		total += s.Len
+	}
+	return total, nil
+}
+
+// waitPoll polls done with a growing sleep until it returns true or the
+// timeout passes.
+func waitPoll(done func() bool, timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
+	sleep := 20 * time.Microsecond
+	for !done() {
+		if !time.Now().Before(deadline) {
+			return false
+		}
+		time.Sleep(min(sleep, time.Until(deadline)+time.Microsecond))
+		sleep = min(2*sleep, time.Millisecond)
+	}
+	return true
+}

@@ -1,0 +1,211 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"regexp"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server"
+	"github.com/kvshim/kvshim/shim"
+)
+
+// connectorConfig is the JSON of kvshim_open for roles "scheduler" and
+// "worker" (the Python connector writes it from kv_connector_extra_config).
+type connectorConfig struct {
+	Role      string        `json:"role"`
+	Server    string        `json:"server"`    // "embedded" or a socket path
+	EngineID  string        `json:"engine_id"` // names the embedded server's socket
+	Instance  string        `json:"instance"`  // uuid; generated when empty
+	Namespace namespaceJSON `json:"namespace"`
+	BlockSize int           `json:"block_size"` // scheduler
+	Rank      int           `json:"rank"`       // worker
+	TimeoutMS int           `json:"timeout_ms"`
+	// The embedded server's settings (scheduler role only).
+	L1SizeGB float64 `json:"l1_size_gb"`
+	HoldTTLS float64 `json:"hold_ttl_s"`
+}
+
+type namespaceJSON struct {
+	Model     string `json:"model"`
+	DType     string `json:"dtype"`
+	Layout    string `json:"layout"`
+	Format    uint32 `json:"object_format"`
+	WorldSize int    `json:"world_size"`
+	TPSize    int    `json:"tp_size"`
+	ChunkSize int    `json:"chunk_size"`
+	KVGroup   int    `json:"kv_group"`
+	MLA       bool   `json:"mla"`
+}
+
+func (n namespaceJSON) spec() shim.NamespaceSpec {
+	return shim.NamespaceSpec{Model: n.Model, DType: n.DType, LayoutFingerprint: n.Layout, ObjectFormat: n.Format,
+		WorldSize: n.WorldSize, TPSize: n.TPSize, ChunkSize: n.ChunkSize, KVGroup: n.KVGroup, MLA: n.MLA}
+}
+
+func decodeStrict(raw []byte, v any) error {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return fmt.Errorf("config: %v: %w", err, errInvalid)
+	}
+	return nil
+}
+
+var engineIDPattern = regexp.MustCompile(`^[A-Za-z0-9._-]{1,64}$`)
+
+// socketOf resolves where the server listens.
+func (c *connectorConfig) socketOf() (string, error) {
+	if c.Server != "" && c.Server != "embedded" {
+		return c.Server, nil
+	}
+	if !engineIDPattern.MatchString(c.EngineID) {
+		return "", fmt.Errorf("embedded server needs an engine_id of 1-64 letters, digits, '.', '_' or '-', got %q: %w", c.EngineID, errInvalid)
+	}
+	return filepath.Join(ipc.DefaultSocketDir(), "embedded-"+c.EngineID+".sock"), nil
+}
+
+func (c *connectorConfig) common() (socket string, inst uuid.UUID, timeout time.Duration, err error) {
+	if socket, err = c.socketOf(); err != nil {
+		return
+	}
+	inst = uuid.New()
+	if c.Instance != "" {
+		if inst, err = uuid.Parse(c.Instance); err != nil {
+			return "", inst, 0, fmt.Errorf("instance %q: %v: %w", c.Instance, err, errInvalid)
+		}
+	}
+	timeout = 5 * time.Second
+	if c.TimeoutMS < 0 {
+		return "", inst, 0, fmt.Errorf("timeout_ms %d is negative: %w", c.TimeoutMS, errInvalid)
+	}
+	if c.TimeoutMS > 0 {
+		timeout = time.Duration(c.TimeoutMS) * time.Millisecond
+	}
+	return socket, inst, timeout, nil
+}
+
+// embedded servers by socket path, shared by the handles of one process and
+// stopped when the last of them closes.
+var embedded struct {
+	mu sync.Mutex
+	m  map[string]*embeddedServer
+}
+
+type embeddedServer struct {
+	srv  *server.Server
+	refs int
+}
+
+func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error, err error) {
+	embedded.mu.Lock()
+	defer embedded.mu.Unlock()
+	if embedded.m == nil {
+		embedded.m = map[string]*embeddedServer{}
+	}
+	e := embedded.m[socket]
+	if e == nil {
+		sc := server.DefaultConfig()
+		sc.Socket = socket
+		if cfg.L1SizeGB > 0 {
+			sc.L1SizeGB = cfg.L1SizeGB
+		}
+		if cfg.HoldTTLS > 0 {
+			sc.HoldTTL = time.Duration(cfg.HoldTTLS * float64(time.Second))
+		}
+		if err := ipc.EnsureSocketDir(filepath.Dir(socket)); err != nil {
+			return nil, err
+		}
+		srv, err := server.Start(sc, nil, server.Options{})
+		if err != nil {
+			return nil, fmt.Errorf("embedded server: %w", err)
+		}
+		e = &embeddedServer{srv: srv}
+		embedded.m[socket] = e
+	}
+	e.refs++
+	return func() error {
+		embedded.mu.Lock()
+		defer embedded.mu.Unlock()
+		if e.refs--; e.refs > 0 {
+			return nil
+		}
+		delete(embedded.m, socket)
+		return e.srv.Close()
+	}, nil
+}
+
+func init() {
+	openers["scheduler"] = openScheduler
+	openers["worker"] = openWorker
+	codeMappers = append(codeMappers, func(err error) int {
+		switch {
+		case errors.Is(err, shim.ErrUnavailable):
+			return codeIO
+		case errors.Is(err, shim.ErrBadMeta), errors.Is(err, shim.ErrBadChunkSize), errors.Is(err, shim.ErrBadExtras),
+			errors.Is(err, shim.ErrBadNamespaceSpec), errors.Is(err, server.ErrConfig):
+			return codeInval
+		}
+		return 0
+	})
+}
+
+func openScheduler(in *instance, raw []byte) error {
+	var cfg connectorConfig
+	if err := decodeStrict(raw, &cfg); err != nil {
+		return err
+	}
+	socket, inst, timeout, err := cfg.common()
+	if err != nil {
+		return err
+	}
+	if cfg.Server == "" || cfg.Server == "embedded" {
+		release, err := acquireEmbedded(socket, &cfg)
+		if err != nil {
+			return err
+		}
+		in.closers = append(in.closers, release)
+	}
+	s, err := shim.NewScheduler(shim.SchedulerConfig{Socket: socket, Namespace: cfg.Namespace.spec(), BlockSize: cfg.BlockSize,
+		Timeout: timeout, Instance: inst})
+	if err != nil {
+		return fmt.Errorf("%v: %w", err, errInvalid)
+	}
+	in.state = s
+	in.closers = append(in.closers, s.Close)
+	return nil
+}
+
+func openWorker(in *instance, raw []byte) error {
+	var cfg connectorConfig
+	if err := decodeStrict(raw, &cfg); err != nil {
+		return err
+	}
+	socket, inst, timeout, err := cfg.common()
+	if err != nil {
+		return err
+	}
+	w, err := shim.NewWorker(shim.WorkerConfig{Socket: socket, Namespace: cfg.Namespace.spec(), Rank: cfg.Rank,
+		Timeout: timeout, Instance: inst})
+	if err != nil {
+		return fmt.Errorf("%v: %w", err, errInvalid)
+	}
+	in.state = &workerState{w: w}
+	in.closers = append(in.closers, w.Close)
+	return nil
+}
+
+// workerState is a worker handle: the worker and the metadata bound for
+// the current step.
+type workerState struct {
+	w     *shim.Worker
+	mu    sync.Mutex
+	bound *shim.StepMeta
+}

@@ -1,0 +1,116 @@
+// Package ipc is kvshim's control plane between clients (the c-shared
+// library in vLLM processes) and the server: shared-memory segments, SPSC
+// byte rings with futex wakeups, a Unix-socket handshake that passes file
+// descriptors, and a versioned, bounds-checked message codec.
+//
+// # Pieces
+//
+//	segment.go   memfd (fallback: unlinked /dev/shm file) + ftruncate + mmap(MAP_SHARED),
+//	             sealed against resize; SegmentTable resolves a Loc with range checks
+//	ring.go      ring header, attach/validate, the spin-then-futex wait
+//	ring_rw.go   Claim/Commit/Abort/Write (producer), Read/Release (consumer)
+//	futex.go     FUTEX_WAIT/FUTEX_WAKE on shared memory (no PRIVATE flag)
+//	codec*.go    frame header, hello, every request/response body of msg.go
+//	sock.go      socket dir/path, SO_PEERCRED check, SCM_RIGHTS messages
+//	server.go    Listen, Listener, handshake;  serverconn.go: ServerConn, Serve, Handler
+//	client.go    Dial, Client.Call (goroutine-safe), Resolve;  service.go: typed API
+//
+// # Ring layout (one ring; a session's mapping holds SQ then CQ back to back)
+//
+//	offset 0     ┌──────────────────────────────────────────────────────────────┐
+//	 slot 0      │ magic u64 "VKSRING1" │ version u32 │ header size u32          │
+//	 (128 B)     │ capacity u64 │ data offset u64                               │
+//	             │ tail/head/consWait/prodWait/prodBeat/consBeat/closed: u32    │
+//	             │   offsets of the counter slots (io_uring style: readers use  │
+//	             │   these, so the layout can move without a format break)      │
+//	             │ max record u32 │ producer pid u32 │ consumer pid u32         │
+//	 128         ├─ tail u64      (producer position, free-running)  ───────────┤
+//	 256         ├─ head u64      (consumer position, free-running)  ───────────┤
+//	 384         ├─ consWait u32  (1 = consumer sleeps on this futex) ──────────┤
+//	 512         ├─ prodWait u32  (1 = producer sleeps: ring was full) ─────────┤
+//	 640         ├─ prodBeat u64  (producer heartbeat, CLOCK_MONOTONIC ns) ─────┤
+//	 768         ├─ consBeat u64  (consumer heartbeat) ─────────────────────────┤
+//	 896         ├─ closed u32    (either side shut the ring down) ─────────────┤
+//	             │ ... (each counter owns a 128-byte slot: no false sharing)    │
+//	4096         ├──────────────────────────────────────────────────────────────┤
+//	 data        │ record │ record │ ... │ padding │   capacity = 2^k bytes     │
+//	             └──────────────────────────────────────────────────────────────┘
+//
+//	record (8-byte aligned):  int32 length │ int32 type │ payload (length-8 bytes)
+//	  length  < 0  in progress (claimed, being written)
+//	  length == 0  nothing written yet (consumed space is zeroed again)
+//	  length  > 0  committed: one atomic store publishes the whole record
+//	  type == -1   padding to the end of the data region (records never wrap)
+//	  type ==  1   a codec frame: FrameHeader (16 B) + body
+//
+// The producer writes -len, moves the tail, fills the payload, then stores
+// +len (release). The consumer loads the length at head (acquire), hands the
+// payload out, then zeroes the record and stores the new head. A record
+// larger than capacity/2 is refused (ErrTooLarge). A full ring blocks the
+// producer until the deadline, then ErrRingFull: nothing is dropped.
+//
+// # Wakeups
+//
+// A waiter spins for RingOptions.Spin (default 50 µs), then:
+//
+//	waiter:   word = 1 ; (full fence) ; re-check ring ; FUTEX_WAIT(word, 1, ≤ WaitSlice) ; word = 0 ; re-check
+//	notifier: publish (len or head store) ; (full fence) ; if word == 1 && CAS(word, 1→0): FUTEX_WAKE
+//
+// Go's sync/atomic operations are sequentially consistent, so the store →
+// load pairs above are the Dekker handshake that makes a lost wakeup
+// impossible; wakeups are still only hints: every sleep is bounded by
+// WaitSlice and every wait has a deadline. An idle session costs no CPU
+// beyond one heartbeat tick per HeartbeatInterval per side.
+//
+// # Failure handling
+//
+//   - A record left in progress (negative length) unchanged for
+//     StallTimeout, e.g. a writer SIGKILLed mid-record: Read returns
+//     ErrPeerStalled and the session ends.
+//   - Bad record header, lying head/tail counters: ErrCorrupt, session ends.
+//   - Malformed frame or body: ErrMalformed, session ends (logged).
+//   - Socket closed (peer exit or crash), or no heartbeat for
+//     HeartbeatTimeout: ErrPeerGone, session ends. Done() is closed.
+//
+// The server never trusts client-written memory: it keeps its own head and
+// tail, validates every length against the ring, and copies or decodes
+// bodies with bounds checks. Every Loc is range-checked (SegmentTable).
+//
+// # Handshake (SOCK_SEQPACKET socket, dir 0700, socket 0600)
+//
+//	client → hello {magic, version, role, pid, instance uuid}
+//	server    SO_PEERCRED uid check, version check   → refuse {code, reason}
+//	server → welcome {version, session, server uuid, ring capacities,
+//	                  N initial segments, heartbeat settings} + ring pair fd
+//	server → N × segment {id, size} + fd             (Dial returns after these)
+//	  ... later: segment announcements as L1 grows, always sent before the
+//	  ring answer that names them; Client.Resolve waits for an unknown id.
+//
+// # Server usage
+//
+//	l, _ := ipc.Listen(ipc.DefaultSocketPath(), &ipc.ServerConfig{})
+//	l.AddSegment(seg)                       // every session gets it (now or at accept)
+//	for {
+//		c, err := l.Accept()                  // handshake done; refused peers never show up
+//		if err != nil { break }
+//		go func() {
+//			err := c.Serve(ipc.ServiceHandler(newSessionState(c)))  // or a raw Handler
+//			cleanupSession(c, err)              // c.Done() is closed, c.Err() == err
+//		}()
+//	}
+//
+// One goroutine per session runs Serve: it reads a request, calls the
+// handler (body valid during the call), writes the answer. A Handler
+// returns (status, body, err); err ends the session (malformed input). A
+// panic in the handler answers StatusInternal and the session continues.
+//
+// # Client usage
+//
+//	c, _ := ipc.Dial(path, ipc.Hello{Role: ipc.RoleWorker}, 5*time.Second)
+//	resp, err := c.Alloc(ctx, &ipc.AllocReq{...})   // or c.Call(ctx, op, body)
+//	buf, err := c.Resolve(resp.Locs[i])             // range-checked []byte in L1
+//
+// Client methods are safe from any goroutine: a mutex serialises producers
+// on the submission ring; callers take turns reading the completion ring
+// and hand each other's answers over by request id.
+package ipc

@@ -1,0 +1,70 @@
+package ipc
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"gotest.tools/v3/assert"
+)
+
+func TestSegmentMemfdAndFallback(t *testing.T) {
+	for _, fallback := range []bool{false, true} {
+		memfdUnsupported.Store(fallback)
+		s, err := CreateSegment(7, 5000)
+		memfdUnsupported.Store(false)
+		assert.NilError(t, err)
+		assert.Equal(t, s.ID(), uint32(7))
+		assert.Equal(t, s.Size(), uint64(8192)) // rounded to pages
+		s.Mem()[100] = 9
+		// A second mapping of the same fd (what a peer does) shares bytes.
+		fd, err := unix.Dup(s.Fd())
+		assert.NilError(t, err)
+		m, err := MapSegment(7, fd, s.Size())
+		assert.NilError(t, err)
+		assert.Equal(t, m.Mem()[100], byte(9))
+		// Lying about the size is refused before mapping.
+		fd2, _ := unix.Dup(s.Fd())
+		_, err = MapSegment(7, fd2, s.Size()+4096)
+		assert.Assert(t, errors.Is(err, ErrRange), "%v", err)
+		if !fallback { // memfd is sealed: the peer cannot shrink it under us
+			assert.Assert(t, unix.Ftruncate(m.Fd(), 0) != nil)
+		}
+		assert.NilError(t, m.Close())
+		assert.NilError(t, s.Close())
+		assert.NilError(t, s.Close()) // idempotent
+	}
+}
+
+func TestSegmentTable(t *testing.T) {
+	tab := NewSegmentTable()
+	s, err := CreateSegment(3, 4096)
+	assert.NilError(t, err)
+	for _, tc := range []struct {
+		loc Loc
+		ok  bool
+	}{
+		{Loc{3, 0, 4096}, true},
+		{Loc{3, 4095, 1}, true},
+		{Loc{3, 4096, 0}, true},
+		{Loc{3, 4096, 1}, false},
+		{Loc{3, 1, ^uint64(0)}, false},
+		{Loc{3, ^uint64(0), 2}, false},
+		{Loc{4, 0, 1}, false},
+	} {
+		_, err := s.Resolve(tc.loc)
+		if tc.loc.Segment == 3 {
+			assert.Equal(t, err == nil, tc.ok, "%+v: %v", tc.loc, err)
+		}
+		_, err = tab.Resolve(tc.loc)
+		assert.Assert(t, errors.Is(err, ErrRange)) // not added yet
+	}
+	go func() { time.Sleep(20 * time.Millisecond); tab.Add(s) }()
+	b, err := tab.ResolveWait(Loc{3, 8, 8}, 5*time.Second)
+	assert.NilError(t, err)
+	assert.Equal(t, len(b), 8)
+	assert.ErrorContains(t, tab.Add(s), "already")
+	assert.NilError(t, tab.CloseAll())
+	assert.Equal(t, tab.Len(), 0)
+}

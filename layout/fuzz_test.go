@@ -1,0 +1,220 @@
+package layout
+
+import (
+	"errors"
+	"testing"
+)
+
+type fuzzBytes struct {
+	b []byte
+	i int
+}
+
+func (r *fuzzBytes) intn(n int) int {
+	if r.i >= len(r.b) {
+		return 0
+	}
+	v := r.b[r.i]
+	r.i++
+	return int(v) % n
+}
+
+type genTensor struct {
+	desc  TensorDesc
+	sizes map[Dim]int64
+	strd  map[Dim]int64
+}
+
+// genGeometry builds a random, usually valid, set of tensors.
+func genGeometry(r *fuzzBytes) ([]genTensor, int) {
+	backends := []Backend{FlashAttn, FlashInfer, MLA, CrossLayer}
+	be := backends[r.intn(4)]
+	dt := []int64{1, 2, 4}[r.intn(3)]
+	sz := map[Dim]int64{DimBlocks: int64(1 + r.intn(6)), DimBlockSize: int64(1 + r.intn(4)),
+		DimHeads: int64(1 + r.intn(3)), DimHead: int64(1 + r.intn(6)), DimKV: 2, DimLayers: int64(1 + r.intn(3))}
+	rank := map[Backend]int{FlashAttn: 5, FlashInfer: 5, MLA: 3, CrossLayer: 6}[be]
+	names, _ := DefaultDims(be, rank)
+	// Physical order, innermost first: a permutation, head usually first.
+	phys := append([]Dim(nil), names...)
+	for i := len(phys) - 1; i > 0; i-- {
+		j := r.intn(i + 1)
+		phys[i], phys[j] = phys[j], phys[i]
+	}
+	if r.intn(4) != 0 {
+		for i, d := range phys {
+			if d == DimHead {
+				phys[0], phys[i] = phys[i], phys[0]
+			}
+		}
+	}
+	nt := 1
+	if be != CrossLayer {
+		nt = 1 + r.intn(3)
+	}
+	var out []genTensor
+	base := uint64(4096)
+	for t := 0; t < nt; t++ {
+		st := map[Dim]int64{}
+		cur := dt
+		for _, d := range phys {
+			st[d] = cur
+			cur = cur*sz[d] + int64(r.intn(3))*dt*int64(r.intn(2)) // optional gap
+		}
+		if r.intn(16) == 0 { // occasional nonsense stride
+			st[phys[r.intn(len(phys))]] = int64(r.intn(64)) * dt
+		}
+		d := TensorDesc{Layer: string(rune('a' + t)), Backend: be, Device: Device{Kind: CPU}, DataPtr: base,
+			DTypeSize: int(dt)}
+		for _, n := range names {
+			d.Shape = append(d.Shape, sz[n])
+			d.Strides = append(d.Strides, st[n])
+		}
+		out = append(out, genTensor{desc: d, sizes: sz, strd: st})
+		if r.intn(8) != 0 {
+			base += uint64(cur) + uint64(r.intn(4))*64
+		}
+	}
+	return out, 1 + r.intn(int(sz[DimBlocks]))
+}
+
+func FuzzPlan(f *testing.F) {
+	f.Add([]byte{0, 1, 3, 1, 1, 3, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 3, 4, 5, 6})
+	f.Add([]byte{1, 2, 5, 3, 2, 5, 2, 4, 3, 2, 1, 0, 1, 1, 0, 0, 2, 7, 9})
+	f.Add([]byte{2, 0, 4, 2, 0, 7, 0, 1, 1, 0, 1, 2, 3, 0, 0, 0, 0, 0, 0})
+	f.Add([]byte{3, 1, 5, 1, 2, 5, 2, 9, 1, 0, 3, 2, 1, 5, 8, 1, 1, 1, 1, 0})
+	f.Add([]byte{3, 2, 2, 3, 1, 2, 1, 1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 9, 9, 9})
+	f.Fuzz(func(t *testing.T, data []byte) {
+		r := &fuzzBytes{b: data}
+		gen, k := genGeometry(r)
+		descs := make([]TensorDesc, len(gen))
+		for i := range gen {
+			descs[i] = gen[i].desc
+		}
+		bs := int(gen[0].sizes[DimBlockSize])
+		l, err := New(descs, k*bs)
+		if err != nil {
+			if !errors.Is(err, ErrGeometry) {
+				t.Fatalf("New: %v not ErrGeometry", err)
+			}
+			return
+		}
+		nb := int(l.NumBlocks())
+		perm := make([]int64, nb)
+		for i := range perm {
+			perm[i] = int64(i)
+		}
+		if r.intn(2) == 0 {
+			for i := nb - 1; i > 0; i-- {
+				j := r.intn(i + 1)
+				perm[i], perm[j] = perm[j], perm[i]
+			}
+		}
+		ids := perm[:k]
+		const objBase = 1 << 40
+		save, err := l.Plan(ids, objBase, Save)
+		if err != nil {
+			t.Fatalf("Plan save: %v", err)
+		}
+		load, err := l.Plan(ids, objBase, Load)
+		if err != nil {
+			t.Fatalf("Plan load: %v", err)
+		}
+		checkPlan(t, l, gen, ids, save, load, objBase)
+	})
+}
+
+// checkPlan verifies that the plan copies exactly the chosen blocks'
+// elements, each once, into exactly the object's payload.
+func checkPlan(t *testing.T, l *Layout, gen []genTensor, ids []int64, save, load []Span, objBase uint64) {
+	payload, _ := l.PayloadSize(l.ChunkTokens())
+	if len(save) != len(load) {
+		t.Fatalf("save %d spans, load %d", len(save), len(load))
+	}
+	objCov := make([]bool, payload)
+	devCov := make([][]bool, len(gen))
+	for i := range gen {
+		devCov[i] = make([]bool, l.tensors[i].extent)
+	}
+	// Expected device bytes: every element of every chosen block.
+	want := make([][]bool, len(gen))
+	for ti, g := range gen {
+		want[ti] = make([]bool, len(devCov[ti]))
+		names := g.desc.Dims
+		if names == nil {
+			names, _ = DefaultDims(g.desc.Backend, len(g.desc.Shape))
+		}
+		idx := make([]int64, len(names))
+		var walk func(k int)
+		walk = func(k int) {
+			if k == len(names) {
+				var off int64
+				for i := range names {
+					off += idx[i] * g.desc.Strides[i]
+				}
+				for b := int64(0); b < int64(g.desc.DTypeSize); b++ {
+					want[ti][off+b] = true
+				}
+				return
+			}
+			if names[k] == DimBlocks {
+				for _, b := range ids {
+					idx[k] = b
+					walk(k + 1)
+				}
+				return
+			}
+			for i := int64(0); i < g.desc.Shape[k]; i++ {
+				idx[k] = i
+				walk(k + 1)
+			}
+		}
+		walk(0)
+	}
+	for i, s := range save {
+		if load[i] != (Span{Src: s.Dst, Dst: s.Src, Len: s.Len}) {
+			t.Fatalf("load span %d %+v is not save span %+v reversed", i, load[i], s)
+		}
+		if s.Len == 0 {
+			t.Fatalf("empty span %d", i)
+		}
+		if s.Dst < objBase+HeaderSize || s.Dst+s.Len > objBase+HeaderSize+payload {
+			t.Fatalf("span %+v writes outside the payload", s)
+		}
+		for o := s.Dst - objBase - HeaderSize; o < s.Dst-objBase-HeaderSize+s.Len; o++ {
+			if objCov[o] {
+				t.Fatalf("object byte %d written twice", o)
+			}
+			objCov[o] = true
+		}
+		// Device side: inside one tensor; a span may cross into an
+		// adjacent tensor only byte by byte, so check every byte.
+		for a := s.Src; a < s.Src+s.Len; a++ {
+			hit := false
+			for ti, tt := range l.tensors {
+				if a >= tt.base && a < tt.base+tt.extent && want[ti][a-tt.base] {
+					if devCov[ti][a-tt.base] {
+						t.Fatalf("device byte %#x read twice", a)
+					}
+					devCov[ti][a-tt.base] = true
+					hit = true
+					break
+				}
+			}
+			if !hit {
+				t.Fatalf("span %+v reads %#x outside the chosen blocks of every tensor", s, a)
+			}
+		}
+	}
+	for o, c := range objCov {
+		if !c {
+			t.Fatalf("object byte %d never written", o)
+		}
+	}
+	for ti := range gen {
+		for a := range want[ti] {
+			if want[ti][a] != devCov[ti][a] {
+				t.Fatalf("tensor %d byte %d: in block %v, copied %v", ti, a, want[ti][a], devCov[ti][a])
+			}
+		}
+	}
+}

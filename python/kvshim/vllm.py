@@ -1,0 +1,334 @@
+"""KVShimConnector: kvshim as a vLLM v1 KV connector.
+
+Select it with::
+
+    --kv-transfer-config '{"kv_connector": "KVShimConnector",
+                           "kv_connector_module_path": "kvshim.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"kvshim.l1_size_gb": 16}}'
+
+This module only translates vLLM objects into flat arrays and JSON and calls
+libkvshim.so once per vLLM call; chunk keys, lookups, planning, the protocol
+and the copies happen in Go (shim/, ipc/, layout/, cuda/). Importing it loads
+nothing native: the library is loaded in the constructor, after vLLM has
+forked its worker processes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvshim import native
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+OBJECT_FORMAT = 1  # layout.FormatVersion: the stored object's header and order
+
+# kv_connector_extra_config keys: name -> (default, meaning).
+CONFIG_KEYS: dict[str, tuple[Any, str]] = {
+    "kvshim.server": ("embedded", '"embedded" (server inside vLLM\'s engine process) or the socket of a `kvshim serve`'),
+    "kvshim.chunk_size": (256, "tokens per stored chunk; a multiple of vLLM's block size"),
+    "kvshim.l1_size_gb": (16.0, "L1 host memory of the embedded server, GiB"),
+    "kvshim.timeout_ms": (5000, "longest wait for the server or a copy; past it a lookup is a miss, a load an error"),
+    "kvshim.hold_ttl_s": (1800.0, "embedded server: last-resort release of holds a live client forgot"),
+    "kvshim.model": (None, "model identity in the namespace (default: the model name and revision)"),
+}
+
+
+def read_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """The kvshim.* keys with defaults; an unknown kvshim.* key is an error."""
+    unknown = sorted(k for k in extra if k.startswith("kvshim.") and k not in CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; valid keys: {sorted(CONFIG_KEYS)}")
+    return {k: extra.get(k, default) for k, (default, _) in CONFIG_KEYS.items()}
+
+
+@dataclass
+class KVShimMetadata(KVConnectorMetadata):
+    """One step's scheduler → worker metadata; the bytes are written and read by Go."""
+
+    data: bytes
+
+
+def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, cfg: dict[str, Any]) -> dict[str, Any]:
+    """What makes KV bytes compatible, computed the same way in every role."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    model = cfg["kvshim.model"] or f"{mc.model}@{mc.revision or 'main'}"
+    spec, layers = None, 0
+    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+        group = kv_cache_config.kv_cache_groups[0]
+        spec, layers = group.kv_cache_spec, len(group.layer_names)
+    dtype = str(getattr(spec, "dtype", vllm_config.cache_config.cache_dtype)).removeprefix("torch.")
+    layout = {
+        "spec": type(spec).__name__,
+        "block_size": getattr(spec, "block_size", vllm_config.cache_config.block_size),
+        "kv_heads": getattr(spec, "num_kv_heads", None),
+        "head_size": getattr(spec, "head_size", None),
+        "layers": layers,
+        "cache_layout": _cache_layout(),
+    }
+    return {
+        "model": model,
+        "dtype": dtype,
+        "layout": json.dumps(layout, sort_keys=True),
+        "object_format": OBJECT_FORMAT,
+        "world_size": pc.world_size,
+        "tp_size": pc.tensor_parallel_size,
+        "chunk_size": int(cfg["kvshim.chunk_size"]),
+        "kv_group": 0,
+        "mla": bool(mc.use_mla),
+    }
+
+
+def _cache_layout() -> str:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+        return str(get_kv_connector_cache_layout())
+    except Exception:  # older/newer vLLM without it, or no config context
+        return "NHD"
+
+
+def _tensor_desc(name: str, t: torch.Tensor, group: int) -> dict[str, Any]:
+    """How a KV tensor lies in memory, read from the tensor itself."""
+    shape, esize = list(t.shape), t.element_size()
+    if len(shape) == 3:
+        backend = "mla"
+    elif len(shape) == 5 and shape[0] == 2:
+        backend = "flash_attn"
+    elif len(shape) == 5 and shape[1] == 2:
+        backend = "flashinfer"
+    else:
+        raise ValueError(f"KV tensor {name}: unsupported shape {shape} (want FlashAttention, FlashInfer or MLA)")
+    device = str(t.device)
+    if device == "cuda":
+        device = f"cuda:{t.device.index or 0}"
+    storage = t.untyped_storage()
+    return {
+        "layer": name,
+        "group": group,
+        "backend": backend,
+        "device": device,
+        "data_ptr": t.data_ptr(),
+        "dtype_size": esize,
+        "shape": shape,
+        "stride_bytes": [s * esize for s in t.stride()],
+        "storage_ptr": storage.data_ptr(),
+        "storage_bytes": storage.nbytes(),
+    }
+
+
+def _u32(tokens: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(tokens, dtype=np.uint32))
+
+
+def _i64(ids: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(ids, dtype=np.int64))
+
+
+def _ptr(a: np.ndarray, ctype: type) -> Any:
+    return a.ctypes.data_as(ctypes.POINTER(ctype))
+
+
+class KVShimConnector(KVConnectorBase_V1):
+    """vLLM's connector API on top of libkvshim.so (see the module doc)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = vllm_config.kv_transfer_config
+        self._cfg = read_config(dict(tc.kv_connector_extra_config or {}))
+        self._timeout_ms = int(self._cfg["kvshim.timeout_ms"])
+        open_cfg = {
+            "server": self._cfg["kvshim.server"],
+            "engine_id": str(tc.engine_id),
+            "instance": str(uuid.uuid4()),
+            "namespace": _namespace(vllm_config, kv_cache_config, self._cfg),
+            "timeout_ms": self._timeout_ms,
+        }
+        if role == KVConnectorRole.SCHEDULER:
+            open_cfg |= {
+                "role": "scheduler",
+                "block_size": vllm_config.cache_config.block_size,
+                "l1_size_gb": float(self._cfg["kvshim.l1_size_gb"]),
+                "hold_ttl_s": float(self._cfg["kvshim.hold_ttl_s"]),
+            }
+        else:
+            open_cfg |= {"role": "worker", "rank": int(vllm_config.parallel_config.rank)}
+        # The first native call of this process: after vLLM's fork.
+        self._h = native.Handle(json.dumps(open_cfg))
+        self._lib = native.library()
+        self._tokens: dict[str, np.ndarray] = {}
+        self._bound: KVShimMetadata | None = None
+        self._load_errors: set[int] = set()
+        self._events: list[Any] = []  # CUDA events the copy streams still wait on
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped save is a future miss.
+        return False
+
+    # ---------------------------------------------------------------- scheduler
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        rid = request.request_id
+        tokens = self._tokens.get(rid)
+        if tokens is None:
+            tokens = self._tokens[rid] = _u32(request.prompt_token_ids or [])
+        out = ctypes.c_int64()
+        self._h.check(self._lib.kvshim_sched_match(
+            self._h.value, rid.encode(), _ptr(tokens, ctypes.c_uint32), len(tokens),
+            _extras(request), num_computed_tokens, ctypes.byref(out)))
+        if out.value < 0:
+            return None, False  # pending: vLLM asks again next step
+        return out.value, out.value > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        ids = _i64(blocks.get_block_ids()[0])
+        # -1: Go uses the local prefix-cache hit it was given in get_num_new_matched_tokens.
+        self._h.check(self._lib.kvshim_sched_after_alloc(
+            self._h.value, request.request_id.encode(), _ptr(ids, ctypes.c_int64), len(ids), -1, num_external_tokens))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        sched = scheduler_output.num_scheduled_tokens
+        reqs = [
+            {"req": r.req_id, "blocks": list(r.block_ids[0]), "computed": r.num_computed_tokens,
+             "scheduled": sched.get(r.req_id, 0)}
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            ids = list(new[0]) if new is not None else []
+            entry = {"req": rid, "computed": cached.num_computed_tokens[i], "scheduled": sched.get(rid, 0)}
+            entry["blocks" if rid in resumed else "new_blocks"] = ids
+            reqs.append(entry)
+        step = {"requests": reqs, "preempted": sorted(scheduler_output.preempted_req_ids or ())}
+        return KVShimMetadata(self._h.output("kvshim_sched_build_meta", json.dumps(step).encode()))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._tokens.pop(request.request_id, None)
+        delay = ctypes.c_int()
+        self._h.check(self._lib.kvshim_sched_finished(self._h.value, request.request_id.encode(), ctypes.byref(delay)))
+        return bool(delay.value), None
+
+    # ------------------------------------------------------------------- worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        group_of = {}
+        if self._kv_cache_config is not None:
+            for g, grp in enumerate(self._kv_cache_config.kv_cache_groups):
+                group_of |= {name: g for name in grp.layer_names}
+        descs, seen = [], set()
+        for name, t in kv_caches.items():
+            if t.data_ptr() in seen:
+                continue  # layers that share one KV tensor (KV sharing) are copied once
+            seen.add(t.data_ptr())
+            descs.append(_tensor_desc(name, t, group_of.get(name, 0)))
+        self._h.check(self._lib.kvshim_worker_register(self._h.value, json.dumps(descs).encode()))
+
+    def _bind(self, meta: KVConnectorMetadata) -> None:
+        if meta is self._bound or not isinstance(meta, KVShimMetadata):
+            return
+        buf = ctypes.create_string_buffer(meta.data, len(meta.data))
+        self._h.check(self._lib.kvshim_worker_bind(self._h.value, buf, len(meta.data), self._timeout_ms))
+        self._bound = meta
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Waits for the copies of preempted requests before vLLM reuses their blocks.
+        self._bind(kv_connector_metadata)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._bound = None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._bound is not None:
+            self._h.check(self._lib.kvshim_worker_start_loads(self._h.value))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: vLLM schedules a request only after
+        # get_finished reported its load, so no layer waits here.
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        # Saves are submitted once per step, in wait_for_save.
+        return None
+
+    def wait_for_save(self) -> None:
+        if self._bound is None:
+            return
+        self._h.check(self._lib.kvshim_worker_start_saves(self._h.value, self._stream_event()))
+
+    def _stream_event(self) -> int:
+        """A CUevent on vLLM's current stream for the copy streams to wait
+        on (0 when the KV cache is on the CPU: the forward pass is done)."""
+        try:
+            import torch
+        except ImportError:
+            return 0
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return 0
+        ev = torch.cuda.Event()
+        ev.record()
+        self._events = self._events[-8:] + [ev]  # the copy stream may still wait on it
+        return int(ev.cuda_event)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        p = json.loads(self._h.output("kvshim_worker_poll"))
+        self._load_errors.update(p["error_blocks"] or ())
+        return set(p["sending"] or ()) or None, set(p["recving"] or ()) or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def stats(self) -> dict[str, Any]:
+        """The connector's counters (and the server's, scheduler side)."""
+        return json.loads(self._h.output("kvshim_stats"))
+
+    def shutdown(self) -> None:
+        self._h.close()
+
+
+def _extras(request: Request) -> bytes | None:
+    """The request's inputs that change its KV besides the tokens."""
+    ex: dict[str, Any] = {}
+    if getattr(request, "cache_salt", None):
+        ex["cache_salt"] = request.cache_salt
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        ex["lora"] = f"{lora.lora_name}:{getattr(lora, 'lora_path', '')}"
+    mm = []
+    for f in getattr(request, "mm_features", None) or ():
+        pos = f.mm_position
+        mm.append({"hash": str(f.identifier), "offset": int(pos.offset), "length": int(pos.length)})
+    if mm:
+        ex["mm"] = mm
+    return json.dumps(ex).encode() if ex else None

@@ -1,0 +1,151 @@
+package server
+
+import (
+	"fmt"
+	"strings"
+	"time"
+)
+
+// GiB is 1<<30 bytes.
+const GiB = 1 << 30
+
+// Config is the server's configuration. The standalone `kvshim serve`
+// command maps its flags onto it one to one:
+//
+//	--l1-size-gb N           L1SizeGB
+//	--eviction-policy LRU    EvictionPolicy (only "LRU")
+//	--l1-high-watermark F    HighWatermark  (fraction of L1, eviction starts above)
+//	--l1-low-watermark F     LowWatermark   (fraction of L1, eviction stops at)
+//	--hold-ttl D             HoldTTL        (last-resort reclaim of forgotten holds)
+//	--socket PATH            Socket
+//	--metrics-port P         MetricsPort    (0: no metrics listener)
+//
+// Fields below the line have no flag; zero means "default".
+type Config struct {
+	L1SizeGB       float64
+	EvictionPolicy string
+	HighWatermark  float64
+	LowWatermark   float64
+	HoldTTL        time.Duration
+	Socket         string
+	MetricsPort    int
+
+	// SegmentSize is the size of one L1 shared segment (default 1 GiB, or
+	// the whole L1 when smaller). It bounds the largest object.
+	SegmentSize uint64
+	// SlabSize is the target size of one slab (default 64 MiB).
+	SlabSize uint64
+	// StagingTTL reclaims staging space a live writer never committed or
+	// aborted (default: HoldTTL).
+	StagingTTL time.Duration
+	// ReapInterval is how often expired holds and staging are reclaimed
+	// (default: a quarter of the shorter TTL, at most one minute).
+	ReapInterval time.Duration
+	// MaxWorldSize bounds LookupReq.WorldSize (default 1024).
+	MaxWorldSize uint32
+	// MaxLookupsPerSession bounds the live lookups of one session
+	// (default 65536).
+	MaxLookupsPerSession int
+}
+
+// Defaults.
+const (
+	DefaultL1SizeGB             = 16
+	DefaultHighWatermark        = 0.95
+	DefaultLowWatermark         = 0.85
+	DefaultHoldTTL              = 30 * time.Minute
+	DefaultSegmentSize          = 1 * GiB
+	DefaultSlabSize             = 64 << 20
+	DefaultMaxWorldSize         = 1024
+	DefaultMaxLookupsPerSession = 1 << 16
+	// MaxL1SizeGB bounds --l1-size-gb (64 TiB).
+	MaxL1SizeGB = 1 << 16
+)
+
+// DefaultConfig returns the defaults (socket and metrics port unset).
+func DefaultConfig() Config {
+	return Config{
+		L1SizeGB:       DefaultL1SizeGB,
+		EvictionPolicy: "LRU",
+		HighWatermark:  DefaultHighWatermark,
+		LowWatermark:   DefaultLowWatermark,
+		HoldTTL:        DefaultHoldTTL,
+	}
+}
+
+// Validate checks c and returns every problem found, each wrapping ErrConfig.
+func (c *Config) Validate() error {
+	var errs []string
+	add := func(f string, a ...any) { errs = append(errs, fmt.Sprintf(f, a...)) }
+	if !(c.L1SizeGB > 0) || c.L1SizeGB > MaxL1SizeGB {
+		add("--l1-size-gb must be > 0 and <= %d, got %v", MaxL1SizeGB, c.L1SizeGB)
+	} else if c.capacity() < pageSize {
+		add("--l1-size-gb %v is smaller than one 4 KiB page", c.L1SizeGB)
+	}
+	if !strings.EqualFold(c.EvictionPolicy, "LRU") {
+		add("--eviction-policy %q is not supported (only LRU)", c.EvictionPolicy)
+	}
+	if !(c.HighWatermark > 0 && c.HighWatermark <= 1) {
+		add("--l1-high-watermark must be in (0, 1], got %v", c.HighWatermark)
+	}
+	if !(c.LowWatermark >= 0 && c.LowWatermark < 1) {
+		add("--l1-low-watermark must be in [0, 1), got %v", c.LowWatermark)
+	} else if c.LowWatermark >= c.HighWatermark {
+		add("--l1-low-watermark (%v) must be below --l1-high-watermark (%v)", c.LowWatermark, c.HighWatermark)
+	}
+	if c.HoldTTL <= 0 {
+		add("--hold-ttl must be > 0, got %v", c.HoldTTL)
+	}
+	if c.MetricsPort < 0 || c.MetricsPort > 65535 {
+		add("--metrics-port must be in [0, 65535], got %d", c.MetricsPort)
+	}
+	if c.SegmentSize != 0 && c.SegmentSize%pageSize != 0 {
+		add("segment size %d is not a multiple of 4 KiB", c.SegmentSize)
+	}
+	if c.SlabSize != 0 && c.SlabSize%pageSize != 0 {
+		add("slab size %d is not a multiple of 4 KiB", c.SlabSize)
+	}
+	if c.StagingTTL < 0 || c.ReapInterval < 0 {
+		add("staging TTL and reap interval must not be negative")
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("%w: %s", ErrConfig, strings.Join(errs, "; "))
+	}
+	return nil
+}
+
+// capacity is the L1 size in bytes, rounded down to a page.
+func (c *Config) capacity() uint64 {
+	return uint64(c.L1SizeGB*GiB) &^ (pageSize - 1)
+}
+
+// withDefaults fills the fields below the line.
+func (c Config) withDefaults() Config {
+	capacity := c.capacity()
+	if c.SegmentSize == 0 {
+		c.SegmentSize = DefaultSegmentSize
+	}
+	if c.SegmentSize > capacity {
+		c.SegmentSize = capacity
+	}
+	if c.SlabSize == 0 {
+		c.SlabSize = DefaultSlabSize
+	}
+	if c.SlabSize > c.SegmentSize {
+		c.SlabSize = c.SegmentSize
+	}
+	if c.StagingTTL == 0 {
+		c.StagingTTL = c.HoldTTL
+	}
+	if c.ReapInterval == 0 {
+		c.ReapInterval = min(c.HoldTTL, c.StagingTTL) / 4
+		c.ReapInterval = max(min(c.ReapInterval, time.Minute), time.Millisecond)
+	}
+	if c.MaxWorldSize == 0 {
+		c.MaxWorldSize = DefaultMaxWorldSize
+	}
+	if c.MaxLookupsPerSession == 0 {
+		c.MaxLookupsPerSession = DefaultMaxLookupsPerSession
+	}
+	return c
+}

@@ -1,0 +1,49 @@
+// Package server is kvshim's MP server core: L1 host memory in shared
+// segments, the object table, sessions, lookups and their read holds, LRU
+// eviction and metrics. It is transport independent: every operation is a
+// Store method taking the calling *Session and the ipc request type, and
+// returning the ipc response type (or an error that StatusOf maps to a
+// frame status). The session loop (rings, codec) calls these methods.
+//
+// L1 layout. Segments are created lazily (SegmentSource) up to the L1
+// size. Each segment is cut into slabs; a slab holds equal slots of one
+// size class (object size rounded up to 4 KiB), so many equal-sized KV
+// chunk objects pack with no per-object headers in shared memory:
+//
+//	segment 1 (SegmentSize, e.g. 1 GiB, shared with every client)
+//	┌──────────────────────────┬──────────────────────────┬───────────────┐
+//	│ slab A: class 2 MiB      │ slab B: class 8 KiB      │ free extent   │
+//	│ ┌──────┬──────┬──────┬─┐ │ ┌──┬──┬──┬──┬──┬──┬───┐  │ (coalesced;   │
+//	│ │slot 0│slot 1│slot 2│…│ │ │0 │1 │2 │3 │… │  │   │  │  slabs come   │
+//	│ └──────┴──────┴──────┴─┘ │ └──┴──┴──┴──┴──┴──┴───┘  │  back here    │
+//	└──────────────────────────┴──────────────────────────┴───────────────┘
+//	 Loc{Segment: 1, Offset: slab.off + slot*class, Size: object bytes}
+//
+// An empty slab returns to its segment's free extents. Fragmentation is
+// exported: "rounding" (slot padding) and "slab_free" (free slots).
+//
+// Objects. Key = (namespace, rank, chunk hash). States:
+//
+//	ALLOC (key, writer tag) ──► staging ──COMMIT──► resident ──evict/CLEAR──► gone
+//	                              │  (first publisher wins; a later copy
+//	                              │   is discarded and its space freed)
+//	                              └──ABORT / session close / staging TTL──► gone
+//	FillTask.Reserve ──► staging ──Commit(temporary)──► temporary ──last hold──► gone
+//
+// Staging objects are invisible to lookups. Read holds are counters on the
+// object, owned by a (session, lookup) pair per reader rank; held objects
+// and staging objects are never evicted. Eviction is LRU over resident
+// objects, from the high watermark down to the low one, and on demand when
+// an allocation finds no space. A lookup hit moves its objects to the LRU
+// front in chunk order (a prefix's head is the most recent, its tail goes
+// first); releasing holds does not touch the LRU.
+//
+// Lookups. LOOKUP checks each chunk on every rank 0..WorldSize-1 (MLA: the
+// rank-0 object, read by WorldSize readers, one hold each), holds the
+// longest prefix present on all ranks, and is final at once, or pending
+// while a Prefetcher fills the missing suffix (FillTask); then the prefix
+// is recomputed over resident + filled objects and the rest released.
+// LOOKUP_RESULT returns Pending, the final count once, then Unknown. FREE,
+// RELEASE, session close and the hold TTL release holds; a lookup whose
+// answer was read and that holds nothing is forgotten.
+package server

@@ -1,0 +1,45 @@
+package l2
+
+import "context"
+
+// Backend is one storage system. The adapter calls it from lane workers,
+// concurrently, with a tile (a sub-slice) of a batch; it must report a
+// Result for every key of the tile through r (unreported keys are failed
+// with ErrNotReported when the call returns) and honour ctx's deadline.
+type Backend interface {
+	// Store writes bufs[i] under keys[i]. An existing key is success
+	// (objects are immutable, a key always names the same bytes).
+	Store(ctx context.Context, keys []Key, bufs [][]byte, r Reporter)
+	// Exists reports StatusOK for present keys, StatusMiss for absent ones.
+	// Backends with server-side leases take them here.
+	Exists(ctx context.Context, keys []Key, r Reporter)
+	// Load reads keys[i] into bufs[i] (the whole object must fit exactly:
+	// otherwise StatusFailed wrapping ErrBufferSize). A corrupt object is
+	// StatusMiss and must not be served again.
+	Load(ctx context.Context, keys []Key, bufs [][]byte, r Reporter)
+	// Delete removes keys; StatusMiss for absent ones.
+	Delete(ctx context.Context, keys []Key, r Reporter)
+	// Close releases connections; called once, after the lanes drained.
+	Close() error
+}
+
+// Releaser is implemented by backends whose holds need an explicit release.
+type Releaser interface {
+	Release(keys []Key)
+}
+
+// Tiler is implemented by backends that want batches cut differently from
+// the default (one tile per lane worker, at most one per key). Mooncake's
+// batch calls parallelise internally and want 1.
+type Tiler interface {
+	Tiles(op Op, keys, workers int) int
+}
+
+// SegmentRegistrar is implemented by backends that work on shared memory
+// from another process (mooncake_store's helper) or register memory with a
+// NIC: the L1 store registers each shared-memory segment (a memfd it keeps
+// open, mapped at mem) once, as it creates it. Buffers inside a registered
+// segment move with no copy.
+type SegmentRegistrar interface {
+	RegisterL1Segment(fd int, mem []byte) error
+}

@@ -1,0 +1,17 @@
+package l2
+
+import "errors"
+
+// Sentinel errors; per-key errors wrap them with %w.
+var (
+	ErrBadKey       = errors.New("l2: bad key")
+	ErrBadConfig    = errors.New("l2: bad adapter config")
+	ErrUnknownType  = errors.New("l2: unknown adapter type")
+	ErrClosed       = errors.New("l2: adapter closed")
+	ErrHeld         = errors.New("l2: key is held by a lookup")
+	ErrNotReported  = errors.New("l2: backend returned without a result for the key")
+	ErrBufferSize   = errors.New("l2: buffer size does not match the object")
+	ErrBadBatch     = errors.New("l2: keys and buffers differ in length")
+	ErrUnavailable  = errors.New("l2: backend unavailable")
+	ErrNotSupported = errors.New("l2: operation not supported by the backend")
+)

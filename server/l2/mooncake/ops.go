@@ -1,0 +1,225 @@
+package mooncake
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"unsafe"
+
+	"github.com/kvshim/kvshim/server/l2"
+)
+
+func uintptrOf(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(b))) }
+
+// staged is one batch's buffer placement: a registered segment (zero copy)
+// or bounce pages.
+type staged struct {
+	req       *request
+	bounced   []int // bounce first page per key, -1 when not bounced
+	bufs      [][]byte
+	releaseFn func()
+}
+
+// stage places a prefix of the batch (at least one key) and returns how
+// many keys it placed: it stops before a key that would have to wait for
+// bounce space this batch itself holds.
+func (b *Backend) stage(ctx context.Context, op string, keys []l2.Key, bufs [][]byte, copyIn bool) (*staged, int, error) {
+	s := &staged{req: &request{Op: op}, bufs: bufs}
+	n := 0
+	for i, k := range keys {
+		first := -1
+		seg, off, ok := b.segs.find(bufs[i])
+		if !ok {
+			var err error
+			first, err = b.bounce.alloc(ctx, len(bufs[i]), i == 0)
+			if errors.Is(err, errFull) {
+				break
+			}
+			if err != nil {
+				s.release()
+				return nil, 0, err
+			}
+			seg, off = 0, first*b.bounce.page
+			if copyIn {
+				copy(b.bounce.mem[off:off+len(bufs[i])], bufs[i])
+			}
+		}
+		s.req.Keys = append(s.req.Keys, k.String())
+		s.req.Seg = append(s.req.Seg, seg)
+		s.req.Off = append(s.req.Off, off)
+		s.req.Len = append(s.req.Len, len(bufs[i]))
+		s.bounced = append(s.bounced, first)
+		n++
+	}
+	s.bufs = bufs[:n]
+	s.releaseFn = func() {
+		for i, first := range s.bounced {
+			if first >= 0 {
+				b.bounce.free(first, len(s.bufs[i]))
+			}
+		}
+	}
+	return s, n, nil
+}
+
+func (s *staged) release() {
+	if s.releaseFn != nil {
+		s.releaseFn()
+	}
+}
+
+// run sends a staged request and waits. Bounce pages are freed when the
+// helper answers (not at a timeout: the helper may still write them).
+func (b *Backend) run(ctx context.Context, s *staged) ([]int64, error) {
+	p, err := b.proc()
+	if err != nil {
+		s.release()
+		return nil, err
+	}
+	s.req.ID = b.nextID.Add(1)
+	ch, err := p.send(s.req)
+	if err != nil {
+		s.release()
+		return nil, err
+	}
+	select {
+	case rep := <-ch:
+		defer s.release()
+		if rep.dead != nil {
+			return nil, fmt.Errorf("mooncake: %s: %w", s.req.Op, rep.dead)
+		}
+		if rep.Error != "" {
+			return nil, fmt.Errorf("%w: %s: %s", ErrHelper, s.req.Op, rep.Error)
+		}
+		if len(rep.Res) != len(s.req.Keys) {
+			return nil, fmt.Errorf("%w: %s: %d results for %d keys", ErrHelper, s.req.Op, len(rep.Res), len(s.req.Keys))
+		}
+		if s.req.Op == "get" {
+			for i, first := range s.bounced {
+				if first >= 0 && rep.Res[i] == int64(len(s.bufs[i])) {
+					off := first * b.bounce.page
+					copy(s.bufs[i], b.bounce.mem[off:off+len(s.bufs[i])])
+				}
+			}
+		}
+		return rep.Res, nil
+	case <-ctx.Done():
+		go func() { <-ch; s.release() }()
+		return nil, fmt.Errorf("mooncake: %s: %w", s.req.Op, ctx.Err())
+	}
+}
+
+func storeErr(op string, k l2.Key, code int64) error {
+	return fmt.Errorf("%w: %s %s: %d %s", ErrStore, op, k, code, codeName(code))
+}
+
+// Store implements l2.Backend (batch_put_from; an existing key is success).
+func (b *Backend) Store(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
+	for len(keys) > 0 {
+		n := b.put(ctx, keys, bufs, r)
+		keys, bufs, r = keys[n:], bufs[n:], r.Sub(n)
+	}
+}
+
+func (b *Backend) put(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) int {
+	s, n, err := b.stage(ctx, "put", keys, bufs, true)
+	if err != nil {
+		r.FailAll(len(keys), err)
+		return len(keys)
+	}
+	res, err := b.run(ctx, s)
+	if err != nil {
+		r.FailAll(n, err)
+		return n
+	}
+	for i, c := range res {
+		if c == 0 || c == codeAlreadyExists {
+			r.Report(i, l2.Result{Status: l2.StatusOK, Bytes: len(bufs[i])})
+		} else {
+			r.Fail(i, storeErr("put", keys[i], c))
+		}
+	}
+	return n
+}
+
+// Load implements l2.Backend (batch_get_into).
+func (b *Backend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
+	for len(keys) > 0 {
+		n := b.get(ctx, keys, bufs, r)
+		keys, bufs, r = keys[n:], bufs[n:], r.Sub(n)
+	}
+}
+
+func (b *Backend) get(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) int {
+	s, n, err := b.stage(ctx, "get", keys, bufs, false)
+	if err != nil {
+		r.FailAll(len(keys), err)
+		return len(keys)
+	}
+	res, err := b.run(ctx, s)
+	if err != nil {
+		r.FailAll(n, err)
+		return n
+	}
+	for i, c := range res {
+		switch {
+		case c == int64(len(bufs[i])):
+			r.Report(i, l2.Result{Status: l2.StatusOK, Bytes: len(bufs[i])})
+		case c == 0 || c == codeNotFound:
+			r.Report(i, l2.Result{Status: l2.StatusMiss})
+		case c > 0:
+			r.Fail(i, fmt.Errorf("mooncake: get %s: %d bytes, buffer %d: %w", keys[i], c, len(bufs[i]), l2.ErrBufferSize))
+		default:
+			r.Fail(i, storeErr("get", keys[i], c))
+		}
+	}
+	return n
+}
+
+func (b *Backend) keyed(ctx context.Context, op string, keys []l2.Key) ([]int64, error) {
+	req := &request{Op: op, Keys: make([]string, len(keys))}
+	for i, k := range keys {
+		req.Keys[i] = k.String()
+	}
+	return b.call(ctx, req)
+}
+
+// Exists implements l2.Backend (batch_is_exist; a hit takes Mooncake's
+// read lease, default_kv_lease_ttl).
+func (b *Backend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
+	res, err := b.keyed(ctx, "exists", keys)
+	if err != nil {
+		r.FailAll(len(keys), err)
+		return
+	}
+	for i, c := range res {
+		switch {
+		case c == 1:
+			r.Report(i, l2.Result{Status: l2.StatusOK})
+		case c == 0:
+			r.Report(i, l2.Result{Status: l2.StatusMiss})
+		default:
+			r.Fail(i, storeErr("exists", keys[i], c))
+		}
+	}
+}
+
+// Delete implements l2.Backend (batch_remove without force: a key under a
+// lease fails with OBJECT_HAS_LEASE).
+func (b *Backend) Delete(ctx context.Context, keys []l2.Key, r l2.Reporter) {
+	res, err := b.keyed(ctx, "remove", keys)
+	if err != nil {
+		r.FailAll(len(keys), err)
+		return
+	}
+	for i, c := range res {
+		switch c {
+		case 0:
+			r.Report(i, l2.Result{Status: l2.StatusOK})
+		case codeNotFound:
+			r.Report(i, l2.Result{Status: l2.StatusMiss})
+		default:
+			r.Fail(i, storeErr("remove", keys[i], c))
+		}
+	}
+}

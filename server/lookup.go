@@ -1,0 +1,357 @@
+package server
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/kvshim/kvshim/ipc"
+)
+
+// MaxLookupCells bounds chunks × readers of one lookup (its hold table is
+// 4 bytes a cell).
+const MaxLookupCells = 1 << 20
+
+type lookupState uint8
+
+const (
+	lkPending  lookupState = iota // a fill is running
+	lkFinal                       // answer ready, not yet read
+	lkConsumed                    // answer read once; holds may remain
+)
+
+// lookup is one registered LOOKUP and the read holds it owns.
+type lookup struct {
+	owner   *Session
+	id      uint64
+	ns      ipc.Namespace
+	world   uint32 // readers: one hold per reader rank
+	mla     bool   // stored once under rank 0
+	hashes  []ipc.Hash
+	state   lookupState
+	chunks  uint32     // final answer
+	held    [][]uint32 // [reader rank][chunk] object index, nilIdx = no hold
+	holds   uint64     // holds still owned
+	freed   []bool     // chunks FREEd while pending (nil: none)
+	since   int64      // registration, unix nanoseconds (hold TTL)
+	fill    *FillTask
+	dropped bool
+}
+
+// ranks is the number of ranks objects are stored under.
+func (lk *lookup) ranks() uint32 {
+	if lk.mla {
+		return 1
+	}
+	return lk.world
+}
+
+// Lookup registers a lookup (OpLookup); success is only an ack. The server
+// checks every chunk on every rank, takes read holds on the longest prefix
+// present on all ranks (MLA: the rank-0 object, one hold per reader),
+// touches those objects in the LRU, and releases nothing else. With a
+// Prefetcher the lookup stays pending while the missing suffix is filled;
+// otherwise it is final at once.
+func (st *Store) Lookup(s *Session, req *ipc.LookupReq) error {
+	defer st.metrics.observe(opLookup, time.Now())
+	n := len(req.Hashes)
+	switch {
+	case n > ipc.MaxKeys:
+		return fmt.Errorf("%w: lookup: %d keys > %d", ErrBadRequest, n, ipc.MaxKeys)
+	case req.WorldSize == 0 || req.WorldSize > st.cfg.MaxWorldSize:
+		return fmt.Errorf("%w: lookup: world size %d not in [1, %d]", ErrBadRequest, req.WorldSize, st.cfg.MaxWorldSize)
+	case uint64(req.WorldSize)*uint64(n) > MaxLookupCells:
+		return fmt.Errorf("%w: lookup: %d chunks × %d readers > %d", ErrBadRequest, n, req.WorldSize, MaxLookupCells)
+	}
+	t, err := st.register(s, req)
+	if err != nil {
+		return err
+	}
+	if t != nil && !st.prefetcher.Prefetch(t) {
+		t.Done()
+	}
+	return nil
+}
+
+// register is Lookup's locked part; it returns the fill task to start.
+func (st *Store) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
+	n := len(req.Hashes)
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if err := st.check(s); err != nil {
+		return nil, err
+	}
+	if _, dup := s.lookups[req.LookupID]; dup {
+		return nil, fmt.Errorf("%w: lookup id %d is in use", ErrBadRequest, req.LookupID)
+	}
+	if len(s.lookups) >= st.cfg.MaxLookupsPerSession {
+		return nil, fmt.Errorf("%w: session has %d live lookups", ErrBadRequest, len(s.lookups))
+	}
+	lk := &lookup{
+		owner: s, id: req.LookupID, ns: req.Namespace, world: req.WorldSize, mla: req.MLA,
+		hashes: req.Hashes, since: st.now().UnixNano(),
+	}
+	s.lookups[lk.id] = lk
+	st.cnt.lookupsNow++
+	st.cnt.lookups++
+	p := st.extend(lk, 0)
+	st.cnt.hitChunks += uint64(p)
+	st.cnt.missedChunks += uint64(n - int(p))
+	var t *FillTask
+	if p < uint32(n) && st.prefetcher != nil {
+		t = &FillTask{st: st, lk: lk, Namespace: lk.ns, WorldSize: lk.world, MLA: lk.mla,
+			Start: p, Hashes: lk.hashes[p:], staged: map[fillKey]uint32{}}
+		lk.fill = t
+		lk.state = lkPending
+		st.cnt.pending++
+	} else {
+		lk.chunks = p
+		lk.state = lkFinal
+	}
+	return t, nil
+}
+
+// extend takes holds on chunks [from, p) where p is the end of the prefix
+// present on every rank (resident, or filled by lk's task), moves them to
+// the LRU front in chunk order (a prefix's head is the most recent) and
+// returns p. Chunks FREEd while pending count but are not held.
+func (st *Store) extend(lk *lookup, from uint32) uint32 {
+	ranks := lk.ranks()
+	var sh *shard // nil (empty) when the namespace is unknown
+	if i, ok := st.shardOf(lk.ns, false); ok {
+		sh = &st.shards[i]
+	}
+	n := uint32(len(lk.hashes))
+	if lk.held == nil {
+		// One backing array; each reader's row can grow to n in place.
+		lk.held = make([][]uint32, lk.world)
+		back := make([]uint32, uint64(lk.world)*uint64(n))
+		for r := range lk.held {
+			lk.held[r] = back[uint32(r)*n : uint32(r)*n : uint32(r+1)*n]
+		}
+	}
+	var buf [8]uint32
+	found := buf[:0]
+	if ranks <= uint32(len(buf)) {
+		found = buf[:ranks]
+	} else {
+		found = make([]uint32, ranks)
+	}
+	p := from
+scan:
+	for ; p < n; p++ {
+		st.findRanks(sh, &lk.hashes[p], found)
+		for r, i := range found {
+			if i == nilIdx && lk.fill != nil {
+				if fi, ok := lk.fill.filled[fillKey{uint32(r), p}]; ok {
+					i, found[r] = fi, fi
+				}
+			}
+			if i == nilIdx {
+				break scan
+			}
+		}
+		freed := lk.freed != nil && lk.freed[p]
+		for r, i := range found {
+			if freed {
+				i = nilIdx
+			}
+			lk.held[r] = append(lk.held[r], i)
+		}
+	}
+	per := uint32(1)
+	if lk.mla {
+		per = lk.world
+		for r := uint32(1); r < lk.world; r++ {
+			lk.held[r] = append(lk.held[r], lk.held[0][from:p]...)
+		}
+	}
+	// The hit moves to the LRU front in chunk order, so the prefix's head
+	// is the most recent and its tail is evicted first.
+	at := nilIdx
+	for c := from; c < p; c++ {
+		for r := range ranks {
+			i := lk.held[r][c]
+			if i == nilIdx {
+				continue
+			}
+			st.hold(i, per)
+			lk.holds += uint64(per)
+			if st.objs.get(i).state == stResident {
+				st.lru.placeAfter(&st.objs, at, i)
+				at = i
+			}
+		}
+	}
+	return p
+}
+
+// LookupResult answers OpLookupResult: Pending while a fill runs; OK with
+// the final chunk count once (the answer is consumed); Unknown afterwards
+// or for an id this session never registered.
+func (st *Store) LookupResult(s *Session, req *ipc.LookupResultReq) (*ipc.LookupResultResp, error) {
+	defer st.metrics.observe(opLookupResult, time.Now())
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if err := st.check(s); err != nil {
+		return nil, err
+	}
+	lk := s.lookups[req.LookupID]
+	if lk == nil {
+		return &ipc.LookupResultResp{Status: ipc.StatusUnknown}, nil
+	}
+	switch lk.state {
+	case lkPending:
+		return &ipc.LookupResultResp{Status: ipc.StatusPending}, nil
+	case lkConsumed:
+		return &ipc.LookupResultResp{Status: ipc.StatusUnknown}, nil
+	}
+	lk.state = lkConsumed
+	resp := &ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: lk.chunks}
+	st.maybeForget(lk)
+	return resp, nil
+}
+
+// Free releases the holds of chunks [Start, End) of one of this session's
+// lookups on every rank (OpFree), without loading them. End = ^uint32(0)
+// means all. Chunks freed while the lookup is pending are never held.
+func (st *Store) Free(s *Session, req *ipc.FreeReq) error {
+	defer st.metrics.observe(opFree, time.Now())
+	if req.Start > req.End {
+		return fmt.Errorf("%w: free: start %d > end %d", ErrBadRequest, req.Start, req.End)
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if err := st.check(s); err != nil {
+		return err
+	}
+	lk := s.lookups[req.LookupID]
+	if lk == nil {
+		return fmt.Errorf("%w: free: lookup %d", ErrUnknownLookup, req.LookupID)
+	}
+	end := min(req.End, uint32(len(lk.hashes)))
+	if lk.state == lkPending && req.Start < end {
+		if lk.freed == nil {
+			lk.freed = make([]bool, len(lk.hashes))
+		}
+		for c := req.Start; c < end; c++ {
+			lk.freed[c] = true
+		}
+	}
+	for r := range lk.held {
+		st.releaseRow(lk, lk.held[r], req.Start, end)
+	}
+	st.maybeForget(lk)
+	return nil
+}
+
+// releaseRow drops the holds of row[start:end).
+func (st *Store) releaseRow(lk *lookup, row []uint32, start, end uint32) {
+	end = min(end, uint32(len(row)))
+	for c := start; c < end; c++ {
+		if i := row[c]; i != nilIdx {
+			row[c] = nilIdx
+			st.unhold(i)
+			lk.holds--
+		}
+	}
+}
+
+// owned finds the lookup (owner, id) for RETRIEVE and RELEASE, which worker
+// sessions send for lookups the scheduler's session made.
+func (st *Store) owned(owner ipc.Tag, id uint64) (*lookup, error) {
+	os := st.sessions[owner]
+	if os == nil {
+		return nil, fmt.Errorf("%w: owner %x is not connected", ErrUnknownLookup, owner)
+	}
+	lk := os.lookups[id]
+	if lk == nil {
+		return nil, fmt.Errorf("%w: owner %x has no lookup %d", ErrUnknownLookup, owner, id)
+	}
+	return lk, nil
+}
+
+// Retrieve returns, for chunks [Start, End) of lookup (Owner, LookupID),
+// the location of the object held for Rank (OpRetrieve): StatusOK with the
+// Loc, or StatusNotFound for a chunk that is not held (beyond the answer,
+// freed or released). End = ^uint32(0) means up to the lookup's last chunk.
+func (st *Store) Retrieve(s *Session, req *ipc.RetrieveReq) (*ipc.RetrieveResp, error) {
+	defer st.metrics.observe(opRetrieve, time.Now())
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if err := st.check(s); err != nil {
+		return nil, err
+	}
+	lk, err := st.owned(req.Owner, req.LookupID)
+	if err != nil {
+		return nil, err
+	}
+	end := req.End
+	if end == ^uint32(0) {
+		end = max(uint32(len(lk.hashes)), req.Start)
+	}
+	switch {
+	case req.Rank >= lk.world:
+		return nil, fmt.Errorf("%w: retrieve: rank %d >= world size %d", ErrBadRequest, req.Rank, lk.world)
+	case req.Start > end || end-req.Start > ipc.MaxKeys:
+		return nil, fmt.Errorf("%w: retrieve: bad range [%d, %d)", ErrBadRequest, req.Start, end)
+	}
+	n := end - req.Start
+	resp := &ipc.RetrieveResp{Status: make([]ipc.Status, n), Locs: make([]ipc.Loc, n)}
+	row := lk.held[req.Rank]
+	for k := range n {
+		c := req.Start + k
+		if c < uint32(len(row)) && row[c] != nilIdx {
+			resp.Locs[k] = st.loc(row[c])
+		} else {
+			resp.Status[k] = ipc.StatusNotFound
+		}
+	}
+	return resp, nil
+}
+
+// Release drops every hold Rank still has in lookup (Owner, LookupID)
+// (OpRelease), once that rank's copies are done.
+func (st *Store) Release(s *Session, req *ipc.ReleaseReq) error {
+	defer st.metrics.observe(opRelease, time.Now())
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if err := st.check(s); err != nil {
+		return err
+	}
+	lk, err := st.owned(req.Owner, req.LookupID)
+	if err != nil {
+		return err
+	}
+	if req.Rank >= lk.world {
+		return fmt.Errorf("%w: release: rank %d >= world size %d", ErrBadRequest, req.Rank, lk.world)
+	}
+	st.releaseRow(lk, lk.held[req.Rank], 0, ^uint32(0))
+	st.maybeForget(lk)
+	return nil
+}
+
+// maybeForget drops a lookup whose answer was read and that holds nothing.
+func (st *Store) maybeForget(lk *lookup) {
+	if lk.state == lkConsumed && lk.holds == 0 {
+		st.dropLookup(lk)
+	}
+}
+
+// dropLookup releases all of lk's holds, cancels its fill and forgets it.
+func (st *Store) dropLookup(lk *lookup) {
+	if lk.dropped {
+		return
+	}
+	lk.dropped = true
+	for r := range lk.held {
+		st.releaseRow(lk, lk.held[r], 0, ^uint32(0))
+	}
+	if lk.state == lkPending {
+		st.cnt.pending--
+	}
+	if lk.fill != nil {
+		lk.fill.cancelLocked()
+	}
+	delete(lk.owner.lookups, lk.id)
+	st.cnt.lookupsNow--
+}

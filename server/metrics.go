@@ -1,0 +1,196 @@
+package server
+
+import (
+	"net/http"
+	"time"
+
+	"github.com/kvshim/kvshim/ipc"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// Operation names for the latency histogram's "op" label.
+const (
+	opAlloc        = "alloc"
+	opCommit       = "commit"
+	opAbort        = "abort"
+	opLookup       = "lookup"
+	opLookupResult = "lookup_result"
+	opFree         = "free"
+	opRetrieve     = "retrieve"
+	opRelease      = "release"
+	opStats        = "stats"
+	opClear        = "clear"
+)
+
+var opNames = []string{opAlloc, opCommit, opAbort, opLookup, opLookupResult, opFree,
+	opRetrieve, opRelease, opStats, opClear}
+
+// metrics is the store's Prometheus side, on a private registry so several
+// stores (tests, embedded + standalone) coexist in one process.
+type metrics struct {
+	reg     *prometheus.Registry
+	latency map[string]prometheus.Observer
+}
+
+func newMetrics(st *Store) *metrics {
+	m := &metrics{reg: prometheus.NewRegistry(), latency: map[string]prometheus.Observer{}}
+	hist := prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "kvshim_server_op_seconds",
+		Help:    "Server-side latency of each operation (store lock included).",
+		Buckets: prometheus.ExponentialBuckets(1e-6, 4, 12), // 1 µs … 4 s
+	}, []string{"op"})
+	for _, op := range opNames {
+		m.latency[op] = hist.WithLabelValues(op)
+	}
+	m.reg.MustRegister(hist, &collector{st: st})
+	return m
+}
+
+func (m *metrics) observe(op string, start time.Time) {
+	m.latency[op].Observe(time.Since(start).Seconds())
+}
+
+// Registry is the store's private Prometheus registry.
+func (st *Store) Registry() *prometheus.Registry { return st.metrics.reg }
+
+// MetricsHandler serves the store's metrics in the Prometheus text format
+// (mount it at /metrics).
+func (st *Store) MetricsHandler() http.Handler {
+	return promhttp.HandlerFor(st.metrics.reg, promhttp.HandlerOpts{Registry: st.metrics.reg})
+}
+
+// metric is one number of the store's snapshot: the same value is exported
+// as a Prometheus metric and as a STATS entry named Name (with the labels
+// folded in, e.g. "kvshim_l1_objects{state=resident}").
+type metric struct {
+	name, help string
+	counter    bool
+	label      string // "key=value" or ""
+	value      float64
+}
+
+// snapshot returns every number of the store, under the lock.
+func (st *Store) snapshot() []metric {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	a := st.mem.stats()
+	c := &st.cnt
+	g := func(name, help string, v uint64) metric { return metric{name: name, help: help, value: float64(v)} }
+	k := func(name, help string, v uint64) metric {
+		return metric{name: name, help: help, counter: true, value: float64(v)}
+	}
+	out := []metric{
+		g("kvshim_l1_capacity_bytes", "L1 size limit.", a.Capacity),
+		g("kvshim_l1_mapped_bytes", "Bytes of L1 segments created so far.", a.Mapped),
+		g("kvshim_l1_used_bytes", "Bytes of L1 slots holding objects (4 KiB rounded); watermarks apply to it.", a.Used),
+		g("kvshim_l1_slab_bytes", "Bytes of L1 carved into slabs.", a.Slab),
+		g("kvshim_l1_segments", "L1 segments.", uint64(a.Segments)),
+		g("kvshim_l1_slabs", "L1 slabs.", uint64(a.Slabs)),
+		g("kvshim_l1_size_classes", "L1 slab size classes in use.", uint64(a.Classes)),
+		g("kvshim_l1_holds", "Read holds outstanding.", c.holds),
+		g("kvshim_lookups_live", "Lookups registered and not yet forgotten.", c.lookupsNow),
+		g("kvshim_lookups_pending", "Lookups waiting for a fill.", c.pending),
+		g("kvshim_sessions", "Connected sessions.", uint64(len(st.sessions))),
+		k("kvshim_lookups_total", "Lookups registered.", c.lookups),
+		k("kvshim_lookup_hit_chunks_total", "Chunks answered present on every rank.", c.hitChunks),
+		k("kvshim_lookup_missed_chunks_total", "Chunks beyond the answered prefix.", c.missedChunks),
+		k("kvshim_l1_evictions_total", "Objects evicted (LRU).", c.evictions),
+		k("kvshim_l1_evicted_bytes_total", "Bytes evicted (LRU).", c.evictedBytes),
+		k("kvshim_l1_discarded_total", "Committed copies discarded because the key was already resident.", c.discarded),
+		k("kvshim_l1_commits_total", "Staging objects committed.", c.commits),
+		k("kvshim_l1_aborts_total", "Staging objects aborted.", c.aborts),
+		k("kvshim_l1_ttl_reclaimed_holds_total", "Holds reclaimed by the hold TTL.", c.ttlHolds),
+		k("kvshim_l1_ttl_reclaimed_staging_total", "Staging objects reclaimed by the staging TTL.", c.ttlStaging),
+		k("kvshim_l1_cleared_objects_total", "Objects dropped by CLEAR.", c.cleared),
+		k("kvshim_l1_segment_errors_total", "Failures to obtain a new L1 segment.", c.segmentErrors),
+		k("kvshim_sessions_opened_total", "Sessions opened.", c.sessionsOpened),
+		k("kvshim_sessions_closed_total", "Sessions closed.", c.sessionsClosed),
+	}
+	for s := stStaging; s < numStates; s++ {
+		out = append(out,
+			metric{name: "kvshim_l1_objects", help: "L1 objects by state.", label: "state=" + stateNames[s], value: float64(c.objects[s])},
+			metric{name: "kvshim_l1_object_bytes", help: "Requested bytes of L1 objects by state.", label: "state=" + stateNames[s], value: float64(c.objBytes[s])})
+	}
+	frag := func(kind string, v uint64) metric {
+		return metric{name: "kvshim_l1_fragmentation_bytes", label: "kind=" + kind, value: float64(v),
+			help: "L1 bytes lost to fragmentation: rounding = slot padding to 4 KiB; slab_free = free slots inside slabs."}
+	}
+	out = append(out, frag("rounding", a.Used-a.Requested), frag("slab_free", a.Slab-a.Used))
+	for _, r := range []struct {
+		name string
+		v    uint64
+	}{{"ok", c.allocOK}, {"resident", c.allocResident}, {"in_progress", c.allocInProgress}, {"no_space", c.allocNoSpace}} {
+		out = append(out, metric{name: "kvshim_l1_alloc_keys_total", help: "ALLOC keys by outcome.",
+			counter: true, label: "status=" + r.name, value: float64(r.v)})
+	}
+	return out
+}
+
+// collector exports the snapshot; one lock per scrape.
+type collector struct{ st *Store }
+
+func (c *collector) Describe(ch chan<- *prometheus.Desc) { prometheus.DescribeByCollect(c, ch) }
+
+func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	descs := map[string]*prometheus.Desc{}
+	for _, s := range c.st.snapshot() {
+		var labels []string
+		var lv []string
+		if s.label != "" {
+			for i := 0; i < len(s.label); i++ {
+				if s.label[i] == '=' {
+					labels, lv = []string{s.label[:i]}, []string{s.label[i+1:]}
+					break
+				}
+			}
+		}
+		d := descs[s.name]
+		if d == nil {
+			d = prometheus.NewDesc(s.name, s.help, labels, nil)
+			descs[s.name] = d
+		}
+		t := prometheus.GaugeValue
+		if s.counter {
+			t = prometheus.CounterValue
+		}
+		ch <- prometheus.MustNewConstMetric(d, t, s.value, lv...)
+	}
+}
+
+// Stats answers OpStats with the same numbers the metrics export. Labelled
+// metrics are named "name{key=value}".
+func (st *Store) Stats(s *Session) (*ipc.StatsResp, error) {
+	defer st.metrics.observe(opStats, time.Now())
+	snap := st.snapshot()
+	st.mu.Lock()
+	err := st.check(s)
+	st.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	resp := &ipc.StatsResp{Stats: make([]ipc.Stat, len(snap))}
+	for i, x := range snap {
+		name := x.name
+		if x.label != "" {
+			name += "{" + x.label + "}"
+		}
+		resp.Stats[i] = ipc.Stat{Name: name, Value: x.value}
+	}
+	return resp, nil
+}
+
+// Stat returns one STATS value by name (as Stats names it), for tests and
+// callers in the same process; ok is false for an unknown name.
+func (st *Store) Stat(name string) (v float64, ok bool) {
+	for _, x := range st.snapshot() {
+		n := x.name
+		if x.label != "" {
+			n += "{" + x.label + "}"
+		}
+		if n == name {
+			return x.value, true
+		}
+	}
+	return 0, false
+}

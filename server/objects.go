@@ -1,0 +1,228 @@
+package server
+
+import (
+	"hash/maphash"
+
+	"github.com/kvshim/kvshim/ipc"
+)
+
+// objState is an object's place in its life cycle.
+type objState uint8
+
+const (
+	stFree      objState = iota // arena slot unused
+	stStaging                   // reserved for one writer, invisible to readers
+	stResident                  // published, readable, evictable when unheld
+	stTemporary                 // loaded for one lookup, freed when unheld
+	numStates
+)
+
+var stateNames = [numStates]string{"free", "staging", "resident", "temporary"}
+
+// object is one L1 object's metadata (80 bytes; the table adds a 16-byte
+// map slot per chunk hash, shared by all ranks). Indices, not pointers, so the arena is
+// never scanned by the garbage collector.
+type object struct {
+	hash  ipc.Hash // chunk hash
+	shard uint32   // namespace shard index
+	rank  uint32
+	slab  uint32
+	slot  uint32
+	holds uint32 // read holds (all lookups, all readers)
+	prev  uint32 // LRU neighbours (resident only); nilIdx at the ends
+	next  uint32
+	coll  uint32 // next resident object of the shard with the same table key
+	// (the same chunk on other ranks, or a rare key collision)
+	state objState
+	size  uint64 // requested bytes (Loc.Size)
+}
+
+// shard is the resident objects of one namespace. Its map is keyed by a
+// seeded 64-bit hash of the chunk hash (a fast uint64 map with no 32-byte
+// compares); the objects sharing a key — one per rank holding the chunk,
+// plus rare key collisions — are chained through object.coll and told
+// apart by (hash, rank). A lookup of C chunks on R ranks thus costs C map
+// probes, not C×R.
+type shard struct {
+	ns ipc.Namespace
+	m  map[uint64]uint32
+}
+
+// tableKey is the shard map key of h.
+func (st *Store) tableKey(h *ipc.Hash) uint64 { return maphash.Bytes(st.seed, h[:]) & st.keyMask }
+
+// find returns the resident object (h, rank) of sh (sh may be nil).
+func (st *Store) find(sh *shard, h *ipc.Hash, rank uint32) (uint32, bool) {
+	if sh == nil {
+		return nilIdx, false
+	}
+	i, ok := sh.m[st.tableKey(h)]
+	for ok && i != nilIdx {
+		o := st.objs.get(i)
+		if o.rank == rank && o.hash == *h {
+			return i, true
+		}
+		i = o.coll
+	}
+	return nilIdx, false
+}
+
+// findRanks sets out[r] to the resident object (h, r) of sh for every rank
+// r < len(out), nilIdx where absent, with one map probe.
+func (st *Store) findRanks(sh *shard, h *ipc.Hash, out []uint32) {
+	for r := range out {
+		out[r] = nilIdx
+	}
+	if sh == nil {
+		return
+	}
+	i, ok := sh.m[st.tableKey(h)]
+	for ok && i != nilIdx {
+		o := st.objs.get(i)
+		if o.rank < uint32(len(out)) && o.hash == *h {
+			out[o.rank] = i
+		}
+		i = o.coll
+	}
+}
+
+// insert adds resident object i to its shard's table.
+func (st *Store) insert(i uint32) {
+	o := st.objs.get(i)
+	sh := &st.shards[o.shard]
+	k := st.tableKey(&o.hash)
+	o.coll = nilIdx
+	if head, ok := sh.m[k]; ok {
+		o.coll = head
+	}
+	sh.m[k] = i
+}
+
+// unlink removes resident object i from its shard's table.
+func (st *Store) unlink(i uint32) {
+	o := st.objs.get(i)
+	sh := &st.shards[o.shard]
+	k := st.tableKey(&o.hash)
+	head := sh.m[k]
+	if head == i {
+		if o.coll == nilIdx {
+			delete(sh.m, k)
+		} else {
+			sh.m[k] = o.coll
+		}
+		return
+	}
+	for p := head; p != nilIdx; p = st.objs.get(p).coll {
+		if po := st.objs.get(p); po.coll == i {
+			po.coll = o.coll
+			return
+		}
+	}
+}
+
+// stageKey names a staging object: (namespace, rank, hash) plus writer tag.
+type stageKey struct {
+	shard uint32
+	rank  uint32
+	hash  ipc.Hash
+	tag   ipc.Tag
+}
+
+type stageEntry struct {
+	idx   uint32
+	owner *Session
+	since int64 // unix nanoseconds
+}
+
+const arenaShift = 12
+
+// arena stores objects in fixed chunks so indices stay valid as it grows.
+type arena struct {
+	chunks [][]object
+	free   []uint32
+	n      uint32
+}
+
+func (a *arena) get(i uint32) *object {
+	return &a.chunks[i>>arenaShift][i&(1<<arenaShift-1)]
+}
+
+func (a *arena) new() uint32 {
+	if k := len(a.free); k > 0 {
+		i := a.free[k-1]
+		a.free = a.free[:k-1]
+		return i
+	}
+	if int(a.n>>arenaShift) == len(a.chunks) {
+		a.chunks = append(a.chunks, make([]object, 1<<arenaShift))
+	}
+	i := a.n
+	a.n++
+	return i
+}
+
+func (a *arena) release(i uint32) {
+	*a.get(i) = object{}
+	a.free = append(a.free, i)
+}
+
+// lru is a doubly linked list through object.prev/next; head is the most
+// recently used.
+type lru struct{ head, tail uint32 }
+
+func (l *lru) init() { l.head, l.tail = nilIdx, nilIdx }
+
+func (l *lru) pushHead(a *arena, i uint32) {
+	o := a.get(i)
+	o.prev, o.next = nilIdx, l.head
+	if l.head != nilIdx {
+		a.get(l.head).prev = i
+	} else {
+		l.tail = i
+	}
+	l.head = i
+}
+
+func (l *lru) remove(a *arena, i uint32) {
+	o := a.get(i)
+	if o.prev != nilIdx {
+		a.get(o.prev).next = o.next
+	} else {
+		l.head = o.next
+	}
+	if o.next != nilIdx {
+		a.get(o.next).prev = o.prev
+	} else {
+		l.tail = o.prev
+	}
+	o.prev, o.next = nilIdx, nilIdx
+}
+
+// placeAfter moves i right after at (at = nilIdx: to the head). Moving a
+// sequence to the front is a run of placeAfter(previous, next); when the
+// sequence is already there (a repeated hit) each step only reads i.prev.
+func (l *lru) placeAfter(a *arena, at, i uint32) {
+	if at == i {
+		return
+	}
+	o := a.get(i)
+	if at == nilIdx {
+		if l.head != i {
+			l.remove(a, i)
+			l.pushHead(a, i)
+		}
+		return
+	}
+	if o.prev == at {
+		return
+	}
+	l.remove(a, i)
+	ao := a.get(at)
+	o.prev, o.next = at, ao.next
+	if ao.next != nilIdx {
+		a.get(ao.next).prev = i
+	} else {
+		l.tail = i
+	}
+	ao.next = i
+}

@@ -1,0 +1,182 @@
+package server
+
+import (
+	"fmt"
+
+	"github.com/kvshim/kvshim/ipc"
+)
+
+// Prefetcher is the L2 seam: it is asked to fill the missing suffix of a
+// lookup into L1 while the lookup stays pending.
+//
+// Prefetch is called without the store's lock, once per lookup that misses
+// at least one chunk. It must not block: it starts the work and returns
+// true, or returns false when it has nothing to do (the lookup is then
+// final at once). After returning true it must call t.Done exactly once,
+// from any goroutine, when it has finished (loaded, failed or given up).
+// Between the two it may Reserve / Commit objects through t.
+type Prefetcher interface {
+	Prefetch(t *FillTask) bool
+}
+
+type fillKey struct{ rank, chunk uint32 }
+
+// FillTask is one lookup's fill: chunks [Start, Start+len(Hashes)) are the
+// suffix that L1 lacked on at least one rank when the lookup arrived.
+type FillTask struct {
+	Namespace ipc.Namespace
+	WorldSize uint32 // readers
+	MLA       bool   // objects are stored once, under rank 0
+	Start     uint32 // lookup index of Hashes[0]
+	Hashes    []ipc.Hash
+
+	st     *Store
+	lk     *lookup            // nil once the lookup is gone (guarded by st.mu)
+	done   bool               // Done was called
+	staged map[fillKey]uint32 // reserved, not yet committed
+	filled map[fillKey]uint32 // committed temporary objects, not yet held
+}
+
+// Ranks is the number of ranks objects are stored under (1 for MLA).
+func (t *FillTask) Ranks() uint32 {
+	if t.MLA {
+		return 1
+	}
+	return t.WorldSize
+}
+
+// Reserve stages size bytes for (rank, chunk) and returns the memory to
+// fill and its location. temporary objects serve only this lookup and are
+// freed once its holds are gone; the others become resident on Commit.
+// It fails with ErrFill when the task is finished or cancelled, the chunk is
+// out of range, already resident, or already reserved; with
+// ErrBadRequest for a bad size; and reports ok=false when L1 has no space.
+func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem []byte, loc ipc.Loc, ok bool, err error) {
+	st := t.st
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	k := fillKey{rank, chunk}
+	switch {
+	case t.done || t.lk == nil || st.closed:
+		return nil, loc, false, fmt.Errorf("%w: task finished or cancelled", ErrFill)
+	case rank >= t.Ranks() || chunk < t.Start || chunk-t.Start >= uint32(len(t.Hashes)):
+		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) is outside the task", ErrFill, rank, chunk)
+	case size == 0 || size > st.mem.maxObject():
+		return nil, loc, false, fmt.Errorf("%w: fill size %d", ErrBadRequest, size)
+	}
+	if _, dup := t.staged[k]; dup {
+		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) already reserved", ErrFill, rank, chunk)
+	}
+	if _, dup := t.filled[k]; dup {
+		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) already filled", ErrFill, rank, chunk)
+	}
+	h := t.Hashes[chunk-t.Start]
+	sh, _ := st.shardOf(t.Namespace, true)
+	if _, res := st.find(&st.shards[sh], &h, rank); res {
+		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) is resident", ErrFill, rank, chunk)
+	}
+	idx, ok := st.newObject(sh, rank, h, size, stStaging)
+	if !ok {
+		return nil, loc, false, nil
+	}
+	if temporary {
+		// Marked by the high bit until Commit; state stays staging.
+		t.staged[k] = idx | tempBit
+	} else {
+		t.staged[k] = idx
+	}
+	o := st.objs.get(idx)
+	return st.mem.bytes(o.slab, o.slot, o.size), st.loc(idx), true, nil
+}
+
+// tempBit marks a staged fill object as temporary. Arena indices stay
+// below 2^31 (that many objects would need far more than 64 TiB).
+const tempBit = 1 << 31
+
+// Commit finishes (rank, chunk): ok publishes it (resident, or temporary
+// for this lookup), !ok frees it. The memory must not be written after.
+func (t *FillTask) Commit(rank, chunk uint32, ok bool) error {
+	st := t.st
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	k := fillKey{rank, chunk}
+	v, found := t.staged[k]
+	if !found {
+		return fmt.Errorf("%w: (rank %d, chunk %d) was not reserved", ErrFill, rank, chunk)
+	}
+	delete(t.staged, k)
+	idx := v &^ tempBit
+	if !ok || t.lk == nil || st.closed {
+		st.freeObject(idx)
+		return nil
+	}
+	if v&tempBit != 0 {
+		st.setState(idx, stTemporary)
+		if t.filled == nil {
+			t.filled = map[fillKey]uint32{}
+		}
+		t.filled[k] = idx
+		return nil
+	}
+	o := st.objs.get(idx)
+	if _, dup := st.find(&st.shards[o.shard], &o.hash, o.rank); dup {
+		st.cnt.discarded++
+		st.cnt.discardedBytes += o.size
+		st.freeObject(idx)
+		return nil
+	}
+	st.setState(idx, stResident)
+	st.insert(idx)
+	st.lru.pushHead(&st.objs, idx)
+	st.maybeEvict()
+	return nil
+}
+
+// Done ends the task: uncommitted reservations are freed, and the lookup
+// (if still there) takes holds on the prefix now present on every rank,
+// releases filled objects beyond it, and becomes final. Calls after the
+// first do nothing.
+func (t *FillTask) Done() {
+	st := t.st
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if t.done {
+		return
+	}
+	t.done = true
+	for k, v := range t.staged {
+		st.freeObject(v &^ tempBit)
+		delete(t.staged, k)
+	}
+	lk := t.lk
+	if lk == nil {
+		return
+	}
+	from := uint32(len(lk.held[0]))
+	p := st.extend(lk, from)
+	st.cnt.hitChunks += uint64(p - from)
+	st.cnt.missedChunks -= uint64(p - from)
+	lk.chunks = p
+	lk.state = lkFinal
+	st.cnt.pending--
+	lk.fill = nil
+	t.lk = nil
+	t.dropFilled()
+}
+
+// cancelLocked detaches the task from its dropped lookup: filled objects go
+// now, staged ones when the prefetcher commits them or calls Done.
+func (t *FillTask) cancelLocked() {
+	t.lk = nil
+	t.dropFilled()
+}
+
+// dropFilled frees temporary objects that no hold kept.
+func (t *FillTask) dropFilled() {
+	for k, idx := range t.filled {
+		if t.st.objs.get(idx).holds == 0 {
+			t.st.freeObject(idx)
+		}
+		delete(t.filled, k)
+	}
+}

@@ -1,0 +1,193 @@
+package server
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/kvshim/kvshim/ipc"
+)
+
+// IPCSource is the production SegmentSource: memfd segments from
+// ipc.CreateSegment, each announced to every session (open and future)
+// through the listener before the store hands out a Loc in it.
+type IPCSource struct {
+	ln   *ipc.Listener
+	mu   sync.Mutex
+	segs []*ipc.Segment
+}
+
+// NewIPCSource returns a source announcing its segments on ln.
+func NewIPCSource(ln *ipc.Listener) *IPCSource { return &IPCSource{ln: ln} }
+
+// NewSegment creates, maps and announces segment id.
+func (s *IPCSource) NewSegment(id uint32, size uint64) ([]byte, error) {
+	seg, err := ipc.CreateSegment(id, size)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.ln.AddSegment(seg); err != nil {
+		seg.Close()
+		return nil, err
+	}
+	s.mu.Lock()
+	s.segs = append(s.segs, seg)
+	s.mu.Unlock()
+	return seg.Mem(), nil
+}
+
+// Close unmaps every segment. Close the listener first.
+func (s *IPCSource) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var errs []error
+	for _, seg := range s.segs {
+		errs = append(errs, seg.Close())
+	}
+	s.segs = nil
+	return errors.Join(errs...)
+}
+
+// Serve accepts sessions on ln until it is closed and runs each on its own
+// goroutine: requests are decoded with ipc's codec, answered by st, and the
+// session's resources are released (CloseSession) when its peer goes. It
+// returns nil once ln is closed and every session goroutine has ended.
+func Serve(ln *ipc.Listener, st *Store) error {
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if errors.Is(err, ipc.ErrClosed) {
+				return nil
+			}
+			return err
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			serveConn(c, st)
+		}()
+	}
+}
+
+func serveConn(c *ipc.ServerConn, st *Store) {
+	s, err := st.OpenSession(ipc.Tag(c.Hello().Instance))
+	if err != nil {
+		c.Close()
+		return
+	}
+	defer st.CloseSession(s)
+	c.Serve(ipc.ServiceHandler(&service{st: st, s: s}))
+}
+
+// service binds one session to the store as an ipc.Service.
+type service struct {
+	st *Store
+	s  *Session
+}
+
+func wrap[T any](op ipc.Op, v T, err error) (T, error) {
+	if err != nil {
+		return v, &ipc.StatusError{Op: op, Status: StatusOf(err), Msg: err.Error()}
+	}
+	return v, nil
+}
+
+func (x *service) Alloc(r *ipc.AllocReq) (*ipc.AllocResp, error) {
+	v, err := x.st.Alloc(x.s, r)
+	return wrap(ipc.OpAlloc, v, err)
+}
+
+func (x *service) Commit(r *ipc.CommitReq) (*ipc.CommitResp, error) {
+	v, err := x.st.Commit(x.s, r)
+	return wrap(ipc.OpCommit, v, err)
+}
+
+func (x *service) Abort(r *ipc.CommitReq) (*ipc.CommitResp, error) {
+	v, err := x.st.Abort(x.s, r)
+	return wrap(ipc.OpAbort, v, err)
+}
+
+func (x *service) Lookup(r *ipc.LookupReq) error {
+	_, err := wrap(ipc.OpLookup, 0, x.st.Lookup(x.s, r))
+	return err
+}
+
+func (x *service) LookupResult(r *ipc.LookupResultReq) (*ipc.LookupResultResp, error) {
+	v, err := x.st.LookupResult(x.s, r)
+	return wrap(ipc.OpLookupResult, v, err)
+}
+
+func (x *service) Free(r *ipc.FreeReq) error {
+	_, err := wrap(ipc.OpFree, 0, x.st.Free(x.s, r))
+	return err
+}
+
+func (x *service) Retrieve(r *ipc.RetrieveReq) (*ipc.RetrieveResp, error) {
+	v, err := x.st.Retrieve(x.s, r)
+	return wrap(ipc.OpRetrieve, v, err)
+}
+
+func (x *service) Release(r *ipc.ReleaseReq) error {
+	_, err := wrap(ipc.OpRelease, 0, x.st.Release(x.s, r))
+	return err
+}
+
+func (x *service) Stats() (*ipc.StatsResp, error) {
+	v, err := x.st.Stats(x.s)
+	return wrap(ipc.OpStats, v, err)
+}
+
+func (x *service) Clear() (*ipc.ClearResp, error) {
+	v, err := x.st.Clear(x.s)
+	return wrap(ipc.OpClear, v, err)
+}
+
+// Server is a Store behind an ipc listener: what `kvshim serve` and the
+// embedded mode run.
+type Server struct {
+	Store    *Store
+	Listener *ipc.Listener
+	done     chan error
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// Start listens on cfg.Socket, creates the store over memfd segments and
+// serves sessions in the background. ipcCfg may be nil; o.Source is
+// replaced by an IPCSource.
+func Start(cfg Config, ipcCfg *ipc.ServerConfig, o Options) (*Server, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Socket == "" {
+		return nil, fmt.Errorf("%w: --socket is required", ErrConfig)
+	}
+	ln, err := ipc.Listen(cfg.Socket, ipcCfg)
+	if err != nil {
+		return nil, err
+	}
+	o.Source = NewIPCSource(ln)
+	st, err := NewStore(cfg, o)
+	if err != nil {
+		ln.Close()
+		return nil, err
+	}
+	srv := &Server{Store: st, Listener: ln, done: make(chan error, 1)}
+	go func() { srv.done <- Serve(ln, st) }()
+	return srv, nil
+}
+
+// Close stops accepting, ends every session (releasing what they own),
+// then closes the store and its segments. Later calls return the first
+// call's result.
+func (srv *Server) Close() error {
+	srv.closeOnce.Do(func() {
+		lerr := srv.Listener.Close()
+		serr := <-srv.done
+		srv.closeErr = errors.Join(lerr, serr, srv.Store.Close())
+	})
+	return srv.closeErr
+}

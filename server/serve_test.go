@@ -1,0 +1,100 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/kvshim/kvshim/ipc"
+	"gotest.tools/v3/assert"
+)
+
+func startServer(t *testing.T) (*Server, string) {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "kvs")
+	assert.NilError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	cfg := DefaultConfig()
+	cfg.L1SizeGB = 8.0 / 1024
+	cfg.SegmentSize = 2 << 20
+	cfg.SlabSize = 256 << 10
+	cfg.Socket = filepath.Join(dir, "run", "kvshim.sock")
+	srv, err := Start(cfg, nil, Options{})
+	assert.NilError(t, err)
+	t.Cleanup(func() { assert.NilError(t, srv.Close()) })
+	return srv, cfg.Socket
+}
+
+func dial(t *testing.T, path string, role ipc.Role) *ipc.Client {
+	t.Helper()
+	c, err := ipc.Dial(path, ipc.Hello{Version: ipc.ProtocolVersion, Role: role, PID: uint32(os.Getpid()), Instance: uuid.New()}, 5*time.Second)
+	assert.NilError(t, err)
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+func TestServeEndToEnd(t *testing.T) {
+	srv, path := startServer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	sched := dial(t, path, ipc.RoleScheduler)
+	worker := dial(t, path, ipc.RoleWorker)
+	hs := hashes("e2e", 3)
+	tag := ipc.Tag(uuid.New())
+	ar, err := worker.Alloc(ctx, &ipc.AllocReq{Tag: tag, Namespace: ns1, Hashes: hs, Sizes: sizes(3)})
+	assert.NilError(t, err)
+	for i, l := range ar.Locs {
+		assert.Equal(t, ar.Status[i], ipc.StatusOK)
+		b, err := worker.Segments().ResolveWait(l, 5*time.Second)
+		assert.NilError(t, err)
+		b[0], b[len(b)-1] = byte(i+1), 0xEE
+	}
+	cr, err := worker.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: ns1, Hashes: hs})
+	assert.NilError(t, err)
+	assert.DeepEqual(t, cr.Status, []ipc.Status{0, 0, 0})
+
+	assert.NilError(t, sched.Lookup(ctx, &ipc.LookupReq{LookupID: 11, Namespace: ns1, WorldSize: 1, Hashes: hs}))
+	lr, err := sched.LookupResult(ctx, &ipc.LookupResultReq{LookupID: 11})
+	assert.NilError(t, err)
+	assert.DeepEqual(t, *lr, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 3})
+	owner := ipc.Tag(sched.Hello().Instance)
+	rr, err := worker.Retrieve(ctx, &ipc.RetrieveReq{Owner: owner, LookupID: 11, End: ^uint32(0)})
+	assert.NilError(t, err)
+	for i, l := range rr.Locs {
+		b, err := worker.Resolve(l)
+		assert.NilError(t, err)
+		assert.Equal(t, b[0], byte(i+1))
+	}
+	assert.NilError(t, worker.Release(ctx, &ipc.ReleaseReq{Owner: owner, LookupID: 11}))
+	// Errors come back as frame statuses.
+	err = sched.Free(ctx, &ipc.FreeReq{LookupID: 11, End: ^uint32(0)})
+	var se *ipc.StatusError
+	assert.Assert(t, errors.As(err, &se))
+	assert.Equal(t, se.Status, ipc.StatusUnknown)
+	err = sched.Lookup(ctx, &ipc.LookupReq{LookupID: 12, Namespace: ns1, WorldSize: 0, Hashes: hs})
+	assert.Assert(t, errors.As(err, &se))
+	assert.Equal(t, se.Status, ipc.StatusBadRequest)
+	st, err := sched.Stats(ctx)
+	assert.NilError(t, err)
+	assert.Assert(t, len(st.Stats) > 10)
+
+	// A worker that dies mid-ALLOC leaves nothing behind.
+	w2 := dial(t, path, ipc.RoleWorker)
+	_, err = w2.Alloc(ctx, &ipc.AllocReq{Tag: tag, Namespace: ns1, Hashes: hashes("dies", 4), Sizes: sizes(4)})
+	assert.NilError(t, err)
+	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_objects{state=staging}"), 4.0)
+	w2.Close()
+	deadline := time.Now().Add(10 * time.Second)
+	for stat(t, srv.Store, "kvshim_l1_objects{state=staging}") != 0 {
+		assert.Assert(t, time.Now().Before(deadline), "staging of a dead session not freed")
+		time.Sleep(10 * time.Millisecond)
+	}
+	assert.Equal(t, used(t, srv.Store), 3.0*objSize)
+	c, err := sched.Clear(ctx)
+	assert.NilError(t, err)
+	assert.Equal(t, c.Objects, uint64(3))
+}

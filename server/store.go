@@ -1,0 +1,287 @@
+package server
+
+import (
+	"fmt"
+	"hash/maphash"
+	"sync"
+	"time"
+
+	"github.com/kvshim/kvshim/ipc"
+)
+
+// Options are the store's collaborators.
+type Options struct {
+	// Source provides L1 segments (default HeapSource).
+	Source SegmentSource
+	// OnSegment, when set, is called for every new segment, with the store's
+	// lock held: it must not block or call back into the store. The session
+	// loop uses it to announce segments to every client.
+	OnSegment func(id uint32, mem []byte)
+	// Prefetcher, when set, is asked to fill the missing suffix of every
+	// lookup (the L2 seam). Nil: lookups are final at once.
+	Prefetcher Prefetcher
+}
+
+// Store is the server core: L1 memory, the object table, sessions, lookups
+// and their holds. Every operation is safe for concurrent use; one mutex
+// guards the table and every operation is O(its keys).
+type Store struct {
+	cfg        Config
+	prefetcher Prefetcher
+	metrics    *metrics
+
+	mu         sync.Mutex
+	closed     bool
+	mem        *allocator
+	objs       arena
+	shards     []shard
+	shardIdx   map[ipc.Namespace]uint32
+	lru        lru
+	staging    map[stageKey]stageEntry
+	sessions   map[ipc.Tag]*Session
+	cnt        counters
+	lastSegErr error // most recent segment source failure (see LastSegmentError)
+	seed       maphash.Seed
+	keyMask    uint64 // ^0; tests narrow it to force key collisions
+	now        func() time.Time
+
+	stop chan struct{}
+	done chan struct{}
+}
+
+// counters are the store's accounting, guarded by mu.
+type counters struct {
+	objects    [numStates]uint64
+	objBytes   [numStates]uint64
+	holds      uint64
+	lookupsNow uint64 // live lookups
+	pending    uint64 // lookups waiting for a fill
+
+	lookups, hitChunks, missedChunks uint64
+	evictions, evictedBytes          uint64
+	discarded, discardedBytes        uint64 // losing publishers
+	allocOK, allocResident           uint64
+	allocInProgress, allocNoSpace    uint64
+	commits, aborts                  uint64
+	ttlHolds, ttlStaging             uint64
+	segmentErrors                    uint64
+	cleared, clearedBytes            uint64
+	sessionsOpened, sessionsClosed   uint64
+}
+
+// NewStore validates cfg and returns a store with no L1 mapped yet (it grows
+// on demand). Close it to stop its reaper and release its segments.
+func NewStore(cfg Config, o Options) (*Store, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.withDefaults()
+	if o.Source == nil {
+		o.Source = HeapSource{}
+	}
+	st := &Store{
+		cfg:        cfg,
+		prefetcher: o.Prefetcher,
+		mem:        newAllocator(o.Source, cfg.capacity(), cfg.SegmentSize, cfg.SlabSize),
+		shardIdx:   map[ipc.Namespace]uint32{},
+		staging:    map[stageKey]stageEntry{},
+		sessions:   map[ipc.Tag]*Session{},
+		now:        time.Now,
+		seed:       maphash.MakeSeed(),
+		keyMask:    ^uint64(0),
+		stop:       make(chan struct{}),
+		done:       make(chan struct{}),
+	}
+	st.mem.onSegment = o.OnSegment
+	st.lru.init()
+	st.metrics = newMetrics(st)
+	go st.reaper()
+	return st, nil
+}
+
+// Config returns the effective configuration (defaults filled in).
+func (st *Store) Config() Config { return st.cfg }
+
+// Close closes every session, stops the reaper and closes the segment
+// source. Operations after Close fail with ErrStoreClosed.
+func (st *Store) Close() error {
+	st.mu.Lock()
+	if st.closed {
+		st.mu.Unlock()
+		return nil
+	}
+	for _, s := range st.sessions {
+		st.closeSessionLocked(s)
+	}
+	st.closed = true
+	st.mu.Unlock()
+	close(st.stop)
+	<-st.done
+	return st.mem.src.Close()
+}
+
+// Session is one client connection (one connector instance). Its id is the
+// instance id from the hello; other sessions name its lookups by it.
+type Session struct {
+	id      ipc.Tag
+	closed  bool // guarded by Store.mu
+	lookups map[uint64]*lookup
+}
+
+// ID is the session's instance id.
+func (s *Session) ID() ipc.Tag { return s.id }
+
+// OpenSession registers a session. Two live sessions cannot share an id.
+func (st *Store) OpenSession(id ipc.Tag) (*Session, error) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.closed {
+		return nil, ErrStoreClosed
+	}
+	if _, ok := st.sessions[id]; ok {
+		return nil, fmt.Errorf("%w: %x", ErrDuplicateSession, id)
+	}
+	s := &Session{id: id, lookups: map[uint64]*lookup{}}
+	st.sessions[id] = s
+	st.cnt.sessionsOpened++
+	return s, nil
+}
+
+// CloseSession releases everything s owns: its staging objects, its
+// lookups and their holds (including holds taken for other sessions'
+// RETRIEVEs of those lookups). It is idempotent.
+func (st *Store) CloseSession(s *Session) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	st.closeSessionLocked(s)
+}
+
+func (st *Store) closeSessionLocked(s *Session) {
+	if s.closed {
+		return
+	}
+	s.closed = true
+	for _, lk := range s.lookups {
+		st.dropLookup(lk)
+	}
+	for k, e := range st.staging {
+		if e.owner == s {
+			delete(st.staging, k)
+			st.freeObject(e.idx)
+		}
+	}
+	delete(st.sessions, s.id)
+	st.cnt.sessionsClosed++
+}
+
+// check returns an error when the store or s is closed.
+func (st *Store) check(s *Session) error {
+	if st.closed {
+		return ErrStoreClosed
+	}
+	if s == nil || s.closed {
+		return ErrSessionClosed
+	}
+	return nil
+}
+
+// shardOf returns the shard index of namespace k, creating it when asked.
+func (st *Store) shardOf(k ipc.Namespace, create bool) (uint32, bool) {
+	if i, ok := st.shardIdx[k]; ok {
+		return i, true
+	}
+	if !create {
+		return 0, false
+	}
+	i := uint32(len(st.shards))
+	st.shards = append(st.shards, shard{ns: k, m: map[uint64]uint32{}})
+	st.shardIdx[k] = i
+	return i, true
+}
+
+// newObject allocates size bytes, evicting LRU objects when L1 is full.
+// ok is false when no space could be made.
+func (st *Store) newObject(shardI, rank uint32, h ipc.Hash, size uint64, state objState) (uint32, bool) {
+	for {
+		slab, slot, ok, err := st.mem.alloc(size)
+		if err != nil {
+			st.cnt.segmentErrors++
+			st.lastSegErr = err
+			return nilIdx, false
+		}
+		if ok {
+			i := st.objs.new()
+			o := st.objs.get(i)
+			*o = object{hash: h, shard: shardI, rank: rank, slab: slab, slot: slot, size: size,
+				state: state, prev: nilIdx, next: nilIdx}
+			st.cnt.objects[state]++
+			st.cnt.objBytes[state] += size
+			return i, true
+		}
+		if !st.evictOne() {
+			return nilIdx, false
+		}
+	}
+}
+
+// setState moves an object between states, keeping the counters.
+func (st *Store) setState(i uint32, to objState) {
+	o := st.objs.get(i)
+	st.cnt.objects[o.state]--
+	st.cnt.objBytes[o.state] -= o.size
+	o.state = to
+	st.cnt.objects[to]++
+	st.cnt.objBytes[to] += o.size
+}
+
+// freeObject returns an object's memory. A resident object also leaves the
+// table and the LRU list. The caller ensures it has no holds.
+func (st *Store) freeObject(i uint32) {
+	o := st.objs.get(i)
+	if o.state == stResident {
+		st.unlink(i)
+		st.lru.remove(&st.objs, i)
+	}
+	st.cnt.objects[o.state]--
+	st.cnt.objBytes[o.state] -= o.size
+	st.mem.free(o.slab, o.slot, o.size)
+	st.objs.release(i)
+}
+
+// loc is an object's location.
+func (st *Store) loc(i uint32) ipc.Loc {
+	o := st.objs.get(i)
+	seg, off := st.mem.loc(o.slab, o.slot)
+	return ipc.Loc{Segment: seg, Offset: off, Size: o.size}
+}
+
+// hold adds n read holds to object i.
+func (st *Store) hold(i uint32, n uint32) {
+	st.objs.get(i).holds += n
+	st.cnt.holds += uint64(n)
+}
+
+// unhold drops one read hold; an unheld temporary object is freed.
+func (st *Store) unhold(i uint32) {
+	o := st.objs.get(i)
+	o.holds--
+	st.cnt.holds--
+	if o.holds == 0 && o.state == stTemporary {
+		st.freeObject(i)
+	}
+}
+
+// LastSegmentError returns the most recent failure of the segment source
+// (nil if none): ALLOCs answered NoSpace because L1 could not grow.
+func (st *Store) LastSegmentError() error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.lastSegErr
+}
+
+// memAt returns the bytes at loc (tests and in-process callers).
+func (st *Store) memAt(loc ipc.Loc) []byte {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.mem.segs[loc.Segment-1].mem[loc.Offset : loc.Offset+loc.Size]
+}

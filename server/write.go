@@ -1,0 +1,136 @@
+package server
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/kvshim/kvshim/ipc"
+)
+
+// Alloc reserves staging space for one rank's new objects (OpAlloc). Per
+// key, in order: StatusResident (already published: skip the write),
+// StatusInProgress (this writer tag already stages the key), StatusOK with
+// the Loc to write, or StatusNoSpace (L1 full even after evicting every
+// unheld resident object; every later new key of the batch gets NoSpace
+// too, since a chunk after a gap is useless to a prefix lookup). A malformed
+// request changes nothing and fails with ErrBadRequest.
+func (st *Store) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
+	defer st.metrics.observe(opAlloc, time.Now())
+	n := len(req.Hashes)
+	if n != len(req.Sizes) {
+		return nil, fmt.Errorf("%w: alloc: %d hashes, %d sizes", ErrBadRequest, n, len(req.Sizes))
+	}
+	if n > ipc.MaxKeys {
+		return nil, fmt.Errorf("%w: alloc: %d keys > %d", ErrBadRequest, n, ipc.MaxKeys)
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if err := st.check(s); err != nil {
+		return nil, err
+	}
+	maxObj := st.mem.maxObject()
+	for i, sz := range req.Sizes {
+		if sz == 0 || sz > maxObj {
+			return nil, fmt.Errorf("%w: alloc: key %d: size %d not in [1, %d]", ErrBadRequest, i, sz, maxObj)
+		}
+	}
+	resp := &ipc.AllocResp{Status: make([]ipc.Status, n), Locs: make([]ipc.Loc, n)}
+	sh, _ := st.shardOf(req.Namespace, true)
+	table := &st.shards[sh]
+	now := st.now().UnixNano()
+	full := false
+	for i, h := range req.Hashes {
+		if _, ok := st.find(table, &h, req.Rank); ok {
+			resp.Status[i] = ipc.StatusResident
+			st.cnt.allocResident++
+			continue
+		}
+		k := stageKey{shard: sh, rank: req.Rank, hash: h, tag: req.Tag}
+		if _, ok := st.staging[k]; ok {
+			resp.Status[i] = ipc.StatusInProgress
+			st.cnt.allocInProgress++
+			continue
+		}
+		var idx uint32
+		if !full {
+			idx, full = st.newObject(sh, req.Rank, h, req.Sizes[i], stStaging)
+			full = !full
+		}
+		if full {
+			resp.Status[i] = ipc.StatusNoSpace
+			st.cnt.allocNoSpace++
+			continue
+		}
+		st.staging[k] = stageEntry{idx: idx, owner: s, since: now}
+		resp.Locs[i] = st.loc(idx)
+		st.cnt.allocOK++
+	}
+	st.maybeEvict()
+	return resp, nil
+}
+
+// Commit publishes a writer's staging objects (OpCommit): the first valid
+// publisher of a key makes it resident; a later publisher's copy is
+// discarded and its space freed (StatusOK either way: the data is in L1).
+// A key this session's writer tag does not stage is StatusNotFound.
+func (st *Store) Commit(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
+	defer st.metrics.observe(opCommit, time.Now())
+	return st.finishWrite(s, req, true)
+}
+
+// Abort drops a writer's staging objects and frees their space (OpAbort).
+func (st *Store) Abort(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
+	defer st.metrics.observe(opAbort, time.Now())
+	return st.finishWrite(s, req, false)
+}
+
+func (st *Store) finishWrite(s *Session, req *ipc.CommitReq, publish bool) (*ipc.CommitResp, error) {
+	n := len(req.Hashes)
+	if n > ipc.MaxKeys {
+		return nil, fmt.Errorf("%w: commit: %d keys > %d", ErrBadRequest, n, ipc.MaxKeys)
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if err := st.check(s); err != nil {
+		return nil, err
+	}
+	resp := &ipc.CommitResp{Status: make([]ipc.Status, n)}
+	sh, ok := st.shardOf(req.Namespace, false)
+	if !ok {
+		for i := range resp.Status {
+			resp.Status[i] = ipc.StatusNotFound
+		}
+		return resp, nil
+	}
+	table := &st.shards[sh]
+	// Publish in reverse so the batch's first chunk ends up most recently
+	// used: eviction then takes a prefix's tail before its head.
+	for i := n - 1; i >= 0; i-- {
+		k := stageKey{shard: sh, rank: req.Rank, hash: req.Hashes[i], tag: req.Tag}
+		e, ok := st.staging[k]
+		if !ok || e.owner != s {
+			resp.Status[i] = ipc.StatusNotFound
+			continue
+		}
+		delete(st.staging, k)
+		if !publish {
+			st.freeObject(e.idx)
+			st.cnt.aborts++
+			continue
+		}
+		st.cnt.commits++
+		if _, dup := st.find(table, &k.hash, k.rank); dup {
+			st.cnt.discarded++
+			st.cnt.discardedBytes += st.objs.get(e.idx).size
+			st.freeObject(e.idx)
+			continue
+		}
+		st.setState(e.idx, stResident)
+		st.insert(e.idx)
+		st.lru.pushHead(&st.objs, e.idx)
+	}
+	if publish {
+		st.maybeEvict()
+	}
+	return resp, nil
+}

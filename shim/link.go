@@ -1,0 +1,113 @@
+package shim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvshim/kvshim/ipc"
+)
+
+// ErrUnavailable means the server cannot be reached right now. Callers treat
+// it as a cache miss (lookups) or a load error (loads), never as a hang.
+var ErrUnavailable = errors.New("kvshim server unavailable")
+
+// link is a connection to the server that redials on demand. A dead or
+// absent server makes calls fail fast with ErrUnavailable; the next call
+// after RedialEvery tries again, so the connector recovers by itself when a
+// server comes back.
+type link struct {
+	path     string
+	hello    ipc.Hello
+	timeout  time.Duration
+	redial   time.Duration
+	onDialed func(*ipc.Client) error // e.g. register segments with CUDA
+
+	mu      sync.Mutex
+	c       *ipc.Client
+	lastTry time.Time
+	lastErr error
+}
+
+func newLink(path string, role ipc.Role, instance uuid.UUID, timeout time.Duration) *link {
+	return &link{
+		path:    path,
+		hello:   ipc.Hello{Version: ipc.ProtocolVersion, Role: role, PID: uint32(os.Getpid()), Instance: instance},
+		timeout: timeout,
+		redial:  time.Second,
+	}
+}
+
+// client returns a live client, dialling when there is none and the last
+// attempt is older than the redial interval.
+func (l *link) client() (*ipc.Client, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.c != nil {
+		select {
+		case <-l.c.Done():
+			l.lastErr = l.c.Err()
+			l.c.Close()
+			l.c = nil
+		default:
+			return l.c, nil
+		}
+	}
+	if !l.lastTry.IsZero() && time.Since(l.lastTry) < l.redial {
+		return nil, fmt.Errorf("%w: %s: %v", ErrUnavailable, l.path, l.lastErr)
+	}
+	l.lastTry = time.Now()
+	c, err := ipc.Dial(l.path, l.hello, l.timeout)
+	if err == nil && l.onDialed != nil {
+		if err = l.onDialed(c); err != nil {
+			c.Close()
+		}
+	}
+	if err != nil {
+		l.lastErr = err
+		return nil, fmt.Errorf("%w: %s: %v", ErrUnavailable, l.path, err)
+	}
+	l.c, l.lastErr = c, nil
+	return c, nil
+}
+
+// call runs fn with a live client and the call timeout. A transport failure
+// (anything but a server's status answer) drops the client so the next call
+// redials.
+func (l *link) call(fn func(ctx context.Context, c *ipc.Client) error) error {
+	c, err := l.client()
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), l.timeout)
+	defer cancel()
+	err = fn(ctx, c)
+	if err != nil && !errors.Is(err, ipc.ErrRemote) {
+		l.mu.Lock()
+		if l.c == c {
+			l.c.Close()
+			l.c = nil
+			l.lastErr = err
+			l.lastTry = time.Time{} // a broken session may mean a restarted server: redial at once
+		}
+		l.mu.Unlock()
+		return fmt.Errorf("%w: %v", ErrUnavailable, err)
+	}
+	return err
+}
+
+func (l *link) close() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.c == nil {
+		return nil
+	}
+	err := l.c.Close()
+	l.c = nil
+	return err
+}

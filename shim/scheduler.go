@@ -1,0 +1,335 @@
+package shim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvshim/kvshim/ipc"
+)
+
+// SchedulerConfig configures the scheduler side of the connector.
+type SchedulerConfig struct {
+	Socket    string        // the server's socket
+	Namespace NamespaceSpec // what makes KV bytes compatible
+	BlockSize int           // vLLM's block size in tokens; divides ChunkSize
+	Timeout   time.Duration // per server call, and the longest a lookup stays pending
+	Instance  uuid.UUID     // this connector's id: the Owner workers retrieve with
+}
+
+// Scheduler is the scheduler-side state machine: it turns vLLM's questions
+// (how many tokens can be loaded? which blocks to load into? which chunks
+// to save?) into server lookups and per-step metadata for the workers.
+// Every method is one Python call; none blocks longer than the call timeout.
+type Scheduler struct {
+	cfg   SchedulerConfig
+	ns    ipc.Namespace
+	chunk int
+	link  *link
+
+	mu         sync.Mutex
+	reqs       map[string]*schedReq
+	nextLookup uint64
+	loads      []LoadSpec // dispatched with the next metadata
+	finished   []string   // delay-freed requests, told to workers with the next metadata
+}
+
+type lookupState uint8
+
+const (
+	lookupNone    lookupState = iota // nothing to look up (no full chunk) or no server
+	lookupPending                    // registered, answer not read yet
+	lookupFinal                      // answer read (and cached here)
+)
+
+type schedReq struct {
+	id        string
+	prompt    int // prompt length in tokens
+	hashes    []ipc.Hash
+	lookupID  uint64
+	state     lookupState
+	submitted time.Time
+	hits      int // final answer: chunks present on all ranks, held for us
+	local     int // vLLM's own prefix-cache hit, as last given to Match
+
+	blocks     []int64 // block ids of the request, token order (group 0)
+	computed   int     // tokens vLLM has computed, as of the last step
+	loadPlaned bool    // a load was planned (holds now belong to the workers)
+	holdsFreed bool    // our holds were released (or never taken)
+	saved      int     // chunks that need no save (stored, or dispatched)
+	inFlight   bool    // loads or saves were dispatched for it
+}
+
+// NewScheduler checks cfg and computes the namespace.
+func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
+	ns, err := cfg.Namespace.Namespace()
+	if err != nil {
+		return nil, err
+	}
+	chunk := cfg.Namespace.ChunkSize
+	if cfg.BlockSize <= 0 || chunk%cfg.BlockSize != 0 {
+		return nil, fmt.Errorf("%w: chunk size %d is not a multiple of the block size %d", ErrBadChunkSize, chunk, cfg.BlockSize)
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = 5 * time.Second
+	}
+	return &Scheduler{
+		cfg: cfg, ns: ns, chunk: chunk,
+		link: newLink(cfg.Socket, ipc.RoleScheduler, cfg.Instance, cfg.Timeout),
+		reqs: map[string]*schedReq{},
+	}, nil
+}
+
+// Close drops the server session; the server releases everything it held for us.
+func (s *Scheduler) Close() error { return s.link.close() }
+
+// Match answers get_num_new_matched_tokens: the number of tokens beyond
+// numComputed that can be loaded, or pending (ask again next step). The
+// first call computes the chunk keys and registers the lookup; later calls
+// read the answer once and cache it, so repeated calls are side-effect free.
+func (s *Scheduler) Match(req string, tokens []uint32, ex Extras, numComputed int) (n int, pending bool, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := s.reqs[req]
+	if r == nil {
+		if r, err = s.submit(req, tokens, ex); err != nil {
+			return 0, false, err
+		}
+	}
+	r.local = numComputed
+	if r.state == lookupPending {
+		s.poll(r)
+	}
+	switch r.state {
+	case lookupPending:
+		return 0, true, nil
+	case lookupNone:
+		return 0, false, nil
+	}
+	// vLLM must compute at least the last prompt token itself.
+	usable := min(r.hits*s.chunk, r.prompt-1)
+	return max(0, usable-numComputed), false, nil
+}
+
+func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, error) {
+	hashes, err := ChunkHashes(s.ns, tokens, s.chunk, ex)
+	if err != nil {
+		return nil, err
+	}
+	s.nextLookup++
+	r := &schedReq{id: req, prompt: len(tokens), hashes: hashes, lookupID: s.nextLookup, holdsFreed: true}
+	s.reqs[req] = r
+	if len(hashes) == 0 {
+		return r, nil
+	}
+	lk := &ipc.LookupReq{LookupID: r.lookupID, Namespace: s.ns, WorldSize: uint32(s.cfg.Namespace.KVWorldSize()),
+		MLA: s.cfg.Namespace.MLA, Hashes: hashes}
+	if s.cfg.Namespace.MLA {
+		// MLA objects are stored once and read by every TP rank.
+		lk.WorldSize = uint32(s.cfg.Namespace.WorldSize)
+	}
+	err = s.link.call(func(ctx context.Context, c *ipc.Client) error { return c.Lookup(ctx, lk) })
+	if err != nil {
+		return r, nil // no server: a miss
+	}
+	r.state, r.submitted, r.holdsFreed = lookupPending, time.Now(), false
+	return r, nil
+}
+
+// poll reads a pending lookup's answer; a server that is gone or too slow
+// turns it into a miss.
+func (s *Scheduler) poll(r *schedReq) {
+	var res *ipc.LookupResultResp
+	err := s.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
+		res, err = c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: r.lookupID})
+		return err
+	})
+	switch {
+	case err != nil || res.Status == ipc.StatusUnknown:
+		r.state, r.holdsFreed = lookupNone, true
+	case res.Status == ipc.StatusPending:
+		if time.Since(r.submitted) > s.cfg.Timeout {
+			s.free(r, 0)
+			r.state = lookupNone
+		}
+	default:
+		r.state, r.hits, r.saved = lookupFinal, int(res.Chunks), int(res.Chunks)
+		if r.hits == 0 {
+			r.holdsFreed = true
+		}
+	}
+}
+
+// free releases our holds on chunks [from, end) of the lookup.
+func (s *Scheduler) free(r *schedReq, from uint32) {
+	if r.holdsFreed {
+		return
+	}
+	_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
+		return c.Free(ctx, &ipc.FreeReq{LookupID: r.lookupID, Start: from, End: ^uint32(0)})
+	})
+	if from == 0 {
+		r.holdsFreed = true
+	}
+}
+
+// AfterAlloc answers update_state_after_alloc: blocks are all the request's
+// block ids so far (vLLM's own prefix-cache hits first), numComputed the
+// tokens vLLM has itself (negative: the value given to Match), numExternal
+// the tokens to load. It plans the load
+// of the chunks that cover [numComputed, numComputed+numExternal), skipping
+// the blocks vLLM already has, and releases every other hold. A second call
+// (more blocks after the load) only records the blocks.
+func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExternal int) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := s.reqs[req]
+	if r == nil {
+		return nil // never looked up (no full chunk): nothing to do
+	}
+	if numComputed < 0 {
+		numComputed = r.local
+	}
+	r.blocks = append(r.blocks[:0], blocks...)
+	r.computed = numComputed
+	if r.loadPlaned {
+		return nil
+	}
+	if numExternal <= 0 || r.state != lookupFinal {
+		s.free(r, 0)
+		return nil
+	}
+	bs := s.cfg.BlockSize
+	end := numComputed + numExternal
+	first, last := numComputed/s.chunk, (end+s.chunk-1)/s.chunk
+	if last > r.hits || (last*s.chunk)/bs > len(blocks)+(s.chunk/bs) {
+		return fmt.Errorf("%w: load of %q: tokens [%d, %d) but %d chunks held and %d blocks", ErrBadMeta, req, numComputed, end, r.hits, len(blocks))
+	}
+	ids := make([]int64, 0, (last-first)*s.chunk/bs)
+	for b := first * s.chunk / bs; b < last*s.chunk/bs; b++ {
+		switch {
+		case b < numComputed/bs:
+			ids = append(ids, -1) // vLLM has it: never overwrite a shared block
+		case b < len(blocks):
+			ids = append(ids, blocks[b])
+		default:
+			// The full-hit case: vLLM allocated blocks for one token less
+			// than the last chunk, so the tail of that chunk has no block.
+			ids = append(ids, -1)
+		}
+	}
+	// Holds below the first chunk we load are not needed; the workers
+	// release the rest after their copies.
+	if first > 0 {
+		_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
+			return c.Free(ctx, &ipc.FreeReq{LookupID: r.lookupID, Start: 0, End: uint32(first)})
+		})
+	}
+	if last < r.hits {
+		_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
+			return c.Free(ctx, &ipc.FreeReq{LookupID: r.lookupID, Start: uint32(last), End: ^uint32(0)})
+		})
+	}
+	s.loads = append(s.loads, LoadSpec{Req: req, Owner: Tag(s.cfg.Instance), Lookup: r.lookupID,
+		Start: uint32(first), End: uint32(last), Blocks: ids})
+	r.loadPlaned, r.holdsFreed, r.inFlight = true, true, true
+	return nil
+}
+
+// StepRequest is one scheduled request of an engine step, as Python
+// flattens vLLM's SchedulerOutput.
+type StepRequest struct {
+	Req       string  `json:"req"`
+	Blocks    []int64 `json:"blocks"`     // new requests and resumed ones: all block ids
+	NewBlocks []int64 `json:"new_blocks"` // running requests: blocks added this step
+	Computed  int     `json:"computed"`   // num_computed_tokens before this step
+	Scheduled int     `json:"scheduled"`  // tokens scheduled this step
+}
+
+// Step is one engine step: the scheduled requests, those that finished
+// and those that were preempted.
+type Step struct {
+	Requests  []StepRequest `json:"requests"`
+	Preempted []string      `json:"preempted"`
+}
+
+// BuildMeta answers build_connector_meta: the loads planned since the last
+// step, the full prompt chunks this step completes (to save), the
+// delay-freed requests and the preempted ones. It resets the pending lists.
+func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m := &StepMeta{Loads: s.loads, Finished: s.finished, Preempted: step.Preempted}
+	s.loads, s.finished = nil, nil
+	bs := s.cfg.BlockSize
+	cb := s.chunk / bs
+	for _, sr := range step.Requests {
+		r := s.reqs[sr.Req]
+		if r == nil {
+			continue
+		}
+		if sr.Blocks != nil {
+			r.blocks = append(r.blocks[:0], sr.Blocks...)
+		}
+		r.blocks = append(r.blocks, sr.NewBlocks...)
+		r.computed = sr.Computed + sr.Scheduled
+		// Prompt chunks only: their keys are known from the lookup.
+		full := min(min(r.computed, r.prompt)/s.chunk, len(r.hashes), len(r.blocks)/cb)
+		if full <= r.saved {
+			continue
+		}
+		sv := SaveSpec{Req: r.id, First: uint32(r.saved), Blocks: make([]int64, 0, (full-r.saved)*cb)}
+		for c := r.saved; c < full; c++ {
+			sv.Hashes = append(sv.Hashes, Hash(r.hashes[c]))
+			sv.Blocks = append(sv.Blocks, r.blocks[c*cb:(c+1)*cb]...)
+		}
+		m.Saves = append(m.Saves, sv)
+		r.saved, r.inFlight = full, true
+	}
+	return m.Encode()
+}
+
+// Finished answers request_finished: it releases what the request still
+// holds and reports whether vLLM must keep its blocks until the workers
+// report the request in finished_sending (copies may still read or write
+// them). The request's state is dropped either way.
+func (s *Scheduler) Finished(req string) (delay bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := s.reqs[req]
+	if r == nil {
+		return false
+	}
+	delete(s.reqs, req)
+	if !r.loadPlaned {
+		s.free(r, 0)
+	}
+	if r.inFlight {
+		s.finished = append(s.finished, req)
+	}
+	return r.inFlight
+}
+
+// Requests reports how many requests have state (a leak check for tests).
+func (s *Scheduler) Requests() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.reqs)
+}
+
+// Stats asks the server for its counters.
+func (s *Scheduler) Stats() (*ipc.StatsResp, error) {
+	var st *ipc.StatsResp
+	err := s.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
+		st, err = c.Stats(ctx)
+		return err
+	})
+	return st, err
+}
+
+// IsUnavailable tells whether err means the server could not be reached.
+func IsUnavailable(err error) bool { return errors.Is(err, ErrUnavailable) }

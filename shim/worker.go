@@ -1,0 +1,422 @@
+package shim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvshim/kvshim/cuda"
+	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/layout"
+)
+
+// WorkerConfig configures the worker side of the connector (one per rank).
+type WorkerConfig struct {
+	Socket    string
+	Namespace NamespaceSpec
+	Rank      int
+	Timeout   time.Duration // per server call and per copy job
+	Instance  uuid.UUID
+	Workers   int // host engine goroutines; 0 = GOMAXPROCS
+}
+
+// Worker is the worker-side state machine: it moves the bytes the
+// scheduler's metadata asks for between vLLM's paged KV cache and the
+// server's L1 segments, and reports what finished and what failed.
+type Worker struct {
+	cfg    WorkerConfig
+	ns     ipc.Namespace
+	kvRank uint32
+	writer bool // MLA: only one rank per TP group stores
+	link   *link
+
+	mu       sync.Mutex
+	layout   *layout.Layout
+	engine   cuda.Engine
+	pins     *pinner         // GPU caches only
+	inflight map[string]int  // request -> copies not yet finished
+	finish   map[string]bool // delay-freed requests to report when idle
+	recving  []string        // loads finished since the last Poll
+	errBlock []int64         // blocks whose load failed since the last Poll
+	stats    WorkerStats
+	wg       sync.WaitGroup
+}
+
+// WorkerStats are cumulative counters of one worker.
+type WorkerStats struct {
+	SavedChunks, SkippedChunks, FailedSaves uint64
+	LoadedChunks, FailedLoads               uint64
+	SavedBytes, LoadedBytes                 uint64
+}
+
+// NewWorker checks cfg; Register must follow before any step.
+func NewWorker(cfg WorkerConfig) (*Worker, error) {
+	ns, err := cfg.Namespace.Namespace()
+	if err != nil {
+		return nil, err
+	}
+	kvRank, writer, err := cfg.Namespace.KVRank(cfg.Rank)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = 5 * time.Second
+	}
+	return &Worker{
+		cfg: cfg, ns: ns, kvRank: kvRank, writer: writer,
+		link:     newLink(cfg.Socket, ipc.RoleWorker, cfg.Instance, cfg.Timeout),
+		inflight: map[string]int{}, finish: map[string]bool{},
+	}, nil
+}
+
+// Register validates the KV tensors vLLM registered and picks the copy
+// engine: the host engine for CPU tensors, CUDA for GPU tensors.
+func (w *Worker) Register(descs []layout.TensorDesc) error {
+	l, err := layout.New(descs, w.cfg.Namespace.ChunkSize)
+	if err != nil {
+		return err
+	}
+	var eng cuda.Engine
+	var pins *pinner
+	switch dev := l.Device(); dev.Kind {
+	case layout.CPU:
+		eng = cuda.NewHostEngine(w.cfg.Workers)
+	default:
+		de, err := cuda.NewDeviceEngine(dev.Index)
+		if err != nil {
+			return fmt.Errorf("KV cache on %s: %w", dev, err)
+		}
+		eng = de
+		pins = &pinner{eng: de, done: map[uint64]bool{}}
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.layout != nil {
+		eng.Close()
+		return fmt.Errorf("%w: KV caches registered twice", layout.ErrGeometry)
+	}
+	w.layout, w.engine, w.pins = l, eng, pins
+	return nil
+}
+
+// Layout is the registered layout (nil before Register).
+func (w *Worker) Layout() *layout.Layout {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.layout
+}
+
+func (w *Worker) ready() (*layout.Layout, cuda.Engine, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.layout == nil {
+		return nil, nil, fmt.Errorf("%w: no KV caches registered", ErrBadMeta)
+	}
+	return w.layout, w.engine, nil
+}
+
+// StartLoads starts the loads of one step's metadata. Failures are not
+// returned: they become load errors reported by Poll.
+func (w *Worker) StartLoads(meta *StepMeta) {
+	for i := range meta.Loads {
+		w.startLoad(&meta.Loads[i])
+	}
+}
+
+func (w *Worker) startLoad(ld *LoadSpec) {
+	l, eng, err := w.ready()
+	cb := 0
+	if err == nil {
+		cb = l.ChunkBlocks()
+	}
+	// failFrom turns chunk k and everything after it into load errors.
+	failFrom := func(k int, why error) {
+		slog.Warn("kvshim: load failed", "req", ld.Req, "chunk", int(ld.Start)+k, "err", why)
+		w.mu.Lock()
+		for _, id := range ld.Blocks[k*cb:] {
+			if id >= 0 {
+				w.errBlock = append(w.errBlock, id)
+			}
+		}
+		w.stats.FailedLoads += uint64(int(ld.End-ld.Start) - k)
+		w.mu.Unlock()
+	}
+	if err != nil {
+		w.mu.Lock()
+		for _, id := range ld.Blocks {
+			if id >= 0 {
+				w.errBlock = append(w.errBlock, id)
+			}
+		}
+		w.recving = append(w.recving, ld.Req)
+		w.mu.Unlock()
+		return
+	}
+	var resp *ipc.RetrieveResp
+	var client *ipc.Client
+	rr := &ipc.RetrieveReq{Owner: ipc.Tag(ld.Owner), LookupID: ld.Lookup, Rank: w.kvRank, Start: ld.Start, End: ld.End}
+	err = w.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
+		client = c
+		resp, err = c.Retrieve(ctx, rr)
+		return err
+	})
+	n := int(ld.End - ld.Start)
+	good := 0
+	var spans []layout.Span
+	var why error = err
+	if err == nil {
+		for ; good < n; good++ {
+			if resp.Status[good] != ipc.StatusOK {
+				why = fmt.Errorf("chunk not held (status %d)", resp.Status[good])
+				break
+			}
+			obj, err := w.resolve(client, resp.Locs[good])
+			if err == nil {
+				err = l.VerifyObject(obj)
+			}
+			if err == nil {
+				spans, err = l.AppendPlan(spans, ld.Blocks[good*cb:(good+1)*cb], addrOf(obj), layout.Load)
+			}
+			if err != nil {
+				why = err
+				break
+			}
+		}
+	}
+	if good < n {
+		failFrom(good, why)
+	}
+	release := func() {
+		if err == nil {
+			_ = w.link.call(func(ctx context.Context, c *ipc.Client) error {
+				return c.Release(ctx, &ipc.ReleaseReq{Owner: rr.Owner, LookupID: rr.LookupID, Rank: rr.Rank})
+			})
+		}
+	}
+	if good == 0 {
+		release()
+		w.mu.Lock()
+		w.recving = append(w.recving, ld.Req)
+		w.mu.Unlock()
+		return
+	}
+	w.run(ld.Req, eng, spans, cuda.Load, 0, func(jobErr error) {
+		w.mu.Lock()
+		if jobErr != nil {
+			w.mu.Unlock()
+			failFrom(0, jobErr)
+			w.mu.Lock()
+		} else {
+			w.stats.LoadedChunks += uint64(good)
+			w.stats.LoadedBytes += spansBytes(spans)
+		}
+		w.recving = append(w.recving, ld.Req)
+		w.mu.Unlock()
+		release() // after the copy: the objects may be evicted now
+	})
+}
+
+// StartSaves starts the saves of one step's metadata after the forward
+// pass. streamEvent is a CUevent recorded on vLLM's stream (0 for CPU
+// caches, whose forward pass has finished when this is called). A full
+// cache, a dead server or a failed copy skips the save: a future miss.
+func (w *Worker) StartSaves(meta *StepMeta, streamEvent uint64) {
+	if !w.writer || len(meta.Saves) == 0 {
+		return
+	}
+	l, eng, err := w.ready()
+	if err != nil {
+		return
+	}
+	size, _ := l.ObjectSize(l.ChunkTokens())
+	cb := l.ChunkBlocks()
+	tag := ipc.Tag(w.cfg.Instance)
+	for _, sv := range meta.Saves {
+		req := &ipc.AllocReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: make([]ipc.Hash, len(sv.Hashes)), Sizes: make([]uint64, len(sv.Hashes))}
+		for i, h := range sv.Hashes {
+			req.Hashes[i], req.Sizes[i] = ipc.Hash(h), size
+		}
+		var resp *ipc.AllocResp
+		var client *ipc.Client
+		err := w.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
+			client = c
+			resp, err = c.Alloc(ctx, req)
+			return err
+		})
+		if err != nil {
+			w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(sv.Hashes)) })
+			continue
+		}
+		var spans []layout.Span
+		var objs [][]byte
+		var hashes []ipc.Hash
+		for i, st := range resp.Status {
+			if st != ipc.StatusOK {
+				w.count(func(s *WorkerStats) { s.SkippedChunks++ })
+				continue
+			}
+			obj, err := w.resolve(client, resp.Locs[i])
+			if err == nil {
+				spans, err = l.AppendPlan(spans, sv.Blocks[i*cb:(i+1)*cb], addrOf(obj), layout.Save)
+			}
+			if err != nil {
+				w.abort(tag, req.Hashes[i:i+1])
+				continue
+			}
+			objs, hashes = append(objs, obj), append(hashes, req.Hashes[i])
+		}
+		if len(objs) == 0 {
+			continue
+		}
+		w.run(sv.Req, eng, spans, cuda.Save, streamEvent, func(jobErr error) {
+			if jobErr == nil {
+				for _, obj := range objs {
+					if jobErr = l.SealObject(obj); jobErr != nil {
+						break
+					}
+				}
+			}
+			if jobErr != nil {
+				w.abort(tag, hashes)
+				w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(hashes)) })
+				return
+			}
+			err := w.link.call(func(ctx context.Context, c *ipc.Client) error {
+				_, err := c.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: hashes})
+				return err
+			})
+			w.count(func(s *WorkerStats) {
+				if err != nil {
+					s.FailedSaves += uint64(len(hashes))
+				} else {
+					s.SavedChunks += uint64(len(hashes))
+					s.SavedBytes += uint64(len(hashes)) * size
+				}
+			})
+		})
+	}
+}
+
+func (w *Worker) abort(tag ipc.Tag, hashes []ipc.Hash) {
+	_ = w.link.call(func(ctx context.Context, c *ipc.Client) error {
+		_, err := c.Abort(ctx, &ipc.CommitReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: hashes})
+		return err
+	})
+}
+
+func (w *Worker) count(f func(*WorkerStats)) {
+	w.mu.Lock()
+	f(&w.stats)
+	w.mu.Unlock()
+}
+
+// run submits a copy for req and calls done(err) when it ends; the request
+// counts as in flight until then.
+func (w *Worker) run(req string, eng cuda.Engine, spans []layout.Span, dir cuda.Direction, ev uint64, done func(error)) {
+	w.mu.Lock()
+	w.inflight[req]++
+	w.mu.Unlock()
+	w.wg.Add(1)
+	go func() {
+		defer w.wg.Done()
+		job, err := eng.Submit(spans, dir, ev)
+		if err == nil {
+			err = job.Wait(w.cfg.Timeout)
+		}
+		done(err)
+		w.mu.Lock()
+		if w.inflight[req]--; w.inflight[req] <= 0 {
+			delete(w.inflight, req)
+		}
+		w.mu.Unlock()
+	}()
+}
+
+// Finishing marks delay-freed requests: Poll reports each once its copies end.
+func (w *Worker) Finishing(reqs []string) {
+	w.mu.Lock()
+	for _, r := range reqs {
+		w.finish[r] = true
+	}
+	w.mu.Unlock()
+}
+
+// Poll answers get_finished and get_block_ids_with_load_errors: requests
+// whose blocks vLLM may free now, requests whose loads ended (with or
+// without errors) and the blocks whose loads failed.
+func (w *Worker) Poll() (sending, recving []string, errBlocks []int64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for r := range w.finish {
+		if w.inflight[r] == 0 {
+			sending = append(sending, r)
+			delete(w.finish, r)
+		}
+	}
+	recving, errBlocks = w.recving, w.errBlock
+	w.recving, w.errBlock = nil, nil
+	return sending, recving, errBlocks
+}
+
+// WaitFor blocks until the copies of reqs end or the timeout passes
+// (handle_preemptions: vLLM reuses their blocks next).
+func (w *Worker) WaitFor(reqs []string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		w.mu.Lock()
+		busy := ""
+		for _, r := range reqs {
+			if w.inflight[r] > 0 {
+				busy = r
+				break
+			}
+		}
+		w.mu.Unlock()
+		if busy == "" {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%w: copies of %q still running after %v", cuda.ErrTimeout, busy, timeout)
+		}
+		time.Sleep(200 * time.Microsecond)
+	}
+}
+
+// Stats returns the worker's counters.
+func (w *Worker) Stats() WorkerStats {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.stats
+}
+
+// Close waits (bounded) for copies, then closes the engine and the session.
+func (w *Worker) Close() error {
+	done := make(chan struct{})
+	go func() { w.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(2 * w.cfg.Timeout):
+	}
+	w.mu.Lock()
+	eng := w.engine
+	w.engine, w.layout = nil, nil
+	w.mu.Unlock()
+	var errs []error
+	if eng != nil {
+		errs = append(errs, eng.Close())
+	}
+	errs = append(errs, w.link.close())
+	return errors.Join(errs...)
+}
+
+func spansBytes(spans []layout.Span) (n uint64) {
+	for _, s := range spans {
+		n += s.Len
+	}
+	return n
+}
