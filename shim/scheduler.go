@@ -61,7 +61,7 @@ type schedReq struct {
 	loadPlaned bool    // a load was planned (holds now belong to the workers)
 	holdsFreed bool    // our holds were released (or never taken)
 	saved      int     // chunks that need no save (stored, or dispatched)
-	inFlight   bool    // loads or saves were dispatched for it
+	savesOut   bool    // saves were dispatched: the workers may still read its blocks
 }
 
 // NewScheduler checks cfg and computes the namespace.
@@ -236,7 +236,9 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 	}
 	s.loads = append(s.loads, LoadSpec{Req: req, Owner: Tag(s.cfg.Instance), Lookup: r.lookupID,
 		Start: uint32(first), End: uint32(last), Blocks: ids})
-	r.loadPlaned, r.holdsFreed, r.inFlight = true, true, true
+	// vLLM itself keeps the blocks of a request whose load is in flight
+	// (WAITING_FOR_REMOTE_KVS) until the workers report it received.
+	r.loadPlaned, r.holdsFreed = true, true
 	return nil
 }
 
@@ -265,6 +267,16 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 	defer s.mu.Unlock()
 	m := &StepMeta{Loads: s.loads, Finished: s.finished, Preempted: step.Preempted}
 	s.loads, s.finished = nil, nil
+	// A preempted request loses its blocks (the workers wait for its copies
+	// before they are reused) and comes back through a new lookup.
+	for _, id := range step.Preempted {
+		if r := s.reqs[id]; r != nil {
+			if !r.loadPlaned {
+				s.free(r, 0)
+			}
+			delete(s.reqs, id)
+		}
+	}
 	bs := s.cfg.BlockSize
 	cb := s.chunk / bs
 	for _, sr := range step.Requests {
@@ -288,15 +300,17 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 			sv.Blocks = append(sv.Blocks, r.blocks[c*cb:(c+1)*cb]...)
 		}
 		m.Saves = append(m.Saves, sv)
-		r.saved, r.inFlight = full, true
+		r.saved, r.savesOut = full, true
 	}
 	return m.Encode()
 }
 
 // Finished answers request_finished: it releases what the request still
 // holds and reports whether vLLM must keep its blocks until the workers
-// report the request in finished_sending (copies may still read or write
-// them). The request's state is dropped either way.
+// report the request in finished_sending (saves may still read them). A
+// load in flight needs no delay here: vLLM keeps the blocks of a request
+// waiting for remote KV until the workers report it received, and reporting
+// it twice would free it twice. The request's state is dropped either way.
 func (s *Scheduler) Finished(req string) (delay bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -308,10 +322,10 @@ func (s *Scheduler) Finished(req string) (delay bool) {
 	if !r.loadPlaned {
 		s.free(r, 0)
 	}
-	if r.inFlight {
+	if r.savesOut {
 		s.finished = append(s.finished, req)
 	}
-	return r.inFlight
+	return r.savesOut
 }
 
 // Requests reports how many requests have state (a leak check for tests).
