@@ -31,8 +31,6 @@ func appendLoc(b []byte, l Loc) []byte {
 	return putU64(b, l.Size)
 }
 
-func (d *dec) loc() Loc { return Loc{Segment: d.u32(), Offset: d.u64(), Size: d.u64()} }
-
 func appendHashes(b []byte, hs []Hash) []byte {
 	b = slices.Grow(b, 4+len(hs)*HashSize)
 	b = putU32(b, uint32(len(hs)))
@@ -86,13 +84,19 @@ func (d *dec) statusLocs() ([]Status, []Loc) {
 	if d.err != nil {
 		return nil, nil
 	}
+	raw := d.take(n * (4 + locLen)) // one bounds check for the whole array
+	if raw == nil {
+		return nil, nil
+	}
 	st := make([]Status, n)
 	for i := range st {
-		st[i] = Status(d.u32())
+		st[i] = Status(le.Uint32(raw[4*i:]))
 	}
+	raw = raw[4*n:]
 	locs := make([]Loc, n)
 	for i := range locs {
-		locs[i] = d.loc()
+		e := raw[i*locLen : (i+1)*locLen]
+		locs[i] = Loc{Segment: le.Uint32(e), Offset: le.Uint64(e[4:]), Size: le.Uint64(e[12:])}
 	}
 	return st, locs
 }
@@ -126,9 +130,11 @@ func DecodeAllocReq(b []byte) (*AllocReq, error) {
 	n := d.count(HashSize + 8)
 	if d.err == nil {
 		r.Hashes = d.hashArray(n)
-		r.Sizes = make([]uint64, n)
-		for i := range r.Sizes {
-			r.Sizes[i] = d.u64()
+		if raw := d.take(8 * n); raw != nil {
+			r.Sizes = make([]uint64, n)
+			for i := range r.Sizes {
+				r.Sizes[i] = le.Uint64(raw[8*i:])
+			}
 		}
 	}
 	if err := d.done(); err != nil {
@@ -195,9 +201,11 @@ func DecodeCommitResp(b []byte) (*CommitResp, error) {
 	n := d.count(4)
 	r := &CommitResp{}
 	if d.err == nil {
-		r.Status = make([]Status, n)
-		for i := range r.Status {
-			r.Status[i] = Status(d.u32())
+		if raw := d.take(4 * n); raw != nil {
+			r.Status = make([]Status, n)
+			for i := range r.Status {
+				r.Status[i] = Status(le.Uint32(raw[4*i:]))
+			}
 		}
 	}
 	if err := d.done(); err != nil {

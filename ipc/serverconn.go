@@ -164,7 +164,9 @@ func (c *ServerConn) Send(h FrameHeader, body []byte) error {
 // Handler answers one request. body aliases the ring and is valid only
 // during the call. It returns the frame status and the response body (for a
 // non-OK status: an error message, see AppendError). A non-nil error ends
-// the session (use it for malformed requests); it is logged.
+// the session (use it for malformed requests); it is logged. Serve copies
+// the returned body into the ring before the next call, so a handler may
+// reuse one buffer for its answers.
 type Handler func(op Op, body []byte) (Status, []byte, error)
 
 // serveSlice bounds each Recv in Serve so Done is noticed promptly.

@@ -42,8 +42,9 @@ type Service interface {
 // malformed body ends the session), calls svc and encodes the answer. Build
 // one per session (svc can carry the session's state).
 func ServiceHandler(svc Service) Handler {
+	var out []byte // reused: Serve copies each answer into the ring before the next call
 	return func(op Op, body []byte) (Status, []byte, error) {
-		resp, err := dispatch(svc, op, body)
+		resp, err := dispatch(svc, op, body, out[:0])
 		if err != nil {
 			if errors.Is(err, ErrMalformed) {
 				return 0, nil, fmt.Errorf("op %d: %w", op, err)
@@ -54,6 +55,9 @@ func ServiceHandler(svc Service) Handler {
 			}
 			return StatusInternal, AppendError(nil, err.Error()), nil
 		}
+		if cap(resp) <= 1<<20 {
+			out = resp
+		}
 		return StatusOK, resp, nil
 	}
 }
@@ -61,35 +65,35 @@ func ServiceHandler(svc Service) Handler {
 // errBadOp is answered (not fatal) for unknown op codes.
 var errBadOp = errors.New("unknown op")
 
-func dispatch(svc Service, op Op, b []byte) ([]byte, error) {
+func dispatch(svc Service, op Op, b, out []byte) ([]byte, error) {
 	switch op {
 	case OpAlloc:
-		return typed(b, DecodeAllocReq, svc.Alloc, AppendAllocResp)
+		return typed(b, out, DecodeAllocReq, svc.Alloc, AppendAllocResp)
 	case OpCommit:
-		return typed(b, DecodeCommitReq, svc.Commit, AppendCommitResp)
+		return typed(b, out, DecodeCommitReq, svc.Commit, AppendCommitResp)
 	case OpAbort:
-		return typed(b, DecodeCommitReq, svc.Abort, AppendCommitResp)
+		return typed(b, out, DecodeCommitReq, svc.Abort, AppendCommitResp)
 	case OpLookup:
-		return typed(b, DecodeLookupReq, noBody(svc.Lookup), appendNothing)
+		return typed(b, out, DecodeLookupReq, noBody(svc.Lookup), appendNothing)
 	case OpLookupResult:
-		return typed(b, DecodeLookupResultReq, svc.LookupResult, AppendLookupResultResp)
+		return typed(b, out, DecodeLookupResultReq, svc.LookupResult, AppendLookupResultResp)
 	case OpFree:
-		return typed(b, DecodeFreeReq, noBody(svc.Free), appendNothing)
+		return typed(b, out, DecodeFreeReq, noBody(svc.Free), appendNothing)
 	case OpRetrieve:
-		return typed(b, DecodeRetrieveReq, svc.Retrieve, AppendRetrieveResp)
+		return typed(b, out, DecodeRetrieveReq, svc.Retrieve, AppendRetrieveResp)
 	case OpRelease:
-		return typed(b, DecodeReleaseReq, noBody(svc.Release), appendNothing)
+		return typed(b, out, DecodeReleaseReq, noBody(svc.Release), appendNothing)
 	case OpStats:
-		return typed(b, decodeNothing, func(struct{}) (*StatsResp, error) { return svc.Stats() }, AppendStatsResp)
+		return typed(b, out, decodeNothing, func(struct{}) (*StatsResp, error) { return svc.Stats() }, AppendStatsResp)
 	case OpClear:
-		return typed(b, decodeNothing, func(struct{}) (*ClearResp, error) { return svc.Clear() }, AppendClearResp)
+		return typed(b, out, decodeNothing, func(struct{}) (*ClearResp, error) { return svc.Clear() }, AppendClearResp)
 	case OpPing:
 		return nil, DecodeEmpty("ping", b)
 	}
 	return nil, &StatusError{Op: op, Status: StatusBadRequest, Msg: errBadOp.Error()}
 }
 
-func typed[Req, Resp any](b []byte, dec func([]byte) (Req, error), call func(Req) (Resp, error), enc func([]byte, Resp) ([]byte, error)) ([]byte, error) {
+func typed[Req, Resp any](b, out []byte, dec func([]byte) (Req, error), call func(Req) (Resp, error), enc func([]byte, Resp) ([]byte, error)) ([]byte, error) {
 	req, err := dec(b)
 	if err != nil {
 		return nil, err
@@ -98,7 +102,7 @@ func typed[Req, Resp any](b []byte, dec func([]byte) (Req, error), call func(Req
 	if err != nil {
 		return nil, err
 	}
-	out, err := enc(nil, resp)
+	out, err = enc(out, resp)
 	if err != nil {
 		return nil, fmt.Errorf("encode answer: %v", err) // server bug, not the client's: not ErrMalformed
 	}

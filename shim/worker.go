@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"sync"
 	"time"
 
@@ -120,43 +121,29 @@ func (w *Worker) ready() (*layout.Layout, cuda.Engine, error) {
 	return w.layout, w.engine, nil
 }
 
-// StartLoads starts the loads of one step's metadata. Failures are not
-// returned: they become load errors reported by Poll.
+// StartLoads starts the loads of one step's metadata and returns at once
+// (start_load_kv is on the model runner's thread): retrieving, verifying and
+// copying run in the background. Failures are not returned: they become
+// load errors reported by Poll, with the request reported as received.
 func (w *Worker) StartLoads(meta *StepMeta) {
 	for i := range meta.Loads {
-		w.startLoad(&meta.Loads[i])
+		ld := &meta.Loads[i]
+		w.background(ld.Req, func() { w.load(ld) })
 	}
 }
 
-func (w *Worker) startLoad(ld *LoadSpec) {
-	l, eng, err := w.ready()
-	cb := 0
-	if err == nil {
-		cb = l.ChunkBlocks()
-	}
-	// failFrom turns chunk k and everything after it into load errors.
-	failFrom := func(k int, why error) {
-		slog.Warn("kvshim: load failed", "req", ld.Req, "chunk", int(ld.Start)+k, "err", why)
+func (w *Worker) load(ld *LoadSpec) {
+	defer func() {
 		w.mu.Lock()
-		for _, id := range ld.Blocks[k*cb:] {
-			if id >= 0 {
-				w.errBlock = append(w.errBlock, id)
-			}
-		}
-		w.stats.FailedLoads += uint64(int(ld.End-ld.Start) - k)
-		w.mu.Unlock()
-	}
-	if err != nil {
-		w.mu.Lock()
-		for _, id := range ld.Blocks {
-			if id >= 0 {
-				w.errBlock = append(w.errBlock, id)
-			}
-		}
 		w.recving = append(w.recving, ld.Req)
 		w.mu.Unlock()
+	}()
+	l, eng, err := w.ready()
+	if err != nil {
+		w.loadFailed(ld, 0, 1, err)
 		return
 	}
+	cb := l.ChunkBlocks()
 	var resp *ipc.RetrieveResp
 	var client *ipc.Client
 	rr := &ipc.RetrieveReq{Owner: ipc.Tag(ld.Owner), LookupID: ld.Lookup, Rank: w.kvRank, Start: ld.Start, End: ld.End}
@@ -165,70 +152,104 @@ func (w *Worker) startLoad(ld *LoadSpec) {
 		resp, err = c.Retrieve(ctx, rr)
 		return err
 	})
-	n := int(ld.End - ld.Start)
-	good := 0
-	var spans []layout.Span
-	var why error = err
-	if err == nil {
-		for ; good < n; good++ {
-			if resp.Status[good] != ipc.StatusOK {
-				why = fmt.Errorf("chunk not held (status %d)", resp.Status[good])
-				break
-			}
-			obj, err := w.resolve(client, resp.Locs[good])
-			if err == nil {
-				err = l.VerifyObject(obj)
-			}
-			if err == nil {
-				spans, err = l.AppendPlan(spans, ld.Blocks[good*cb:(good+1)*cb], addrOf(obj), layout.Load)
-			}
-			if err != nil {
-				why = err
-				break
-			}
-		}
-	}
-	if good < n {
-		failFrom(good, why)
-	}
-	release := func() {
-		if err == nil {
-			_ = w.link.call(func(ctx context.Context, c *ipc.Client) error {
-				return c.Release(ctx, &ipc.ReleaseReq{Owner: rr.Owner, LookupID: rr.LookupID, Rank: rr.Rank})
-			})
-		}
-	}
-	if good == 0 {
-		release()
-		w.mu.Lock()
-		w.recving = append(w.recving, ld.Req)
-		w.mu.Unlock()
+	if err != nil {
+		w.loadFailed(ld, 0, cb, err)
 		return
 	}
-	w.run(ld.Req, eng, spans, cuda.Load, 0, func(jobErr error) {
-		w.mu.Lock()
-		if jobErr != nil {
-			w.mu.Unlock()
-			failFrom(0, jobErr)
-			w.mu.Lock()
-		} else {
-			w.stats.LoadedChunks += uint64(good)
-			w.stats.LoadedBytes += spansBytes(spans)
+	// Holds are dropped once the copy has read the objects (or failed).
+	defer func() {
+		_ = w.link.call(func(ctx context.Context, c *ipc.Client) error {
+			return c.Release(ctx, &ipc.ReleaseReq{Owner: rr.Owner, LookupID: rr.LookupID, Rank: rr.Rank})
+		})
+	}()
+	objs, good, why := w.verified(l, client, resp)
+	var spans []layout.Span
+	for i := 0; i < good; i++ {
+		if spans, err = l.AppendPlan(spans, ld.Blocks[i*cb:(i+1)*cb], addrOf(objs[i]), layout.Load); err != nil {
+			good, why = i, err
+			break
 		}
-		w.recving = append(w.recving, ld.Req)
-		w.mu.Unlock()
-		release() // after the copy: the objects may be evicted now
+	}
+	if good < len(resp.Status) {
+		w.loadFailed(ld, good, cb, why)
+	}
+	if good == 0 {
+		return
+	}
+	if err := w.copy(eng, spans, cuda.Load, 0); err != nil {
+		w.loadFailed(ld, 0, cb, err)
+		return
+	}
+	w.count(func(s *WorkerStats) {
+		s.LoadedChunks += uint64(good)
+		s.LoadedBytes += spansBytes(spans)
 	})
 }
 
+// verified resolves the retrieved objects and checks their headers and
+// checksums, in parallel; good is the length of the prefix that passed and
+// why the reason the next chunk did not.
+func (w *Worker) verified(l *layout.Layout, c *ipc.Client, resp *ipc.RetrieveResp) (objs [][]byte, good int, why error) {
+	n := len(resp.Status)
+	objs = make([][]byte, n)
+	errs := make([]error, n)
+	sem := make(chan struct{}, max(1, runtime.GOMAXPROCS(0)))
+	var wg sync.WaitGroup
+	for i := range n {
+		if resp.Status[i] != ipc.StatusOK {
+			errs[i] = fmt.Errorf("chunk not held (status %d)", resp.Status[i])
+			continue
+		}
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			obj, err := w.resolve(c, resp.Locs[i])
+			if err == nil {
+				err = l.VerifyObject(obj)
+			}
+			objs[i], errs[i] = obj, err
+		}()
+	}
+	wg.Wait()
+	for good = 0; good < n && errs[good] == nil; good++ {
+	}
+	if good < n {
+		why = errs[good]
+	}
+	return objs, good, why
+}
+
+// loadFailed turns chunk k of a load and every chunk after it into load
+// errors: vLLM recomputes from the first failed block on.
+func (w *Worker) loadFailed(ld *LoadSpec, k, cb int, why error) {
+	slog.Warn("kvshim: load failed", "req", ld.Req, "chunk", int(ld.Start)+k, "err", why)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, id := range ld.Blocks[min(k*cb, len(ld.Blocks)):] {
+		if id >= 0 {
+			w.errBlock = append(w.errBlock, id)
+		}
+	}
+	w.stats.FailedLoads += uint64(int(ld.End-ld.Start) - k)
+}
+
 // StartSaves starts the saves of one step's metadata after the forward
-// pass. streamEvent is a CUevent recorded on vLLM's stream (0 for CPU
-// caches, whose forward pass has finished when this is called). A full
-// cache, a dead server or a failed copy skips the save: a future miss.
+// pass and returns at once; ALLOC, copy and COMMIT run in the background.
+// streamEvent is a CUevent recorded on vLLM's stream (0 for CPU caches,
+// whose forward pass has finished when this is called). A full cache, a
+// dead server or a failed copy skips the save: a future miss.
 func (w *Worker) StartSaves(meta *StepMeta, streamEvent uint64) {
-	if !w.writer || len(meta.Saves) == 0 {
+	if !w.writer {
 		return
 	}
+	for i := range meta.Saves {
+		sv := &meta.Saves[i]
+		w.background(sv.Req, func() { w.save(sv, streamEvent) })
+	}
+}
+
+func (w *Worker) save(sv *SaveSpec, streamEvent uint64) {
 	l, eng, err := w.ready()
 	if err != nil {
 		return
@@ -236,70 +257,65 @@ func (w *Worker) StartSaves(meta *StepMeta, streamEvent uint64) {
 	size, _ := l.ObjectSize(l.ChunkTokens())
 	cb := l.ChunkBlocks()
 	tag := ipc.Tag(w.cfg.Instance)
-	for _, sv := range meta.Saves {
-		req := &ipc.AllocReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: make([]ipc.Hash, len(sv.Hashes)), Sizes: make([]uint64, len(sv.Hashes))}
-		for i, h := range sv.Hashes {
-			req.Hashes[i], req.Sizes[i] = ipc.Hash(h), size
+	req := &ipc.AllocReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: make([]ipc.Hash, len(sv.Hashes)), Sizes: make([]uint64, len(sv.Hashes))}
+	for i, h := range sv.Hashes {
+		req.Hashes[i], req.Sizes[i] = ipc.Hash(h), size
+	}
+	var resp *ipc.AllocResp
+	var client *ipc.Client
+	err = w.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
+		client = c
+		resp, err = c.Alloc(ctx, req)
+		return err
+	})
+	if err != nil {
+		w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(sv.Hashes)) })
+		return
+	}
+	var spans []layout.Span
+	var objs [][]byte
+	var hashes []ipc.Hash
+	for i, st := range resp.Status {
+		if st != ipc.StatusOK {
+			w.count(func(s *WorkerStats) { s.SkippedChunks++ }) // resident already, or no space
+			continue
 		}
-		var resp *ipc.AllocResp
-		var client *ipc.Client
-		err := w.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
-			client = c
-			resp, err = c.Alloc(ctx, req)
+		obj, err := w.resolve(client, resp.Locs[i])
+		if err == nil {
+			spans, err = l.AppendPlan(spans, sv.Blocks[i*cb:(i+1)*cb], addrOf(obj), layout.Save)
+		}
+		if err != nil {
+			w.abort(tag, req.Hashes[i:i+1])
+			continue
+		}
+		objs, hashes = append(objs, obj), append(hashes, req.Hashes[i])
+	}
+	if len(objs) == 0 {
+		return
+	}
+	err = w.copy(eng, spans, cuda.Save, streamEvent)
+	for _, obj := range objs {
+		if err != nil {
+			break
+		}
+		err = l.SealObject(obj)
+	}
+	if err == nil {
+		err = w.link.call(func(ctx context.Context, c *ipc.Client) error {
+			_, err := c.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: hashes})
 			return err
 		})
-		if err != nil {
-			w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(sv.Hashes)) })
-			continue
-		}
-		var spans []layout.Span
-		var objs [][]byte
-		var hashes []ipc.Hash
-		for i, st := range resp.Status {
-			if st != ipc.StatusOK {
-				w.count(func(s *WorkerStats) { s.SkippedChunks++ })
-				continue
-			}
-			obj, err := w.resolve(client, resp.Locs[i])
-			if err == nil {
-				spans, err = l.AppendPlan(spans, sv.Blocks[i*cb:(i+1)*cb], addrOf(obj), layout.Save)
-			}
-			if err != nil {
-				w.abort(tag, req.Hashes[i:i+1])
-				continue
-			}
-			objs, hashes = append(objs, obj), append(hashes, req.Hashes[i])
-		}
-		if len(objs) == 0 {
-			continue
-		}
-		w.run(sv.Req, eng, spans, cuda.Save, streamEvent, func(jobErr error) {
-			if jobErr == nil {
-				for _, obj := range objs {
-					if jobErr = l.SealObject(obj); jobErr != nil {
-						break
-					}
-				}
-			}
-			if jobErr != nil {
-				w.abort(tag, hashes)
-				w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(hashes)) })
-				return
-			}
-			err := w.link.call(func(ctx context.Context, c *ipc.Client) error {
-				_, err := c.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: hashes})
-				return err
-			})
-			w.count(func(s *WorkerStats) {
-				if err != nil {
-					s.FailedSaves += uint64(len(hashes))
-				} else {
-					s.SavedChunks += uint64(len(hashes))
-					s.SavedBytes += uint64(len(hashes)) * size
-				}
-			})
-		})
+	} else {
+		w.abort(tag, hashes)
 	}
+	w.count(func(s *WorkerStats) {
+		if err != nil {
+			s.FailedSaves += uint64(len(hashes))
+		} else {
+			s.SavedChunks += uint64(len(hashes))
+			s.SavedBytes += uint64(len(hashes)) * size
+		}
+	})
 }
 
 func (w *Worker) abort(tag ipc.Tag, hashes []ipc.Hash) {
@@ -315,26 +331,33 @@ func (w *Worker) count(f func(*WorkerStats)) {
 	w.mu.Unlock()
 }
 
-// run submits a copy for req and calls done(err) when it ends; the request
-// counts as in flight until then.
-func (w *Worker) run(req string, eng cuda.Engine, spans []layout.Span, dir cuda.Direction, ev uint64, done func(error)) {
+// background runs f off the caller's thread; req counts as in flight (for
+// Poll's delay-free reports and WaitFor) until f returns.
+func (w *Worker) background(req string, f func()) {
 	w.mu.Lock()
 	w.inflight[req]++
 	w.mu.Unlock()
 	w.wg.Add(1)
 	go func() {
 		defer w.wg.Done()
-		job, err := eng.Submit(spans, dir, ev)
-		if err == nil {
-			err = job.Wait(w.cfg.Timeout)
-		}
-		done(err)
-		w.mu.Lock()
-		if w.inflight[req]--; w.inflight[req] <= 0 {
-			delete(w.inflight, req)
-		}
-		w.mu.Unlock()
+		defer func() {
+			w.mu.Lock()
+			if w.inflight[req]--; w.inflight[req] <= 0 {
+				delete(w.inflight, req)
+			}
+			w.mu.Unlock()
+		}()
+		f()
 	}()
+}
+
+// copy runs one copy job to completion or the timeout.
+func (w *Worker) copy(eng cuda.Engine, spans []layout.Span, dir cuda.Direction, ev uint64) error {
+	job, err := eng.Submit(spans, dir, ev)
+	if err == nil {
+		err = job.Wait(w.cfg.Timeout)
+	}
+	return err
 }
 
 // Finishing marks delay-freed requests: Poll reports each once its copies end.

@@ -1,18 +1,20 @@
 """`kvshim demo`: store and restore a Llama-3-8B-shaped paged KV cache.
 
-A stream of requests that share prefixes runs against a paged KV cache in
-CPU memory. For each request the demo asks kvshim how many leading chunks it
-holds, restores those chunks into freshly allocated blocks (never the blocks
+The demo drives libkvshim.so the way the vLLM connector does, one engine
+step at a time, with no vLLM in the process: a scheduler handle (which starts
+the embedded server, as `--kv-transfer-config` alone does in vLLM) and a
+worker handle whose KV cache is 32 per-layer FlashAttention tensors
+(2, blocks, 16, 8, 128) of bf16 in CPU memory. A stream of requests that share
+prefixes runs through it. For each request the demo looks the prompt up
+(pending, then final), allocates fresh blocks, has the worker restore the hit
+chunks from the server's shared-memory L1 into those blocks (never the blocks
 they were saved from), checks every restored byte against what the "model"
-would have computed, computes the rest, and saves the new full chunks.
+computes, computes the rest, and saves the new full chunks (ALLOC, copy,
+COMMIT) before the blocks are freed.
 
-The "model" fills a token's KV with bytes derived from the hash of the whole
-prefix up to that block, so a restored block is right only if the exact
+The "model" fills a block's KV with bytes derived from the hash of the whole
+prefix up to that block, so a restored block is right only if exactly that
 prefix's bytes came back.
-
-Today the demo runs the walking skeleton (an in-process store behind the C
-ABI); the connector issue moves it onto the embedded server and the vLLM
-connector path.
 """
 
 from __future__ import annotations
@@ -23,26 +25,31 @@ import hashlib
 import json
 import sys
 import time
+import uuid
 
 import numpy as np
 
 from kvshim import native
 
 # Llama-3-8B: 32 layers, 8 KV heads, head size 128, bf16; vLLM block 16.
-LAYERS, KV_HEADS, HEAD_SIZE, DTYPE_BYTES, BLOCK_TOKENS = 32, 8, 128, 2, 16
-BLOCK_BYTES = LAYERS * 2 * BLOCK_TOKENS * KV_HEADS * HEAD_SIZE * DTYPE_BYTES  # 2 MiB
-
-
-def _ptr(a: np.ndarray, ctype: type) -> ctypes._Pointer:
-    return a.ctypes.data_as(ctypes.POINTER(ctype))
+LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_TOKENS = 32, 8, 128, 16
+RUN_BYTES = BLOCK_TOKENS * KV_HEADS * HEAD_SIZE * 2  # one block of one layer's K (or V)
+BLOCK_BYTES = LAYERS * 2 * RUN_BYTES  # 2 MiB across layers, K and V
 
 
 class PagedCache:
-    """A cross-layer paged KV cache: (blocks, layers, 2, block, heads, head) bf16."""
+    """Per-layer FlashAttention NHD tensors: (2, blocks, block_size, heads, head) bf16."""
 
     def __init__(self, num_blocks: int) -> None:
-        self.data = np.zeros(num_blocks * BLOCK_BYTES, dtype=np.uint8)
-        self.free = list(np.random.default_rng(7).permutation(num_blocks))
+        self.layers = [np.zeros((2, num_blocks, BLOCK_TOKENS, KV_HEADS, HEAD_SIZE), dtype=np.uint16) for _ in range(LAYERS)]
+        self.free = [int(i) for i in np.random.default_rng(7).permutation(num_blocks)]
+
+    def describe(self) -> str:
+        return json.dumps([
+            {"layer": f"model.layers.{i}.self_attn.attn", "group": 0, "backend": "flash_attn", "device": "cpu",
+             "data_ptr": t.ctypes.data, "dtype_size": 2, "shape": list(t.shape), "stride_bytes": list(t.strides)}
+            for i, t in enumerate(self.layers)
+        ])
 
     def allocate(self, n: int) -> np.ndarray:
         if n > len(self.free):
@@ -53,15 +60,22 @@ class PagedCache:
     def release(self, ids: np.ndarray) -> None:
         self.free.extend(int(i) for i in ids)
 
-    def block(self, i: int) -> np.ndarray:
-        return self.data[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES]
+    def read(self, b: int) -> bytes:
+        return b"".join(t[:, b].tobytes() for t in self.layers)
+
+    def write(self, b: int, data: np.ndarray) -> None:
+        for i, t in enumerate(self.layers):
+            t[:, b] = data[i * 2 * RUN_BYTES : (i + 1) * 2 * RUN_BYTES].view(np.uint16).reshape(t[:, b].shape)
+
+
+_PATTERN = np.random.default_rng(0).integers(0, 256, BLOCK_BYTES, dtype=np.uint8)
 
 
 def expected_block(tokens: np.ndarray, block: int) -> np.ndarray:
-    """The bytes the 'model' computes for block `block` of this prompt."""
-    digest = hashlib.sha256(tokens[: (block + 1) * BLOCK_TOKENS].tobytes()).digest()
-    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
-    return rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8)
+    """The bytes the 'model' computes for block `block` of this prompt: a
+    fixed pattern XOR the SHA-256 of the whole prefix, repeated."""
+    digest = np.frombuffer(hashlib.sha256(tokens[: (block + 1) * BLOCK_TOKENS].tobytes()).digest(), dtype=np.uint8)
+    return _PATTERN ^ np.tile(digest, BLOCK_BYTES // digest.size)
 
 
 def workload(requests: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -75,19 +89,70 @@ def workload(requests: int, rng: np.random.Generator) -> list[np.ndarray]:
     return out
 
 
-def progress(done: int, total: int) -> None:
+def progress(done: int, total: int, hit: int, seen: int) -> None:
     width = 30
     filled = width * done // total
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests")
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests, {hit}/{seen} tokens restored")
     if done == total:
         sys.stderr.write("\n")
     sys.stderr.flush()
+
+
+class Engine:
+    """The connector's calls, in vLLM's order, against two kvshim handles."""
+
+    def __init__(self, sched: native.Handle, worker: native.Handle, timeout_s: float) -> None:
+        self.sched, self.worker, self.lib = sched, worker, native.library()
+        self.timeout_s = timeout_s
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+        self.error_blocks: set[int] = set()
+
+    def match(self, req: str, tokens: np.ndarray) -> tuple[int, float]:
+        """get_num_new_matched_tokens until the lookup is final; returns the
+        tokens to load and the lookup's latency in µs."""
+        out = ctypes.c_int64()
+        t0 = time.perf_counter()
+        while True:
+            self.sched.check(self.lib.kvshim_sched_match(
+                self.sched.value, req.encode(), tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), len(tokens),
+                None, 0, ctypes.byref(out)))
+            if out.value >= 0:
+                return out.value, (time.perf_counter() - t0) * 1e6
+            time.sleep(20e-6)  # vLLM would ask again next step
+
+    def step(self, requests: list[dict], saves: bool) -> None:
+        """build_connector_meta, then the worker's bind, start_load_kv and wait_for_save."""
+        meta = self.sched.output("kvshim_sched_build_meta", json.dumps({"requests": requests}).encode())
+        buf = ctypes.create_string_buffer(meta, len(meta))
+        self.worker.check(self.lib.kvshim_worker_bind(self.worker.value, buf, len(meta), int(self.timeout_s * 1000)))
+        self.worker.check(self.lib.kvshim_worker_start_loads(self.worker.value))
+        if saves:
+            self.worker.check(self.lib.kvshim_worker_start_saves(self.worker.value, 0))
+
+    def poll(self) -> None:
+        """get_finished + get_block_ids_with_load_errors."""
+        p = json.loads(self.worker.output("kvshim_worker_poll"))
+        self.sending.update(p["sending"] or ())
+        self.recving.update(p["recving"] or ())
+        self.error_blocks.update(p["error_blocks"] or ())
+
+    def wait(self, req: str, done: set[str]) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while req not in done:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"request {req}: copies not done after {self.timeout_s}s")
+            self.step([], saves=False)  # vLLM keeps stepping; finished lists travel with the metadata
+            self.poll()
+            time.sleep(50e-6)
+        done.discard(req)
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kvshim demo", description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--l1-size-gb", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
 
@@ -95,44 +160,59 @@ def main(argv: list[str]) -> int:
     prompts = workload(args.requests, rng)
     max_blocks = max(len(p) for p in prompts) // BLOCK_TOKENS + 1
     cache = PagedCache(2 * max_blocks)
-    lib = native.library()
-    cfg = json.dumps({"role": "skeleton", "block_bytes": BLOCK_BYTES, "block_tokens": BLOCK_TOKENS, "chunk_tokens": args.chunk_tokens})
+    namespace = {"model": "meta-llama/Meta-Llama-3-8B@demo", "dtype": "bfloat16", "layout": "flash_attn NHD 32x(2,B,16,8,128)",
+                 "object_format": 1, "world_size": 1, "tp_size": 1, "chunk_size": args.chunk_tokens, "kv_group": 0, "mla": False}
+    engine_id = f"demo-{uuid.uuid4().hex[:12]}"
+    common = {"server": "embedded", "engine_id": engine_id, "namespace": namespace, "timeout_ms": 10_000}
+    sched_cfg = {**common, "role": "scheduler", "block_size": BLOCK_TOKENS, "l1_size_gb": args.l1_size_gb}
 
-    hit_tokens = restored_bytes = 0
+    hit_tokens = restored_bytes = seen = 0
     restore_s = 0.0
     lookup_us: list[float] = []
     verified = True
-    with native.Handle(cfg) as h:
+    with native.Handle(json.dumps(sched_cfg)) as sched, native.Handle(json.dumps({**common, "role": "worker", "rank": 0})) as worker:
+        worker.check(native.library().kvshim_worker_register(worker.value, cache.describe().encode()))
+        eng = Engine(sched, worker, timeout_s=10.0)
         for n, tokens in enumerate(prompts):
-            n_tok = ctypes.c_size_t(len(tokens))
-            chunks = ctypes.c_uint64(0)
-            t0 = time.perf_counter()
-            h.check(lib.kvshim_skeleton_lookup(h.value, _ptr(tokens, ctypes.c_uint32), n_tok, ctypes.byref(chunks)))
-            lookup_us.append((time.perf_counter() - t0) * 1e6)
-
+            req = f"req-{n}"
+            load, us = eng.match(req, tokens)
+            lookup_us.append(us)
             blocks = cache.allocate(-(-len(tokens) // BLOCK_TOKENS))
-            hit_blocks = chunks.value * args.chunk_tokens // BLOCK_TOKENS
-            if chunks.value:
+            ids = blocks.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
+            sched.check(native.library().kvshim_sched_after_alloc(sched.value, req.encode(), ids, len(blocks), -1, load))
+            if load:
                 t0 = time.perf_counter()
-                h.check(lib.kvshim_skeleton_load(h.value, cache.data.ctypes.data, cache.data.nbytes, _ptr(blocks, ctypes.c_int64),
-                                                 len(blocks), _ptr(tokens, ctypes.c_uint32), n_tok, chunks.value))
+                eng.step([], saves=False)
+                eng.wait(req, eng.recving)
                 restore_s += time.perf_counter() - t0
-                hit_tokens += chunks.value * args.chunk_tokens
-                restored_bytes += hit_blocks * BLOCK_BYTES
-                for b in range(hit_blocks):
-                    if not np.array_equal(cache.block(int(blocks[b])), expected_block(tokens, b)):
+                loaded_blocks = -(-load // BLOCK_TOKENS)
+                bad = eng.error_blocks & set(int(b) for b in blocks)
+                if bad:
+                    verified = False
+                    print(f"{req}: load errors in blocks {sorted(bad)}", file=sys.stderr)
+                for b in range(loaded_blocks):
+                    if cache.read(int(blocks[b])) != expected_block(tokens, b).tobytes():
                         verified = False
-                        print(f"request {n}: block {b} restored wrong bytes", file=sys.stderr)
-            # "Prefill" the rest, then save the new full chunks.
-            for b in range(hit_blocks, len(tokens) // BLOCK_TOKENS):
-                cache.block(int(blocks[b]))[:] = expected_block(tokens, b)
-            saved = ctypes.c_uint64(0)
-            h.check(lib.kvshim_skeleton_save(h.value, cache.data.ctypes.data, cache.data.nbytes, _ptr(blocks, ctypes.c_int64),
-                                             len(blocks), _ptr(tokens, ctypes.c_uint32), n_tok, ctypes.byref(saved)))
+                        print(f"{req}: block {b} restored wrong bytes", file=sys.stderr)
+                hit_tokens += load
+                restored_bytes += loaded_blocks * BLOCK_BYTES
+            # "Prefill" the rest, then save its new full chunks after the step.
+            first = load // BLOCK_TOKENS
+            for b in range(first, len(tokens) // BLOCK_TOKENS):
+                cache.write(int(blocks[b]), expected_block(tokens, b))
+            eng.step([{"req": req, "blocks": blocks.tolist(), "computed": load, "scheduled": len(tokens) - load}], saves=True)
+            delay = ctypes.c_int()
+            sched.check(native.library().kvshim_sched_finished(sched.value, req.encode(), ctypes.byref(delay)))
+            if delay.value:
+                eng.wait(req, eng.sending)  # the blocks are freed only after the saves read them
             cache.release(blocks)
-            progress(n + 1, len(prompts))
+            seen += len(tokens)
+            progress(n + 1, len(prompts), hit_tokens, seen)
+        stats = json.loads(sched.output("kvshim_stats"))
+        wstats = json.loads(worker.output("kvshim_stats"))["worker"]
 
     total_tokens = sum(len(p) for p in prompts)
+    server = stats.get("server", {})
     result = {
         "requests": len(prompts),
         "prompt_tokens": total_tokens,
@@ -142,10 +222,13 @@ def main(argv: list[str]) -> int:
         "verified_ok": verified,
         "restore_gbps": round(restored_bytes / restore_s / 1e9, 3) if restore_s else 0.0,
         "lookup_p50_us": round(float(np.median(lookup_us)), 2),
-        "path": "walking skeleton (in-process store)",
+        "lookup_p99_us": round(float(np.percentile(lookup_us, 99)), 2),
+        "saved_chunks": wstats["SavedChunks"],
+        "l1_used_bytes": server.get("kvshim_l1_used_bytes"),
+        "path": "embedded server, shared-memory rings, memfd L1, host copy engine",
     }
-    print(f"{len(prompts)} requests, {hit_tokens}/{total_tokens} prompt tokens restored "
-          f"({result['hit_rate']:.0%}), {restored_bytes / 2**30:.2f} GiB at {result['restore_gbps']} GB/s, "
+    print(f"{len(prompts)} requests, {hit_tokens}/{total_tokens} prompt tokens restored ({result['hit_rate']:.0%}), "
+          f"{restored_bytes / 2**30:.2f} GiB at {result['restore_gbps']} GB/s, lookup p50 {result['lookup_p50_us']} µs, "
           f"verified: {verified}")
     print(json.dumps(result))
     return 0 if verified else 1
