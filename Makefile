@@ -42,8 +42,9 @@ clean:
 	rm -rf $(OUT) build/lib build/bdist* *.egg-info python/*.egg-info
 
 # Benchmarks: not tests. Each prints one JSON object as its last line.
+# Python-level round trip vs pyzmq (LMCache's transport), plus the Go-only ring figures.
 bench-ipc: $(LIB)
-	$(GO) run ./cmd/kvshim-bench-ipc
+	KVSHIM_LIBRARY=$(CURDIR)/$(LIB) PYTHONPATH=$(CURDIR)/python $$(build/venv.sh python/requirements-test.txt)/bin/python build/bench_ipc.py
 
 bench-server:
 	$(GO) run ./cmd/kvshim-bench-server

@@ -31,6 +31,8 @@ func usage(w io.Writer) {
 	for _, n := range names {
 		fmt.Fprintf(w, "  %-8s %s\n", n, commands[n].summary)
 	}
+	fmt.Fprintf(w, "  %-8s %s\n", "demo", "store and restore a model-shaped KV cache (provided by the Python package's kvshim entry point)")
+	fmt.Fprintln(w, "\nrun 'kvshim <command> --help' for a command's flags")
 }
 
 // Main runs the command named by args[1] (args[0] is the program name) and

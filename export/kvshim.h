@@ -122,6 +122,13 @@ int kvshim_take_output(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
  * output, see kvshim_take_output). */
 int kvshim_stats(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
+/* ---- Tool role ({"role": "tool", "server": SOCKET}): a plain session. ----
+ *
+ * kvshim_ping sends body[0:n] to the server, which echoes it; the answer is
+ * variable-length output. A round-trip probe for health checks and the
+ * IPC benchmark. */
+int kvshim_ping(kvshim_handle h, const void *body, size_t n, void *buf, size_t cap, size_t *out_len);
+
 /* ---- Scheduler role: the vLLM scheduler-side connector. ----
  *
  * kvshim_sched_match answers get_num_new_matched_tokens for request req_id

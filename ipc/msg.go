@@ -24,7 +24,7 @@ const (
 	OpRelease      Op = 8  // drop one rank's remaining holds of a lookup
 	OpStats        Op = 9  // server counters
 	OpClear        Op = 10 // drop every resident object that has no holds
-	OpPing         Op = 11 // liveness / round-trip probe; empty payload both ways
+	OpPing         Op = 11 // liveness / round-trip probe; the answer echoes the request body
 )
 
 // Status is the per-response (and per-key) outcome. Zero is success.

@@ -50,9 +50,13 @@ func (c *ServerConn) closeWith(err error) {
 	if c.closed.Load() {
 		return
 	}
-	if errors.Is(err, ErrClosed) {
+	switch {
+	case errors.Is(err, ErrClosed):
 		c.log.Debug("kvshim ipc: session closed", "reason", err)
-	} else {
+	case errors.Is(err, ErrPeerGone):
+		// A client that closes (or exits) ends its session: routine.
+		c.log.Info("kvshim ipc: session ended", "reason", err)
+	default:
 		c.log.Warn("kvshim ipc: session closed", "reason", err)
 	}
 	c.shutdown(err)

@@ -88,7 +88,7 @@ func dispatch(svc Service, op Op, b, out []byte) ([]byte, error) {
 	case OpClear:
 		return typed(b, out, decodeNothing, func(struct{}) (*ClearResp, error) { return svc.Clear() }, AppendClearResp)
 	case OpPing:
-		return nil, DecodeEmpty("ping", b)
+		return append(out, b...), nil // echo: a round-trip probe carrying any body
 	}
 	return nil, &StatusError{Op: op, Status: StatusBadRequest, Msg: errBadOp.Error()}
 }
@@ -205,6 +205,20 @@ func (c *Client) Clear(ctx context.Context) (*ClearResp, error) {
 
 // Ping sends OpPing (a round trip through the server's session loop).
 func (c *Client) Ping(ctx context.Context) error {
-	_, err := call(c, ctx, OpPing, struct{}{}, encNothing, decEmpty)
+	_, err := c.Echo(ctx, nil)
 	return err
+}
+
+// Echo sends OpPing carrying body; the server answers with the same bytes
+// (a round-trip probe with a payload, for benchmarks and health checks).
+func (c *Client) Echo(ctx context.Context, body []byte) ([]byte, error) {
+	st, resp, err := c.Call(ctx, OpPing, body)
+	if err != nil {
+		return nil, err
+	}
+	if st != StatusOK {
+		msg, _ := DecodeError(resp)
+		return nil, &StatusError{Op: OpPing, Status: st, Msg: msg}
+	}
+	return resp, nil
 }

@@ -56,6 +56,7 @@ type allocator struct {
 	mapped    uint64 // bytes of all segments
 	slabBytes uint64 // bytes carved into slabs
 	usedBytes uint64 // slot bytes of live objects
+	maxUsed   uint64 // high-water mark of usedBytes
 	reqBytes  uint64 // requested bytes of live objects
 }
 
@@ -106,6 +107,7 @@ func (a *allocator) alloc(size uint64) (slabID, slot uint32, ok bool, err error)
 		s.partial = -1
 	}
 	a.usedBytes += csize
+	a.maxUsed = max(a.maxUsed, a.usedBytes)
 	a.reqBytes += size
 	return slabID, slot, true, nil
 }

@@ -2,8 +2,13 @@ package server
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"time"
+
+	"github.com/kvshim/kvshim/server/l2"
+	_ "github.com/kvshim/kvshim/server/l2/adapters" // fs, redis, mooncake_store
+	"github.com/kvshim/kvshim/server/tier"
 )
 
 // GiB is 1<<30 bytes.
@@ -19,6 +24,14 @@ const GiB = 1 << 30
 //	--hold-ttl D             HoldTTL        (last-resort reclaim of forgotten holds)
 //	--socket PATH            Socket
 //	--metrics-port P         MetricsPort    (0: no metrics listener)
+//	--l2-adapter JSON        L2Adapters     (repeatable, LMCache's format, e.g.
+//	                         '{"type":"fs","base_path":"/mnt/kv","num_workers":4}')
+//	--l2-store-policy P      L2StorePolicy  ("all" = default, "none")
+//	--l2-prefetch-budget-gb F L2PrefetchBudgetGB (0: a quarter of L1)
+//	--l2-prefetch-timeout D  L2PrefetchTimeout  (0: 5 s)
+//	--l2-admission-wait D    L2AdmissionWait    (0: 1 s; negative: never wait)
+//	--l2-prefetch-retain     L2PrefetchRetain   (loaded objects stay resident)
+//	--l2-store-max-inflight-gb F L2StoreMaxInflightGB (0: a quarter of L1)
 //
 // Fields below the line have no flag; zero means "default".
 type Config struct {
@@ -29,6 +42,15 @@ type Config struct {
 	HoldTTL        time.Duration
 	Socket         string
 	MetricsPort    int
+
+	// L2 tier (package tier). With no adapter the server is L1 only.
+	L2Adapters           []string
+	L2StorePolicy        string
+	L2PrefetchBudgetGB   float64
+	L2PrefetchTimeout    time.Duration
+	L2AdmissionWait      time.Duration
+	L2PrefetchRetain     bool
+	L2StoreMaxInflightGB float64
 
 	// SegmentSize is the size of one L1 shared segment (default 1 GiB, or
 	// the whole L1 when smaller). It bounds the largest object.
@@ -108,10 +130,64 @@ func (c *Config) Validate() error {
 	if c.StagingTTL < 0 || c.ReapInterval < 0 {
 		add("staging TTL and reap interval must not be negative")
 	}
+	errs = append(errs, c.validateL2()...)
 	if len(errs) > 0 {
 		return fmt.Errorf("%w: %s", ErrConfig, strings.Join(errs, "; "))
 	}
 	return nil
+}
+
+// validateL2 checks the L2 settings: each --l2-adapter is parsed (a bad
+// one names the offending key) and its type must be registered; names
+// (metrics labels) must be unique.
+func (c *Config) validateL2() []string {
+	var errs []string
+	names := map[string]int{}
+	types := l2.Types()
+	for i, raw := range c.L2Adapters {
+		ac, err := l2.ParseAdapterConfig(raw)
+		if err != nil {
+			errs = append(errs, fmt.Sprintf("--l2-adapter #%d: %v", i+1, err))
+			continue
+		}
+		if !slices.Contains(types, ac.Type) {
+			errs = append(errs, fmt.Sprintf("--l2-adapter #%d: key \"type\": %q is not a registered adapter type %v", i+1, ac.Type, types))
+		}
+		if j, dup := names[ac.Name]; dup {
+			errs = append(errs, fmt.Sprintf("--l2-adapter #%d: key \"name\": %q is already adapter #%d's name (set \"name\" to tell them apart)", i+1, ac.Name, j))
+		}
+		names[ac.Name] = i + 1
+	}
+	if len(c.L2Adapters) > 64 {
+		errs = append(errs, fmt.Sprintf("at most 64 --l2-adapter, got %d", len(c.L2Adapters)))
+	}
+	if _, err := tier.ParseStorePolicy(c.L2StorePolicy); err != nil {
+		errs = append(errs, fmt.Sprintf("--l2-store-policy: %v", err))
+	}
+	if c.L2PrefetchBudgetGB < 0 || (c.L2PrefetchBudgetGB > c.L1SizeGB && c.L1SizeGB > 0) {
+		errs = append(errs, fmt.Sprintf("--l2-prefetch-budget-gb must be in [0, --l1-size-gb], got %v", c.L2PrefetchBudgetGB))
+	}
+	if c.L2StoreMaxInflightGB < 0 || (c.L2StoreMaxInflightGB > c.L1SizeGB && c.L1SizeGB > 0) {
+		errs = append(errs, fmt.Sprintf("--l2-store-max-inflight-gb must be in [0, --l1-size-gb], got %v", c.L2StoreMaxInflightGB))
+	}
+	if c.L2PrefetchTimeout < 0 {
+		errs = append(errs, fmt.Sprintf("--l2-prefetch-timeout must not be negative, got %v", c.L2PrefetchTimeout))
+	}
+	return errs
+}
+
+// l2Budgets are the prefetch admission budget and the store controller's
+// pinned-bytes cap, in bytes (default: a quarter of L1 each).
+func (c *Config) l2Budgets() (prefetch, store uint64) {
+	capacity := c.capacity()
+	prefetch, store = capacity/4, capacity/4
+	if c.L2PrefetchBudgetGB > 0 {
+		prefetch = uint64(c.L2PrefetchBudgetGB * GiB)
+	}
+	if c.L2StoreMaxInflightGB > 0 {
+		store = uint64(c.L2StoreMaxInflightGB * GiB)
+	}
+	return max(prefetch, pageSize), max(store, pageSize)
 }
 
 // capacity is the L1 size in bytes, rounded down to a page.

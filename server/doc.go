@@ -46,4 +46,21 @@
 // LOOKUP_RESULT returns Pending, the final count once, then Unknown. FREE,
 // RELEASE, session close and the hold TTL release holds; a lookup whose
 // answer was read and that holds nothing is forgotten.
+//
+// L2. With Config.L2Adapters (--l2-adapter JSON, repeatable) the store
+// opens the adapters (package l2, types fs, redis, mooncake_store) and
+// wires package tier's controllers (l2tier.go):
+//
+//	COMMIT ──publish──► resident ──pin (hold owned by the store controller)──►
+//	    StoreController.Committed (after the lock) ──► adapter.Store ──► Unpin
+//	LOOKUP ──miss──► FillTask ──► PrefetchController (L2 lookup, plan,
+//	    byte-aware admission, Reserve, Load, Commit per key, Done/Answer)
+//
+// Pins (Pin/Unpin) are holds that no lookup owns: a pinned object is never
+// evicted or cleared. PrefetchBytes (fill staging + temporary objects) is
+// what the prefetch admission budget counts; FillTask.Answer finalizes a
+// lookup at the prefetch deadline while loads still own their staging. New
+// L1 segments are registered with every adapter (RegisterL1Segment) in the
+// background. Close stops the controllers and closes the adapters before
+// the segments go.
 package server

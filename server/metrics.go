@@ -84,6 +84,9 @@ func (st *Store) snapshot() []metric {
 		g("kvshim_l1_capacity_bytes", "L1 size limit.", a.Capacity),
 		g("kvshim_l1_mapped_bytes", "Bytes of L1 segments created so far.", a.Mapped),
 		g("kvshim_l1_used_bytes", "Bytes of L1 slots holding objects (4 KiB rounded); watermarks apply to it.", a.Used),
+		g("kvshim_l1_used_bytes_max", "High-water mark of kvshim_l1_used_bytes since start.", st.mem.maxUsed),
+		g("kvshim_l1_prefetch_bytes", "L1 slot bytes of prefetch staging and temporary objects (the prefetch budget counts them).", c.prefetchBytes),
+		g("kvshim_l1_pinned", "Holds owned by the L2 store controller (objects being written to L2).", c.pins),
 		g("kvshim_l1_slab_bytes", "Bytes of L1 carved into slabs.", a.Slab),
 		g("kvshim_l1_segments", "L1 segments.", uint64(a.Segments)),
 		g("kvshim_l1_slabs", "L1 slabs.", uint64(a.Slabs)),
@@ -158,11 +161,26 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-// Stats answers OpStats with the same numbers the metrics export. Labelled
-// metrics are named "name{key=value}".
+// stats is the snapshot plus the L2 controllers' numbers (their
+// Prometheus collectors are registered separately).
+func (st *Store) stats() []metric {
+	out := st.snapshot()
+	if st.tier != nil {
+		add := func(name, labels string, v float64, isCounter bool) {
+			out = append(out, metric{name: name, label: labels, value: v, counter: isCounter})
+		}
+		st.tier.sc.Export(add)
+		st.tier.pc.Export(add)
+	}
+	return out
+}
+
+// Stats answers OpStats with the same numbers the metrics export,
+// including the L2 controllers'. Labelled metrics are named
+// "name{key=value}" ("name{k=v,k2=v2}" with two labels).
 func (st *Store) Stats(s *Session) (*ipc.StatsResp, error) {
 	defer st.metrics.observe(opStats, time.Now())
-	snap := st.snapshot()
+	snap := st.stats()
 	st.mu.Lock()
 	err := st.check(s)
 	st.mu.Unlock()
@@ -183,7 +201,7 @@ func (st *Store) Stats(s *Session) (*ipc.StatsResp, error) {
 // Stat returns one STATS value by name (as Stats names it), for tests and
 // callers in the same process; ok is false for an unknown name.
 func (st *Store) Stat(name string) (v float64, ok bool) {
-	for _, x := range st.snapshot() {
+	for _, x := range st.stats() {
 		n := x.name
 		if x.label != "" {
 			n += "{" + x.label + "}"

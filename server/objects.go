@@ -34,6 +34,7 @@ type object struct {
 	coll  uint32 // next resident object of the shard with the same table key
 	// (the same chunk on other ranks, or a rare key collision)
 	state objState
+	fill  bool   // staged or temporary for a prefetch (counted in prefetchBytes)
 	size  uint64 // requested bytes (Loc.Size)
 }
 

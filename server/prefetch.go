@@ -30,11 +30,12 @@ type FillTask struct {
 	Start     uint32 // lookup index of Hashes[0]
 	Hashes    []ipc.Hash
 
-	st     *Store
-	lk     *lookup            // nil once the lookup is gone (guarded by st.mu)
-	done   bool               // Done was called
-	staged map[fillKey]uint32 // reserved, not yet committed
-	filled map[fillKey]uint32 // committed temporary objects, not yet held
+	st       *Store
+	lk       *lookup            // nil once the lookup is gone or answered (guarded by st.mu)
+	done     bool               // Done was called
+	answered bool               // the lookup was made final (Answer or Done)
+	staged   map[fillKey]uint32 // reserved, not yet committed
+	filled   map[fillKey]uint32 // committed temporary objects, not yet held
 }
 
 // Ranks is the number of ranks objects are stored under (1 for MLA).
@@ -57,7 +58,7 @@ func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem
 	defer st.mu.Unlock()
 	k := fillKey{rank, chunk}
 	switch {
-	case t.done || t.lk == nil || st.closed:
+	case t.done || t.answered || t.lk == nil || st.closed:
 		return nil, loc, false, fmt.Errorf("%w: task finished or cancelled", ErrFill)
 	case rank >= t.Ranks() || chunk < t.Start || chunk-t.Start >= uint32(len(t.Hashes)):
 		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) is outside the task", ErrFill, rank, chunk)
@@ -79,6 +80,8 @@ func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem
 	if !ok {
 		return nil, loc, false, nil
 	}
+	st.objs.get(idx).fill = true
+	st.cnt.prefetchBytes += roundPage(size)
 	if temporary {
 		// Marked by the high bit until Commit; state stays staging.
 		t.staged[k] = idx | tempBit
@@ -119,6 +122,7 @@ func (t *FillTask) Commit(rank, chunk uint32, ok bool) error {
 		return nil
 	}
 	o := st.objs.get(idx)
+	st.unfill(idx) // resident objects are not prefetch bytes any more
 	if _, dup := st.find(&st.shards[o.shard], &o.hash, o.rank); dup {
 		st.cnt.discarded++
 		st.cnt.discardedBytes += o.size
@@ -133,9 +137,9 @@ func (t *FillTask) Commit(rank, chunk uint32, ok bool) error {
 }
 
 // Done ends the task: uncommitted reservations are freed, and the lookup
-// (if still there) takes holds on the prefix now present on every rank,
-// releases filled objects beyond it, and becomes final. Calls after the
-// first do nothing.
+// (if still there and not answered yet) takes holds on the prefix now
+// present on every rank, releases filled objects beyond it, and becomes
+// final. Calls after the first do nothing.
 func (t *FillTask) Done() {
 	st := t.st
 	st.mu.Lock()
@@ -148,6 +152,29 @@ func (t *FillTask) Done() {
 		st.freeObject(v &^ tempBit)
 		delete(t.staged, k)
 	}
+	t.answerLocked()
+}
+
+// Answer makes the lookup final now, as Done would, but keeps the
+// reservations not yet committed: a later Commit frees its object (it is
+// never published) and Done frees the rest. A prefetcher past its deadline
+// uses it while loads still write into staging buffers. Done must still be
+// called.
+func (t *FillTask) Answer() {
+	st := t.st
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if !t.done {
+		t.answerLocked()
+	}
+}
+
+func (t *FillTask) answerLocked() {
+	st := t.st
+	if t.answered {
+		return
+	}
+	t.answered = true
 	lk := t.lk
 	if lk == nil {
 		return
@@ -162,6 +189,47 @@ func (t *FillTask) Done() {
 	lk.fill = nil
 	t.lk = nil
 	t.dropFilled()
+}
+
+// Resident reports, for each cell (rank r, chunk Start+i) at index
+// i*Ranks()+r, whether L1 has it resident now.
+func (t *FillTask) Resident() []bool {
+	st := t.st
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	ranks := t.Ranks()
+	out := make([]bool, uint32(len(t.Hashes))*ranks)
+	sh, ok := st.shardOf(t.Namespace, false)
+	if !ok {
+		return out
+	}
+	found := make([]uint32, ranks)
+	for i := range t.Hashes {
+		st.findRanks(&st.shards[sh], &t.Hashes[i], found)
+		for r, idx := range found {
+			out[uint32(i)*ranks+uint32(r)] = idx != nilIdx
+		}
+	}
+	return out
+}
+
+// SizeHint is the size of an object the lookup already holds (its L1
+// prefix), or 0: L2 adapters that do not report sizes load with it.
+func (t *FillTask) SizeHint() uint64 {
+	st := t.st
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if t.lk == nil {
+		return 0
+	}
+	for _, row := range t.lk.held {
+		for _, i := range row {
+			if i != nilIdx {
+				return st.objs.get(i).size
+			}
+		}
+	}
+	return 0
 }
 
 // cancelLocked detaches the task from its dropped lookup: filled objects go

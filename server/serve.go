@@ -12,9 +12,21 @@ import (
 // ipc.CreateSegment, each announced to every session (open and future)
 // through the listener before the store hands out a Loc in it.
 type IPCSource struct {
-	ln   *ipc.Listener
-	mu   sync.Mutex
-	segs []*ipc.Segment
+	ln    *ipc.Listener
+	mu    sync.Mutex
+	segs  []*ipc.Segment
+	onNew func(seg *ipc.Segment) // L2 segment registration; must not block
+}
+
+// setOnNew sets the new-segment hook and calls it for the segments that
+// already exist.
+func (s *IPCSource) setOnNew(f func(seg *ipc.Segment)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.onNew = f
+	for _, seg := range s.segs {
+		f(seg)
+	}
 }
 
 // NewIPCSource returns a source announcing its segments on ln.
@@ -32,6 +44,9 @@ func (s *IPCSource) NewSegment(id uint32, size uint64) ([]byte, error) {
 	}
 	s.mu.Lock()
 	s.segs = append(s.segs, seg)
+	if s.onNew != nil {
+		s.onNew(seg)
+	}
 	s.mu.Unlock()
 	return seg.Mem(), nil
 }

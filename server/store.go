@@ -1,12 +1,15 @@
 package server
 
 import (
+	"errors"
 	"fmt"
 	"hash/maphash"
 	"sync"
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/tier"
 )
 
 // Options are the store's collaborators.
@@ -18,8 +21,19 @@ type Options struct {
 	// loop uses it to announce segments to every client.
 	OnSegment func(id uint32, mem []byte)
 	// Prefetcher, when set, is asked to fill the missing suffix of every
-	// lookup (the L2 seam). Nil: lookups are final at once.
+	// lookup (the L2 seam). Nil: lookups are final at once. Not with L2
+	// adapters (the store then uses its prefetch controller).
 	Prefetcher Prefetcher
+	// OnCommit, when set, receives the objects each COMMIT publishes, each
+	// pinned (see Pin): it is called without the store's lock, must not
+	// block, and must Unpin every object once. Not with L2 adapters (the
+	// store then uses its store controller).
+	OnCommit func(objs []tier.Object)
+	// L2Adapters, when set, are used instead of opening Config.L2Adapters
+	// (tests, custom backends); the store closes them.
+	L2Adapters []*l2.Adapter
+	// L2BeforeLoad is tier.PrefetchConfig.BeforeLoad (tests, tracing).
+	L2BeforeLoad func(keys []l2.Key)
 }
 
 // Store is the server core: L1 memory, the object table, sessions, lookups
@@ -28,6 +42,8 @@ type Options struct {
 type Store struct {
 	cfg        Config
 	prefetcher Prefetcher
+	onCommit   func(objs []tier.Object)
+	tier       *l2Tier // nil: L1 only
 	metrics    *metrics
 
 	mu         sync.Mutex
@@ -39,6 +55,7 @@ type Store struct {
 	lru        lru
 	staging    map[stageKey]stageEntry
 	sessions   map[ipc.Tag]*Session
+	pinned     map[uint32]uint32 // object → pins (see Pin)
 	cnt        counters
 	lastSegErr error // most recent segment source failure (see LastSegmentError)
 	seed       maphash.Seed
@@ -65,6 +82,8 @@ type counters struct {
 	commits, aborts                  uint64
 	ttlHolds, ttlStaging             uint64
 	segmentErrors                    uint64
+	prefetchBytes                    uint64 // slot bytes of fill staging + temporary objects
+	pins                             uint64 // holds owned by the store controller
 	cleared, clearedBytes            uint64
 	sessionsOpened, sessionsClosed   uint64
 }
@@ -95,6 +114,9 @@ func NewStore(cfg Config, o Options) (*Store, error) {
 	st.mem.onSegment = o.OnSegment
 	st.lru.init()
 	st.metrics = newMetrics(st)
+	if err := st.openTier(o); err != nil {
+		return nil, err
+	}
 	go st.reaper()
 	return st, nil
 }
@@ -117,7 +139,11 @@ func (st *Store) Close() error {
 	st.mu.Unlock()
 	close(st.stop)
 	<-st.done
-	return st.mem.src.Close()
+	var terr error
+	if st.tier != nil {
+		terr = st.tier.close() // before the segments go: L2 I/O uses them
+	}
+	return errors.Join(terr, st.mem.src.Close())
 }
 
 // Session is one client connection (one connector instance). Its id is the
@@ -242,6 +268,7 @@ func (st *Store) freeObject(i uint32) {
 		st.unlink(i)
 		st.lru.remove(&st.objs, i)
 	}
+	st.unfill(i)
 	st.cnt.objects[o.state]--
 	st.cnt.objBytes[o.state] -= o.size
 	st.mem.free(o.slab, o.slot, o.size)

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/tier"
 )
 
 // Alloc reserves staging space for one rank's new objects (OpAlloc). Per
@@ -75,32 +76,40 @@ func (st *Store) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
 // A key this session's writer tag does not stage is StatusNotFound.
 func (st *Store) Commit(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
 	defer st.metrics.observe(opCommit, time.Now())
-	return st.finishWrite(s, req, true)
+	resp, pins, err := st.finishWrite(s, req, true)
+	if len(pins) > 0 {
+		st.onCommit(pins) // outside the lock
+	}
+	return resp, err
 }
 
 // Abort drops a writer's staging objects and frees their space (OpAbort).
 func (st *Store) Abort(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
 	defer st.metrics.observe(opAbort, time.Now())
-	return st.finishWrite(s, req, false)
+	resp, _, err := st.finishWrite(s, req, false)
+	return resp, err
 }
 
-func (st *Store) finishWrite(s *Session, req *ipc.CommitReq, publish bool) (*ipc.CommitResp, error) {
+// finishWrite publishes or drops; with OnCommit set, every object it
+// publishes is pinned and returned for the hook.
+func (st *Store) finishWrite(s *Session, req *ipc.CommitReq, publish bool) (*ipc.CommitResp, []tier.Object, error) {
 	n := len(req.Hashes)
 	if n > ipc.MaxKeys {
-		return nil, fmt.Errorf("%w: commit: %d keys > %d", ErrBadRequest, n, ipc.MaxKeys)
+		return nil, nil, fmt.Errorf("%w: commit: %d keys > %d", ErrBadRequest, n, ipc.MaxKeys)
 	}
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if err := st.check(s); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
+	var pins []tier.Object
 	resp := &ipc.CommitResp{Status: make([]ipc.Status, n)}
 	sh, ok := st.shardOf(req.Namespace, false)
 	if !ok {
 		for i := range resp.Status {
 			resp.Status[i] = ipc.StatusNotFound
 		}
-		return resp, nil
+		return resp, nil, nil
 	}
 	table := &st.shards[sh]
 	// Publish in reverse so the batch's first chunk ends up most recently
@@ -128,9 +137,12 @@ func (st *Store) finishWrite(s *Session, req *ipc.CommitReq, publish bool) (*ipc
 		st.setState(e.idx, stResident)
 		st.insert(e.idx)
 		st.lru.pushHead(&st.objs, e.idx)
+		if st.onCommit != nil {
+			pins = append(pins, st.pinLocked(e.idx))
+		}
 	}
 	if publish {
 		st.maybeEvict()
 	}
-	return resp, nil
+	return resp, pins, nil
 }

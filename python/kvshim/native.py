@@ -36,6 +36,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_skeleton_load": [_c_handle, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t, _u32p, ctypes.c_size_t, ctypes.c_uint64],
     "kvshim_take_output": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_stats": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
+    "kvshim_ping": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_sched_match": [_c_handle, ctypes.c_char_p, _u32p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_int64, _i64p],
     "kvshim_sched_after_alloc": [_c_handle, ctypes.c_char_p, _i64p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64],
     "kvshim_sched_build_meta": [_c_handle, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],

@@ -9,7 +9,7 @@
 // names exactly the failed keys.
 //
 //	store   SET <key> <payload> NX   (nil reply = already present = success)
-//	lookup  EXISTS <key>             (1 = present; no server-side hold)
+//	lookup  STRLEN <key>             (> 0 = present, its size; no server-side hold)
 //	load    GET <key>                (nil = miss; length must equal len(dst))
 //	delete  DEL <key>                (0 = miss)
 //

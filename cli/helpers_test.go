@@ -1,0 +1,73 @@
+package cli
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"gotest.tools/v3/assert"
+)
+
+// childEnv, when set, makes the test binary run `kvshim serve` with the
+// value's space-separated flags instead of the tests (TestMain), so a test
+// can signal a real process.
+const childEnv = "KVSHIM_CLI_TEST_SERVE_ARGS"
+
+func TestMain(m *testing.M) {
+	if args, ok := os.LookupEnv(childEnv); ok {
+		os.Exit(Main(append([]string{"kvshim", "serve"}, strings.Fields(args)...), Info{Version: "test"}))
+	}
+	os.Exit(m.Run())
+}
+
+// syncBuffer is an io.Writer a command writes from its goroutine while the
+// test reads it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// waitFor polls until cond holds, failing the test after timeout.
+func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// socketPath is a fresh socket path short enough for sun_path (108 bytes;
+// t.TempDir() names can be long).
+func socketPath(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "kvcli")
+	assert.NilError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return filepath.Join(dir, "kvshim.sock")
+}
+
+// runCmd runs one command through run (as kvshim_main does).
+func runCmd(args ...string) (code int, stdout, stderr string) {
+	var o, e bytes.Buffer
+	code = run(append([]string{"kvshim"}, args...), Info{Version: "test", ABI: 1}, &o, &e)
+	return code, o.String(), e.String()
+}

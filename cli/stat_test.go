@@ -1,0 +1,127 @@
+package cli
+
+import (
+	"bytes"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"gotest.tools/v3/assert"
+	is "gotest.tools/v3/assert/cmp"
+)
+
+// TestStatNoServer: absent, stale and silent servers each give one line
+// and exit 1 within the timeout.
+func TestStatNoServer(t *testing.T) {
+	absent := socketPath(t)
+
+	stale := socketPath(t)
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: stale, Net: "unixpacket"})
+	assert.NilError(t, err)
+	ln.SetUnlinkOnClose(false)
+	ln.Close()
+
+	// Accepted by the kernel (backlog) but never answered: a hung server.
+	silent := socketPath(t)
+	hung, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: silent, Net: "unixpacket"})
+	assert.NilError(t, err)
+	defer hung.Close()
+
+	cases := []struct {
+		name, socket, want string
+	}{
+		{"absent", absent, "kvshim stat: no kvshim server at " + absent + " (no socket file; start one with 'kvshim serve')\n"},
+		{"stale", stale, "kvshim stat: no kvshim server at " + stale + " (stale socket: nothing is listening)\n"},
+		{"silent", silent, "kvshim stat: the server at " + silent + " did not answer within 300ms\n"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			start := time.Now()
+			code, out, errOut := runCmd("stat", "--socket", tc.socket, "--timeout", "300ms")
+			assert.Check(t, time.Since(start) < 3*time.Second, "took %v", time.Since(start))
+			assert.Equal(t, code, 1)
+			assert.Equal(t, out, "")
+			assert.Equal(t, errOut, tc.want)
+		})
+	}
+}
+
+func TestStatBadFlags(t *testing.T) {
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--timeout", "0s"}, "kvshim stat: --timeout must be > 0, got 0s"},
+		{[]string{"--timeout", "soon"}, `kvshim stat: invalid value "soon" for flag -timeout: want a duration such as 500ms, 90s or 30m`},
+		{[]string{"--socket", ""}, "kvshim stat: --socket must not be empty"},
+		{[]string{"--jsonl"}, "kvshim stat: flag provided but not defined: -jsonl"},
+		{[]string{"all"}, `kvshim stat: unexpected argument "all"`},
+	}
+	for _, tc := range cases {
+		code, out, errOut := runCmd(append([]string{"stat"}, tc.args...)...)
+		assert.Check(t, is.Equal(code, 2), "%v", tc.args)
+		assert.Check(t, is.Equal(out, ""))
+		assert.Check(t, is.Contains(errOut, tc.want))
+	}
+	code, _, errOut := runCmd("stat", "--help")
+	assert.Equal(t, code, 0)
+	for _, f := range []string{"-socket", "-json", "-timeout"} {
+		assert.Check(t, is.Contains(errOut, f))
+	}
+}
+
+// TestPrintSnapshotUnknown: numbers this build does not lay out are still
+// printed (latencies as durations), and missing families leave no gaps.
+func TestPrintSnapshotUnknown(t *testing.T) {
+	s := &snapshot{Socket: "/s", Server: "id", Stats: map[string]float64{}}
+	add := func(n string, v float64) {
+		s.order = append(s.order, n)
+		s.Stats[n] = v
+	}
+	add("kvshim_l1_capacity_bytes", 1<<30)
+	add("kvshim_l1_used_bytes", 3<<28)
+	add("kvshim_l1_objects{state=resident}", 5)
+	add("kvshim_l1_object_bytes{state=resident}", 5<<20)
+	add("kvshim_server_op_seconds{op=alloc,quantile=0.5}", 12e-6)
+	add("kvshim_l1_used_bytes_max", 1<<29)
+	add("kvshim_l1_pinned", 2)
+	add("kvshim_future_thing", 42)
+	var b bytes.Buffer
+	printSnapshot(&b, s)
+	out := b.String()
+	assert.Check(t, is.Contains(out, "L1          used 768.0 MiB of 1.0 GiB (75.0%)"))
+	assert.Check(t, is.Contains(out, "objects     resident 5 (5.0 MiB)\n"))
+	assert.Check(t, is.Contains(out, "; peak used 512.0 MiB (50.0%)\n"))
+	assert.Check(t, is.Contains(out, "holds       0 read holds, 2 pinned for L2 writes\n"))
+	assert.Check(t, !strings.Contains(out, "prefetch"), "optional numbers the server did not send are not printed")
+	assert.Check(t, is.Contains(out, "latency     kvshim_server_op_seconds{op=alloc,quantile=0.5} 12µs\n"))
+	assert.Check(t, is.Contains(out, "other       kvshim_future_thing 42\n"))
+	assert.Check(t, strings.HasSuffix(out, "other       kvshim_future_thing 42\n"))
+}
+
+func TestFmtBytes(t *testing.T) {
+	for _, tc := range []struct {
+		n    float64
+		want string
+	}{{0, "0 B"}, {1023, "1023 B"}, {1024, "1.0 KiB"}, {3 << 29, "1.5 GiB"}, {1 << 60, "1024.0 PiB"}} {
+		assert.Check(t, is.Equal(fmtBytes(tc.n), tc.want))
+	}
+	assert.Check(t, is.Equal(pct(1, 0), "-"))
+	assert.Check(t, is.Equal(pct(1, 8), "12.5%"))
+}
+
+func TestUsage(t *testing.T) {
+	code, out, errOut := runCmd("--help")
+	assert.Equal(t, code, 0)
+	assert.Equal(t, out, "")
+	for _, c := range []string{"\n  doctor ", "\n  serve ", "\n  stat ", "\n  demo "} {
+		assert.Check(t, is.Contains(errOut, c))
+	}
+	assert.Check(t, is.Contains(errOut, "provided by the Python package"))
+	code, _, _ = runCmd()
+	assert.Equal(t, code, 2)
+	code, _, errOut = runCmd("demo")
+	assert.Equal(t, code, 2, "demo is Python's; the library reports it unknown")
+	assert.Check(t, is.Contains(errOut, `unknown command "demo"`))
+}

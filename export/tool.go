@@ -1,0 +1,65 @@
+package main
+
+/*
+#include <stdint.h>
+#include <stddef.h>
+*/
+import "C"
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"time"
+	"unsafe"
+
+	"github.com/kvshim/kvshim/ipc"
+)
+
+// Role "tool": a plain session with a server, for health checks and the
+// round-trip benchmark (make bench-ipc).
+
+type toolState struct {
+	c       *ipc.Client
+	timeout time.Duration
+}
+
+func init() {
+	openers["tool"] = func(in *instance, raw []byte) error {
+		var cfg connectorConfig
+		if err := decodeStrict(raw, &cfg); err != nil {
+			return err
+		}
+		socket, inst, timeout, err := cfg.common()
+		if err != nil {
+			return err
+		}
+		c, err := ipc.Dial(socket, ipc.Hello{Version: ipc.ProtocolVersion, Role: ipc.RoleTool, PID: uint32(os.Getpid()), Instance: inst}, timeout)
+		if err != nil {
+			return fmt.Errorf("connect to %s: %w", socket, err)
+		}
+		in.state = &toolState{c: c, timeout: timeout}
+		in.closers = append(in.closers, c.Close)
+		return nil
+	}
+}
+
+//export kvshim_ping
+func kvshim_ping(h C.int64_t, body unsafe.Pointer, n C.size_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) (rc C.int) {
+	defer guard(int64(h), &rc)
+	in, ts, err := stateOf[*toolState](h, "tool")
+	if err != nil {
+		return C.int(fail(int64(h), err))
+	}
+	req, err := cSlice[byte](body, uint64(n), "body")
+	if err != nil {
+		return C.int(fail(in.id, err))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), ts.timeout)
+	defer cancel()
+	resp, err := ts.c.Echo(ctx, req)
+	if err != nil {
+		return C.int(fail(in.id, err))
+	}
+	return output(in, resp, buf, capacity, outLen)
+}

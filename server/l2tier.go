@@ -1,0 +1,151 @@
+package server
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+
+	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/tier"
+)
+
+// l2Tier is the store's L2 side: the adapters and the two controllers.
+type l2Tier struct {
+	adapters []*l2.Adapter
+	sc       *tier.StoreController
+	pc       *tier.PrefetchController
+	segs     sync.WaitGroup // segment registrations running
+}
+
+// openTier opens the configured adapters (or takes o.L2Adapters) and
+// wires the controllers; with none it installs o's hooks as given.
+func (st *Store) openTier(o Options) (err error) {
+	adapters := o.L2Adapters
+	defer func() {
+		if err != nil {
+			for _, a := range adapters {
+				_ = a.Close()
+			}
+		}
+	}()
+	if adapters == nil {
+		for i, raw := range st.cfg.L2Adapters {
+			a, err := l2.OpenJSON(raw, l2.Options{Registerer: st.metrics.reg})
+			if err != nil {
+				return fmt.Errorf("%w: --l2-adapter #%d: %w", ErrConfig, i+1, err)
+			}
+			adapters = append(adapters, a)
+		}
+	}
+	if len(adapters) == 0 {
+		st.prefetcher, st.onCommit = o.Prefetcher, o.OnCommit
+		return nil
+	}
+	if o.Prefetcher != nil || o.OnCommit != nil {
+		return fmt.Errorf("%w: Options.Prefetcher / OnCommit cannot be combined with L2 adapters", ErrConfig)
+	}
+	policy, err := tier.ParseStorePolicy(st.cfg.L2StorePolicy)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrConfig, err)
+	}
+	prefetchBudget, storeBytes := st.cfg.l2Budgets()
+	hints := &tier.SizeHints{}
+	log := slog.Default().With("component", "l2tier")
+	t := &l2Tier{adapters: adapters}
+	t.pc, err = tier.NewPrefetchController(st, adapters, tier.PrefetchConfig{
+		Budget: prefetchBudget, Timeout: st.cfg.L2PrefetchTimeout, AdmissionWait: st.cfg.L2AdmissionWait,
+		Retain: st.cfg.L2PrefetchRetain, Hints: hints, BeforeLoad: o.L2BeforeLoad,
+	}, st.metrics.reg, log)
+	if err != nil {
+		return err
+	}
+	t.sc, err = tier.NewStoreController(st, adapters, tier.StoreConfig{
+		Policy: policy, MaxBytes: storeBytes, Hints: hints,
+	}, st.metrics.reg, log)
+	if err != nil {
+		return err
+	}
+	st.tier = t
+	st.prefetcher = prefetchBridge{t.pc}
+	if !tier.IsNone(policy) {
+		st.onCommit = t.sc.Committed
+	}
+	if src, ok := st.mem.src.(*IPCSource); ok {
+		src.setOnNew(t.registerSegment)
+	}
+	return nil
+}
+
+// registerSegment announces a new L1 segment to every adapter in the
+// background (it is called under the store's lock; a backend that needs
+// registration — mooncake_store — moves buffers of a segment it does not
+// know yet through its bounce buffer meanwhile).
+func (t *l2Tier) registerSegment(seg *ipc.Segment) {
+	t.segs.Add(1)
+	go func() {
+		defer t.segs.Done()
+		for _, a := range t.adapters {
+			if err := a.RegisterL1Segment(seg.Fd(), seg.Mem()); err != nil {
+				slog.Warn("l2tier: register L1 segment", "adapter", a.Name(), "segment", seg.ID(), "err", err)
+			}
+		}
+	}()
+}
+
+// close stops the controllers (prefetches answer, writes end or time out),
+// then closes the adapters.
+func (t *l2Tier) close() error {
+	t.pc.Close()
+	t.sc.Close()
+	t.segs.Wait()
+	var errs []error
+	for _, a := range t.adapters {
+		errs = append(errs, a.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// L2Adapters are the store's L2 adapters (nil: L1 only).
+func (st *Store) L2Adapters() []*l2.Adapter {
+	if st.tier == nil {
+		return nil
+	}
+	return st.tier.adapters
+}
+
+// StoreController is the L2 store controller (nil: L1 only).
+func (st *Store) StoreController() *tier.StoreController {
+	if st.tier == nil {
+		return nil
+	}
+	return st.tier.sc
+}
+
+// PrefetchController is the L2 prefetch controller (nil: L1 only).
+func (st *Store) PrefetchController() *tier.PrefetchController {
+	if st.tier == nil {
+		return nil
+	}
+	return st.tier.pc
+}
+
+// prefetchBridge makes the prefetch controller the store's Prefetcher.
+type prefetchBridge struct{ pc *tier.PrefetchController }
+
+func (b prefetchBridge) Prefetch(t *FillTask) bool {
+	return b.pc.Prefetch(tier.FillRequest{Namespace: t.Namespace, Ranks: t.Ranks(), Start: t.Start,
+		Hashes: t.Hashes, Resident: t.Resident(), SizeHint: t.SizeHint()}, fillBridge{t})
+}
+
+// fillBridge is a *FillTask as a tier.Fill.
+type fillBridge struct{ t *FillTask }
+
+func (f fillBridge) Reserve(rank, chunk uint32, size uint64, temporary bool) ([]byte, bool, error) {
+	mem, _, ok, err := f.t.Reserve(rank, chunk, size, temporary)
+	return mem, ok, err
+}
+func (f fillBridge) Commit(rank, chunk uint32, ok bool) error { return f.t.Commit(rank, chunk, ok) }
+func (f fillBridge) Answer()                                  { f.t.Answer() }
+func (f fillBridge) Done()                                    { f.t.Done() }

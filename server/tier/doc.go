@@ -1,0 +1,54 @@
+// Package tier is the L2 tier's control plane: the store controller (L1 →
+// L2 after COMMIT, the L1 source pinned until the write ends) and the
+// prefetch controller (L2 → L1 for lookups, under a byte budget). It sits
+// between package server (which implements L1 and Fill) and package l2
+// (the adapters); it does not import server.
+//
+// Store flow (the third "done"):
+//
+//	COMMIT ─► L1 resident ("L1 readable", kvshim_l1_commits_total)
+//	   └─► server pins each published object (a hold owned by the
+//	       controller) and calls StoreController.Committed (no lock held)
+//	          └─► policy → adapter.Store(keys, L1 bytes) on every target
+//	                 └─► per key: result recorded ("L2 saved",
+//	                     kvshim_l2_store_saved_objects_total{adapter}),
+//	                     and when the last target finished: L1 unpinned.
+//
+// Prefetch flow (one goroutine per lookup that misses L1):
+//
+//	LookupAndHold(missing cells) on every adapter ──► plan one contiguous
+//	prefix over L1 ∪ L2 (first adapter holding a cell wins) ──► release the
+//	holds outside the plan ──► admission (bytes) ──► Reserve L1 staging in
+//	chunk order ──► Load per adapter ──► Commit each key as it arrives
+//	──► Done (the lookup's answer = prefix present on all ranks) ──► release.
+//
+// Admission is byte-aware: a lookup's planned bytes (4 KiB slots) are
+// admitted only while
+//
+//	L1 prefetch bytes (fill staging + temporary objects, from the store)
+//	+ accepted bytes not yet reserved (admitted lookups)
+//	+ this lookup's bytes  <=  budget
+//
+// A plan larger than the whole budget is trimmed to a prefix that fits.
+// Over budget, a lookup waits (FIFO, at most AdmissionWait, re-checking on
+// every release and every few milliseconds) or is answered with what L1
+// already holds. Every phase runs under the prefetch deadline (Timeout):
+// past it the lookup is answered with the chunks loaded so far (prefix
+// semantics), and the staging buffers of loads still running are freed
+// only when their keys report, never under a running load.
+//
+// Partial failure: a load that fails or misses for chunk k frees its
+// staging; the store's fill (Done) then answers at most k chunks even when
+// later chunks loaded (they are dropped, or stay resident in retain mode
+// without counting).
+//
+// Limits. L1 cells beyond the lookup's held prefix are probed, not held,
+// while L2 loads run: if one is evicted meanwhile the answer is shorter
+// (never wrong). Sizes come from the L2 lookup (fs, redis) or, for
+// mooncake_store whose exists has none, from the lookup's own L1 objects or
+// the last size seen for the (namespace, rank). A mooncake_store load that
+// timed out may still be written by Mooncake after its key failed (see
+// package mooncake); fs and redis never write a buffer after reporting its
+// key. The store controller does not retry failed writes (LMCache: best
+// effort) and skips objects while MaxBytes are pinned ("busy").
+package tier

@@ -1,0 +1,393 @@
+package tier
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvshim/kvshim/server/l2"
+)
+
+// Defaults.
+const (
+	DefaultPrefetchTimeout = 5 * time.Second
+	DefaultAdmissionWait   = time.Second
+	// drainTimeout bounds the wait, after the deadline, for loads still
+	// writing into staging buffers (their adapter tasks end at the
+	// deadline; this is slack for a backend that reacts late).
+	drainTimeout = 30 * time.Second
+)
+
+// PrefetchConfig configures a PrefetchController.
+type PrefetchConfig struct {
+	// Budget is the admission budget in bytes (required, > 0).
+	Budget uint64
+	// Timeout is the deadline of a whole prefetch (L2 lookup, admission,
+	// loads) from the lookup's arrival (default DefaultPrefetchTimeout).
+	Timeout time.Duration
+	// AdmissionWait is how long an over-budget lookup waits for budget
+	// (0: DefaultAdmissionWait; < 0: never waits).
+	AdmissionWait time.Duration
+	// Retain makes loaded objects resident (evictable, shared by later
+	// lookups) instead of temporary (freed once this lookup's reader
+	// releases them, LMCache's default).
+	Retain bool
+	Hints  *SizeHints
+	// BeforeLoad, when set, runs after planning and reserving, right
+	// before the loads are submitted (tests, tracing). keys are the keys
+	// about to be loaded.
+	BeforeLoad func(keys []l2.Key)
+}
+
+// PrefetchController fills lookups' missing chunks from L2.
+type PrefetchController struct {
+	adapters []*l2.Adapter
+	cfg      PrefetchConfig
+	ad       *admission
+	log      *slog.Logger
+	ctx      context.Context
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+	metrics  *collector
+
+	mu     sync.Mutex
+	closed bool
+
+	inflight, waitingG, acceptedG, budgetG atomic.Int64
+	noL2, loaded, rejected, timeouts       atomic.Int64
+	l1Full                                 atomic.Int64
+	waited                                 atomic.Int64
+	chunksOK, chunksMiss, chunksFailed     []atomic.Int64 // per adapter
+	bytesLoaded                            []atomic.Int64
+}
+
+// NewPrefetchController returns a controller; reg may be nil.
+func NewPrefetchController(l1 L1, adapters []*l2.Adapter, cfg PrefetchConfig, reg prometheus.Registerer, log *slog.Logger) (*PrefetchController, error) {
+	if cfg.Budget == 0 {
+		return nil, fmt.Errorf("tier: prefetch budget must be > 0")
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = DefaultPrefetchTimeout
+	}
+	if cfg.AdmissionWait == 0 {
+		cfg.AdmissionWait = DefaultAdmissionWait
+	}
+	if log == nil {
+		log = slog.Default()
+	}
+	n := len(adapters)
+	pc := &PrefetchController{adapters: adapters, cfg: cfg, log: log,
+		chunksOK: make([]atomic.Int64, n), chunksMiss: make([]atomic.Int64, n),
+		chunksFailed: make([]atomic.Int64, n), bytesLoaded: make([]atomic.Int64, n)}
+	pc.ad = &admission{l1: l1, budget: cfg.Budget, acceptedG: &pc.acceptedG, waitingG: &pc.waitingG}
+	pc.ctx, pc.cancel = context.WithCancel(context.Background())
+	pc.budgetG.Store(int64(cfg.Budget))
+	c := &collector{}
+	const lk = "kvshim_l2_prefetch_lookups_total"
+	const lkHelp = "Lookups that asked L2, by outcome: loaded (admitted and loading), no_l2 (nothing to load), rejected (over the byte budget: answered from L1), l1_full (admitted, but no L1 staging for the first chunk), timeout (past the deadline; also counted in another outcome)."
+	c.add(lk, lkHelp, false, &pc.loaded, "outcome", "loaded")
+	c.add(lk, lkHelp, false, &pc.noL2, "outcome", "no_l2")
+	c.add(lk, lkHelp, false, &pc.rejected, "outcome", "rejected")
+	c.add(lk, lkHelp, false, &pc.l1Full, "outcome", "l1_full")
+	c.add(lk, lkHelp, false, &pc.timeouts, "outcome", "timeout")
+	c.add("kvshim_l2_prefetch_waited_total", "Lookups that waited for admission budget.", false, &pc.waited)
+	c.add("kvshim_l2_prefetch_inflight_lookups", "Lookups being prefetched.", true, &pc.inflight)
+	c.add("kvshim_l2_prefetch_admission_queue", "Lookups waiting for admission budget (queue depth).", true, &pc.waitingG)
+	c.add("kvshim_l2_prefetch_accepted_bytes", "Bytes of admitted lookups not yet reserved in L1.", true, &pc.acceptedG)
+	c.add("kvshim_l2_prefetch_budget_bytes", "Admission budget: L1 prefetch bytes + accepted bytes stay below it.", true, &pc.budgetG)
+	for i, a := range adapters {
+		const ch = "kvshim_l2_prefetch_chunks_total"
+		const chHelp = "Objects loaded from L2 into L1, by adapter and result."
+		c.add(ch, chHelp, false, &pc.chunksOK[i], "adapter", a.Name(), "result", "ok")
+		c.add(ch, chHelp, false, &pc.chunksMiss[i], "adapter", a.Name(), "result", "miss")
+		c.add(ch, chHelp, false, &pc.chunksFailed[i], "adapter", a.Name(), "result", "failed")
+		c.add("kvshim_l2_prefetch_bytes_total", "Bytes loaded from L2 into L1.", false, &pc.bytesLoaded[i], "adapter", a.Name())
+	}
+	pc.metrics = c
+	if err := register(reg, c); err != nil {
+		return nil, fmt.Errorf("tier: prefetch metrics: %w", err)
+	}
+	return pc, nil
+}
+
+// Export calls fn for each of the controller's metrics (name, labels as
+// "k=v,k2=v2", value), as its Prometheus collector exports them.
+func (pc *PrefetchController) Export(fn func(name, labels string, value float64, isCounter bool)) {
+	pc.metrics.each(fn)
+}
+
+// PrefetchStats are the controller's counters.
+type PrefetchStats struct {
+	Inflight, Loaded, NoL2, Rejected, L1Full, Timeouts, Waited int64
+	ChunksOK, ChunksMiss, ChunksFailed                         []int64
+}
+
+// Stats returns the counters now.
+func (pc *PrefetchController) Stats() PrefetchStats {
+	s := PrefetchStats{Inflight: pc.inflight.Load(), Loaded: pc.loaded.Load(), NoL2: pc.noL2.Load(),
+		Rejected: pc.rejected.Load(), L1Full: pc.l1Full.Load(), Timeouts: pc.timeouts.Load(), Waited: pc.waited.Load()}
+	for i := range pc.adapters {
+		s.ChunksOK = append(s.ChunksOK, pc.chunksOK[i].Load())
+		s.ChunksMiss = append(s.ChunksMiss, pc.chunksMiss[i].Load())
+		s.ChunksFailed = append(s.ChunksFailed, pc.chunksFailed[i].Load())
+	}
+	return s
+}
+
+// Prefetch starts filling req in the background and returns true, or
+// returns false (nothing to do: no adapter, or closed). It never blocks.
+// After true, f.Done is called exactly once.
+func (pc *PrefetchController) Prefetch(req FillRequest, f Fill) bool {
+	if len(pc.adapters) == 0 || len(req.Hashes) == 0 {
+		return false
+	}
+	pc.mu.Lock()
+	if pc.closed {
+		pc.mu.Unlock()
+		return false
+	}
+	pc.wg.Add(1) // under mu, so never concurrent with Close's Wait
+	pc.mu.Unlock()
+	pc.inflight.Add(1)
+	go func() {
+		defer pc.wg.Done()
+		defer pc.inflight.Add(-1)
+		pc.run(req, f)
+	}()
+	return true
+}
+
+// Close cancels running prefetches (they answer with what they have) and
+// waits for them (bounded).
+func (pc *PrefetchController) Close() {
+	pc.mu.Lock()
+	was := pc.closed
+	pc.closed = true
+	pc.mu.Unlock()
+	if was {
+		return
+	}
+	pc.cancel()
+	done := make(chan struct{})
+	go func() { pc.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(drainTimeout):
+		pc.log.Warn("tier: prefetch controller: fills still running after close timeout")
+	}
+}
+
+// cell is one (rank, chunk) of the fill that L1 lacks.
+type cell struct {
+	rank, chunk uint32 // chunk: lookup index
+	key         l2.Key
+	src         int    // adapter index, -1: none
+	size        uint64 // object bytes
+	mem         []byte // staging
+}
+
+// run is one lookup's prefetch.
+func (pc *PrefetchController) run(req FillRequest, f Fill) {
+	ctx, cancel := context.WithTimeout(pc.ctx, pc.cfg.Timeout)
+	defer cancel()
+	R := req.Ranks
+	// 1. L2 lookup of every cell L1 lacks, on every adapter.
+	var cells []cell
+	for i := range req.Hashes {
+		for r := range R {
+			if req.Resident != nil && req.Resident[uint32(i)*R+r] {
+				continue
+			}
+			cells = append(cells, cell{rank: r, chunk: req.Start + uint32(i),
+				key: Key(req.Namespace, r, req.Hashes[i]), src: -1})
+		}
+	}
+	keys := make([]l2.Key, len(cells))
+	for j := range cells {
+		keys[j] = cells[j].key
+	}
+	looks := make([]*l2.Task, len(pc.adapters))
+	for a, ad := range pc.adapters {
+		looks[a] = ad.LookupAndHold(ctx, keys)
+	}
+	results := make([][]l2.Result, len(pc.adapters))
+	for a, t := range looks {
+		select {
+		case <-t.Done():
+			results[a] = t.Results()
+		case <-time.After(time.Until(deadline(ctx)) + time.Second):
+			// The task ends by its own deadline; release what it holds then.
+			ad := pc.adapters[a]
+			go func() { <-t.Done(); ad.Release(okKeys(t)) }()
+		}
+	}
+	// 2. Plan: the longest run of chunks whose every missing cell is in
+	// some adapter (the first adapter holding it), with a known size,
+	// trimmed to the budget.
+	planned, bytes := planPrefix(cells, results, pc.cfg.Budget, func(rank uint32) uint64 {
+		if req.SizeHint != 0 {
+			return req.SizeHint
+		}
+		return pc.cfg.Hints.Get(req.Namespace, rank)
+	})
+	for _, cl := range cells[:planned] {
+		pc.cfg.Hints.Learn(req.Namespace, cl.rank, cl.size)
+	}
+	// Release every hold outside the plan now.
+	pc.release(results, cells, planned, true)
+	if planned == 0 {
+		pc.noL2.Add(1)
+		f.Done()
+		return
+	}
+	plan := cells[:planned]
+	// 3. Admission.
+	wait := min(pc.cfg.AdmissionWait, time.Until(deadline(ctx)))
+	if !pc.ad.acquire(ctx, bytes, 0) {
+		pc.waited.Add(1)
+		ok := pc.ad.acquire(ctx, bytes, wait)
+		if !ok {
+			pc.rejected.Add(1)
+			pc.release(results, plan, 0, false)
+			f.Done()
+			return
+		}
+	}
+	// 4. Reserve L1 staging in chunk order; a chunk that finds no space
+	// (or is already resident) ends the plan there.
+	n := 0
+	for n < len(plan) {
+		c := plan[n].chunk
+		k := n
+		for ; k < len(plan) && plan[k].chunk == c; k++ {
+			mem, ok, err := f.Reserve(plan[k].rank, c, plan[k].size, !pc.cfg.Retain)
+			if err != nil || !ok {
+				break
+			}
+			plan[k].mem = mem
+		}
+		if k < len(plan) && plan[k].chunk == c { // this chunk is incomplete
+			for q := n; q < k; q++ {
+				_ = f.Commit(plan[q].rank, c, false)
+			}
+			break
+		}
+		n = k
+	}
+	pc.ad.reserved(bytes)
+	pc.release(results, plan, n, false) // holds of cells not reserved
+	plan = plan[:n]
+	if n == 0 {
+		pc.l1Full.Add(1)
+		f.Done()
+		return
+	}
+	// 5. Load per adapter; admit each key as it arrives.
+	if pc.cfg.BeforeLoad != nil {
+		lk := make([]l2.Key, len(plan))
+		for i := range plan {
+			lk[i] = plan[i].key
+		}
+		pc.cfg.BeforeLoad(lk)
+	}
+	var loads sync.WaitGroup
+	for a := range pc.adapters {
+		var idx []int
+		for i := range plan {
+			if plan[i].src == a {
+				idx = append(idx, i)
+			}
+		}
+		if len(idx) == 0 {
+			continue
+		}
+		lkeys := make([]l2.Key, len(idx))
+		bufs := make([][]byte, len(idx))
+		for q, i := range idx {
+			lkeys[q], bufs[q] = plan[i].key, plan[i].mem
+		}
+		t := pc.adapters[a].Load(ctx, lkeys, bufs)
+		loads.Add(1)
+		go func() {
+			defer loads.Done()
+			for ev := range t.Events() {
+				cl := &plan[idx[ev.Index]]
+				switch ev.Status {
+				case l2.StatusOK:
+					pc.chunksOK[a].Add(1)
+					pc.bytesLoaded[a].Add(int64(ev.Bytes))
+				case l2.StatusMiss:
+					pc.chunksMiss[a].Add(1)
+				default:
+					pc.chunksFailed[a].Add(1)
+					pc.log.Debug("tier: L2 load failed", "adapter", pc.adapters[a].Name(), "key", ev.Key, "err", ev.Err)
+				}
+				_ = f.Commit(cl.rank, cl.chunk, ev.OK())
+			}
+		}()
+	}
+	allDone := make(chan struct{})
+	go func() { loads.Wait(); close(allDone) }()
+	pc.loaded.Add(1)
+	select {
+	case <-allDone:
+		if !time.Now().Before(deadline(ctx)) { // the loads ended by the deadline
+			// (by the clock: a backend's socket deadline can fire just
+			// before the context's timer)
+			pc.timeouts.Add(1)
+		}
+	case <-ctx.Done():
+		// Past the deadline: answer with what has arrived; free the
+		// staging of loads still running only when their keys report.
+		pc.timeouts.Add(1)
+		f.Answer()
+		select {
+		case <-allDone:
+		case <-time.After(drainTimeout):
+			pc.log.Warn("tier: L2 loads still running after the deadline; their staging stays reserved")
+			go func() { <-allDone; pc.finish(f, results, plan) }()
+			return
+		}
+	}
+	pc.finish(f, results, plan)
+}
+
+func (pc *PrefetchController) finish(f Fill, results [][]l2.Result, plan []cell) {
+	f.Done()
+	pc.release(results, plan, 0, false)
+	pc.ad.kick()
+}
+
+// release drops the holds toRelease names.
+func (pc *PrefetchController) release(results [][]l2.Result, cells []cell, from int, others bool) {
+	for a, idx := range toRelease(results, cells, from, others) {
+		if len(idx) == 0 {
+			continue
+		}
+		keys := make([]l2.Key, len(idx))
+		for i, k := range idx {
+			keys[i] = cells[k].key
+		}
+		pc.adapters[a].Release(keys)
+	}
+}
+
+func okKeys(t *l2.Task) []l2.Key {
+	var keys []l2.Key
+	for i, r := range t.Results() {
+		if r.OK() {
+			keys = append(keys, t.Keys()[i])
+		}
+	}
+	return keys
+}
+
+func deadline(ctx context.Context) time.Time {
+	d, _ := ctx.Deadline()
+	return d
+}

@@ -1,0 +1,284 @@
+package tier
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"math/bits"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvshim/kvshim/server/l2"
+)
+
+// StorePolicy decides which adapters an object is written to: bit i of
+// the result selects adapters[i] (at most 64 adapters).
+type StorePolicy interface {
+	Targets(o *Object, adapters []*l2.Adapter) uint64
+}
+
+type policyAll struct{}
+
+func (policyAll) Targets(_ *Object, a []*l2.Adapter) uint64 {
+	if len(a) >= 64 {
+		return ^uint64(0)
+	}
+	return 1<<len(a) - 1
+}
+
+type policyNone struct{}
+
+func (policyNone) Targets(*Object, []*l2.Adapter) uint64 { return 0 }
+
+// Store policy names (--l2-store-policy).
+const (
+	PolicyAll  = "all"  // every object to every adapter (LMCache "default")
+	PolicyNone = "none" // write nothing (L1 only; adapters serve reads)
+)
+
+// ParseStorePolicy returns the named policy; "" and "default" mean "all".
+func ParseStorePolicy(name string) (StorePolicy, error) {
+	switch name {
+	case "", "default", PolicyAll:
+		return policyAll{}, nil
+	case PolicyNone:
+		return policyNone{}, nil
+	}
+	return nil, fmt.Errorf("tier: store policy %q: want %q or %q", name, PolicyAll, PolicyNone)
+}
+
+// IsNone reports whether p never writes anything (the store then need not
+// pin objects at all).
+func IsNone(p StorePolicy) bool { _, ok := p.(policyNone); return ok }
+
+// StoreConfig configures a StoreController.
+type StoreConfig struct {
+	Policy StorePolicy // nil: all
+	// MaxBytes bounds the bytes pinned for L2 writes (submitted, not yet
+	// finished); an object over it is not written (counted as "busy").
+	MaxBytes uint64
+	Hints    *SizeHints
+	// CloseTimeout bounds Close's wait for running writes (default 10 s).
+	CloseTimeout time.Duration
+}
+
+// StoreController writes committed L1 objects to the L2 adapters.
+type StoreController struct {
+	l1       L1
+	adapters []*l2.Adapter
+	cfg      StoreConfig
+	log      *slog.Logger
+	ctx      context.Context
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+
+	metrics *collector
+
+	mu       sync.Mutex
+	closed   bool
+	inflight uint64 // pinned bytes
+
+	pendingObjs, inflightBytes atomic.Int64
+	skippedPolicy, skippedBusy atomic.Int64
+	skippedClosed              atomic.Int64
+	saved, savedBytes, errs    []atomic.Int64 // per adapter
+}
+
+// NewStoreController returns a controller over adapters; reg may be nil.
+func NewStoreController(l1 L1, adapters []*l2.Adapter, cfg StoreConfig, reg prometheus.Registerer, log *slog.Logger) (*StoreController, error) {
+	if len(adapters) > 64 {
+		return nil, fmt.Errorf("tier: %d adapters, at most 64", len(adapters))
+	}
+	if cfg.Policy == nil {
+		cfg.Policy = policyAll{}
+	}
+	if cfg.CloseTimeout <= 0 {
+		cfg.CloseTimeout = 10 * time.Second
+	}
+	if log == nil {
+		log = slog.Default()
+	}
+	sc := &StoreController{l1: l1, adapters: adapters, cfg: cfg, log: log,
+		saved: make([]atomic.Int64, len(adapters)), savedBytes: make([]atomic.Int64, len(adapters)),
+		errs: make([]atomic.Int64, len(adapters))}
+	sc.ctx, sc.cancel = context.WithCancel(context.Background())
+	c := &collector{}
+	c.add("kvshim_l2_store_pending_objects", "Objects pinned in L1 for L2 writes not yet finished (store queue depth).", true, &sc.pendingObjs)
+	c.add("kvshim_l2_store_inflight_bytes", "L1 bytes pinned for L2 writes not yet finished.", true, &sc.inflightBytes)
+	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &sc.skippedPolicy, "reason", "policy")
+	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &sc.skippedBusy, "reason", "busy")
+	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &sc.skippedClosed, "reason", "closed")
+	for i, a := range adapters {
+		c.add("kvshim_l2_store_saved_objects_total", "Objects saved to L2 (the third done: L2 saved).", false, &sc.saved[i], "adapter", a.Name())
+		c.add("kvshim_l2_store_saved_bytes_total", "Bytes saved to L2.", false, &sc.savedBytes[i], "adapter", a.Name())
+		c.add("kvshim_l2_store_errors_total", "Objects whose L2 write failed (best effort, not retried).", false, &sc.errs[i], "adapter", a.Name())
+	}
+	sc.metrics = c
+	if err := register(reg, c); err != nil {
+		return nil, fmt.Errorf("tier: store metrics: %w", err)
+	}
+	return sc, nil
+}
+
+// Export calls fn for each of the controller's metrics (name, labels as
+// "k=v,k2=v2", value), as its Prometheus collector exports them.
+func (sc *StoreController) Export(fn func(name, labels string, value float64, isCounter bool)) {
+	sc.metrics.each(fn)
+}
+
+// StoreStats are the controller's counters (tests, traces).
+type StoreStats struct {
+	Pending, InflightBytes                    int64
+	SkippedPolicy, SkippedBusy, SkippedClosed int64
+	Saved, SavedBytes, Errors                 []int64 // per adapter
+}
+
+// Stats returns the counters now.
+func (sc *StoreController) Stats() StoreStats {
+	s := StoreStats{Pending: sc.pendingObjs.Load(), InflightBytes: sc.inflightBytes.Load(),
+		SkippedPolicy: sc.skippedPolicy.Load(), SkippedBusy: sc.skippedBusy.Load(), SkippedClosed: sc.skippedClosed.Load()}
+	for i := range sc.adapters {
+		s.Saved = append(s.Saved, sc.saved[i].Load())
+		s.SavedBytes = append(s.SavedBytes, sc.savedBytes[i].Load())
+		s.Errors = append(s.Errors, sc.errs[i].Load())
+	}
+	return s
+}
+
+// batchObj is one object of a submitted batch.
+type batchObj struct {
+	o    Object
+	refs atomic.Int32 // adapters still writing it
+}
+
+// Committed takes over pinned objects just published in L1: each is
+// written to the adapters its policy selects and unpinned when the last
+// write ends; objects not written are unpinned at once. It never blocks
+// (adapter submission is asynchronous) and must be called without the
+// store's lock.
+func (sc *StoreController) Committed(objs []Object) {
+	var drop []Object
+	per := make([][]*batchObj, len(sc.adapters))
+	sc.mu.Lock()
+	for i := range objs {
+		o := &objs[i]
+		if sc.closed {
+			drop = append(drop, *o)
+			sc.skippedClosed.Add(1)
+			continue
+		}
+		mask := sc.cfg.Policy.Targets(o, sc.adapters)
+		if len(sc.adapters) < 64 {
+			mask &= 1<<len(sc.adapters) - 1
+		}
+		if mask == 0 {
+			drop = append(drop, *o)
+			sc.skippedPolicy.Add(1)
+			continue
+		}
+		size := uint64(len(o.Mem))
+		if sc.inflight+size > sc.cfg.MaxBytes {
+			drop = append(drop, *o)
+			sc.skippedBusy.Add(1)
+			continue
+		}
+		sc.inflight += size
+		sc.cfg.Hints.Learn(o.Key.Namespace, o.Key.Rank, size)
+		b := &batchObj{o: *o}
+		b.refs.Store(int32(bits.OnesCount64(mask)))
+		for a := range sc.adapters {
+			if mask&(1<<a) != 0 {
+				per[a] = append(per[a], b)
+			}
+		}
+		sc.pendingObjs.Add(1)
+		sc.inflightBytes.Add(int64(size))
+	}
+	if !sc.closed {
+		for a, bs := range per {
+			if len(bs) > 0 {
+				sc.wg.Add(1)
+				go sc.write(a, bs)
+			}
+		}
+	}
+	sc.mu.Unlock()
+	if len(drop) > 0 {
+		sc.l1.Unpin(drop)
+	}
+}
+
+// write runs one adapter's batch and unpins objects as their last write
+// ends.
+func (sc *StoreController) write(a int, bs []*batchObj) {
+	defer sc.wg.Done()
+	keys := make([]l2.Key, len(bs))
+	bufs := make([][]byte, len(bs))
+	for i, b := range bs {
+		keys[i], bufs[i] = b.o.Key, b.o.Mem
+	}
+	t := sc.adapters[a].Store(sc.ctx, keys, bufs)
+	for ev := range t.Events() {
+		b := bs[ev.Index]
+		if ev.OK() {
+			sc.saved[a].Add(1)
+			sc.savedBytes[a].Add(int64(len(b.o.Mem)))
+		} else {
+			sc.errs[a].Add(1)
+			sc.log.Warn("tier: L2 write failed (not retried)", "adapter", sc.adapters[a].Name(), "key", ev.Key, "err", ev.Err)
+		}
+		if b.refs.Add(-1) == 0 {
+			sc.finish(b)
+		}
+	}
+}
+
+func (sc *StoreController) finish(b *batchObj) {
+	size := uint64(len(b.o.Mem))
+	sc.l1.Unpin([]Object{b.o})
+	sc.mu.Lock()
+	sc.inflight -= size
+	sc.mu.Unlock()
+	sc.pendingObjs.Add(-1)
+	sc.inflightBytes.Add(-int64(size))
+}
+
+// Flush waits until no write is pending (tests, shutdown) or ctx ends.
+func (sc *StoreController) Flush(ctx context.Context) error {
+	for sc.pendingObjs.Load() > 0 {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("tier: flush: %d objects pending: %w", sc.pendingObjs.Load(), ctx.Err())
+		case <-time.After(time.Millisecond):
+		}
+	}
+	return nil
+}
+
+// Close stops taking objects, waits (bounded) for running writes, then
+// cancels what is left. Objects are unpinned as their writes end.
+func (sc *StoreController) Close() {
+	sc.mu.Lock()
+	if sc.closed {
+		sc.mu.Unlock()
+		return
+	}
+	sc.closed = true
+	sc.mu.Unlock()
+	done := make(chan struct{})
+	go func() { sc.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(sc.cfg.CloseTimeout):
+		sc.cancel()
+		select {
+		case <-done:
+		case <-time.After(sc.cfg.CloseTimeout):
+			sc.log.Warn("tier: store controller: writes still running after close timeout")
+		}
+	}
+	sc.cancel()
+}

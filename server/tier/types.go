@@ -1,0 +1,88 @@
+package tier
+
+import (
+	"sync"
+
+	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l2"
+)
+
+// L1 is what the controllers need from the L1 store.
+type L1 interface {
+	// Unpin drops the controller-owned holds of objs (taken at commit).
+	Unpin(objs []Object)
+	// PrefetchBytes is the L1 slot bytes (4 KiB rounded) now used by
+	// prefetch staging and temporary (prefetched) objects.
+	PrefetchBytes() uint64
+}
+
+// Object is an L1 object pinned for an L2 write: Mem stays valid and
+// unchanged until it is unpinned.
+type Object struct {
+	Key l2.Key
+	Mem []byte
+	Ref uint64 // the store's handle for Unpin
+}
+
+// Fill is one lookup's missing suffix (the L1 store's fill task).
+type Fill interface {
+	// Reserve stages size bytes for (rank, chunk); ok=false: no L1 space.
+	Reserve(rank, chunk uint32, size uint64, temporary bool) (mem []byte, ok bool, err error)
+	// Commit publishes (ok) or frees (!ok) a reservation.
+	Commit(rank, chunk uint32, ok bool) error
+	// Answer makes the lookup final now; reservations not yet committed stay
+	// until committed (then freed) or Done.
+	Answer()
+	// Done ends the fill: frees what is still reserved and answers the
+	// lookup if Answer was not called. Called exactly once.
+	Done()
+}
+
+// FillRequest describes a fill: chunks [Start, Start+len(Hashes)) of a
+// lookup over Ranks storage ranks (1 for MLA).
+type FillRequest struct {
+	Namespace ipc.Namespace
+	Ranks     uint32
+	Start     uint32
+	Hashes    []ipc.Hash
+	// Resident[i*Ranks+r]: cell (rank r, chunk Start+i) was resident in L1
+	// when the lookup arrived (nil: none).
+	Resident []bool
+	// SizeHint is the size of an L1 object of the lookup (0: unknown).
+	SizeHint uint64
+}
+
+// Key is the L2 key of (namespace, rank, hash).
+func Key(ns ipc.Namespace, rank uint32, h ipc.Hash) l2.Key {
+	return l2.Key{Namespace: ns, Rank: rank, Hash: h}
+}
+
+// SizeHints remembers the object size last seen per (namespace, rank), for
+// adapters whose lookups do not report sizes (mooncake_store).
+type SizeHints struct{ m sync.Map }
+
+type hintKey struct {
+	ns   ipc.Namespace
+	rank uint32
+}
+
+// Learn records size for (ns, rank).
+func (h *SizeHints) Learn(ns ipc.Namespace, rank uint32, size uint64) {
+	if h != nil && size > 0 {
+		h.m.Store(hintKey{ns, rank}, size)
+	}
+}
+
+// Get returns the recorded size or 0.
+func (h *SizeHints) Get(ns ipc.Namespace, rank uint32) uint64 {
+	if h == nil {
+		return 0
+	}
+	if v, ok := h.m.Load(hintKey{ns, rank}); ok {
+		return v.(uint64)
+	}
+	return 0
+}
+
+// page rounds n up to the L1 slot granularity (4 KiB).
+func page(n uint64) uint64 { return (n + 4095) &^ 4095 }
