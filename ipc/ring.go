@@ -299,9 +299,12 @@ func (r *Ring) wait(word *atomic.Uint32, deadline time.Time, check func() (bool,
 				if now.Sub(start) >= r.opts.Spin || !now.Before(deadline) {
 					break
 				}
-				if i&1023 == 0 {
-					yield()
-				}
+				// Give the core away now and then (sched_yield, not
+				// runtime.Gosched: a caller that came in from C runs on a
+				// locked OS thread, where Gosched is a futex hand-off). When
+				// the machine has fewer free cores than spinners, the peer we
+				// wait for may need exactly this core.
+				osYield()
 			}
 		}
 	}

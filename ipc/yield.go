@@ -1,6 +1,6 @@
 package ipc
 
-import "runtime"
+import "golang.org/x/sys/unix"
 
-// yield lets other goroutines on this P run during a long spin.
-func yield() { runtime.Gosched() }
+// osYield offers this OS thread's core to another runnable thread.
+func osYield() { _, _, _ = unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0) }
