@@ -29,8 +29,9 @@ type connectorConfig struct {
 	Rank      int           `json:"rank"`       // worker
 	TimeoutMS int           `json:"timeout_ms"`
 	// The embedded server's settings (scheduler role only).
-	L1SizeGB float64 `json:"l1_size_gb"`
-	HoldTTLS float64 `json:"hold_ttl_s"`
+	L1SizeGB   float64  `json:"l1_size_gb"`
+	HoldTTLS   float64  `json:"hold_ttl_s"`
+	L2Adapters []string `json:"l2_adapters"` // one --l2-adapter JSON each
 }
 
 type namespaceJSON struct {
@@ -120,6 +121,7 @@ func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error,
 		if cfg.HoldTTLS > 0 {
 			sc.HoldTTL = time.Duration(cfg.HoldTTLS * float64(time.Second))
 		}
+		sc.L2Adapters = cfg.L2Adapters
 		if err := ipc.EnsureSocketDir(filepath.Dir(socket)); err != nil {
 			return nil, err
 		}

@@ -54,6 +54,7 @@ CONFIG_KEYS: dict[str, tuple[Any, str]] = {
     "kvshim.timeout_ms": (5000, "longest wait for the server or a copy; past it a lookup is a miss, a load an error"),
     "kvshim.hold_ttl_s": (1800.0, "embedded server: last-resort release of holds a live client forgot"),
     "kvshim.model": (None, "model identity in the namespace (default: the model name and revision)"),
+    "kvshim.l2_adapters": ([], 'embedded server: L2 adapters, each like `kvshim serve --l2-adapter` ({"type": "fs", "base_path": ...})'),
 }
 
 
@@ -173,6 +174,7 @@ class KVShimConnector(KVConnectorBase_V1):
                 "block_size": vllm_config.cache_config.block_size,
                 "l1_size_gb": float(self._cfg["kvshim.l1_size_gb"]),
                 "hold_ttl_s": float(self._cfg["kvshim.hold_ttl_s"]),
+                "l2_adapters": [a if isinstance(a, str) else json.dumps(a) for a in self._cfg["kvshim.l2_adapters"]],
             }
         else:
             open_cfg |= {"role": "worker", "rank": int(vllm_config.parallel_config.rank)}
