@@ -20,6 +20,14 @@ make ctest
 echo "== go test -race (with fuzz seed corpora)"
 go test -race -count=1 -timeout 20m ./...
 
+# The Mooncake Store tests need the wheel's store client and a real
+# mooncake_master; they run on their own, one package at a time, so two
+# masters and their clients never compete for the two cores.
+echo "== go test -race: Mooncake Store (real mooncake_master on loopback)"
+mc=$(build/venv.sh python/requirements-mooncake.txt)
+KVSHIM_MOONCAKE_PYTHON="$mc/bin/python" go test -race -count=1 -p 1 -timeout 10m \
+  ./server/l2/mooncake ./server/tier -run 'Mooncake|RoundTrip|HelperDeath|Config'
+
 echo "== pytest"
 venv=$(build/venv.sh python/requirements-test.txt)
 export KVSHIM_LIBRARY="$PWD/out/libkvshim.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"

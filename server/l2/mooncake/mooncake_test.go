@@ -152,7 +152,18 @@ func TestHelperDeathFailsKeysThenRestarts(t *testing.T) {
 	ctx := context.Background()
 	k := key(42)
 	src := payload(42, 4096)
-	st := wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{src}))
+	// The master keeps the dead helper's segment until that client's
+	// liveness TTL runs out (client_live_ttl_sec, 10 s by default); a put
+	// it places there fails with TRANSFER_FAIL, per key, and a retry after
+	// the master drops the segment succeeds.
+	var st []l2.Result
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(500 * time.Millisecond) {
+		st = wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{src}))
+		if st[0].Status == l2.StatusOK || time.Now().After(deadline) {
+			break
+		}
+		assert.ErrorContains(t, st[0].Err, "TRANSFER_FAIL")
+	}
 	assert.Equal(t, st[0].Status, l2.StatusOK, "%v", st[0].Err)
 	assert.Assert(t, b.Pid() != old && b.Pid() != 0)
 	dst := make([]byte, len(src))
