@@ -73,6 +73,17 @@ func (c *connectorConfig) socketOf() (string, error) {
 	return filepath.Join(ipc.DefaultSocketDir(), "embedded-"+c.EngineID+".sock"), nil
 }
 
+// parseConnector decodes a scheduler, worker or tool config (unknown keys
+// refused) and resolves its socket, instance id and timeout.
+func parseConnector(raw []byte) (c *connectorConfig, socket string, inst uuid.UUID, timeout time.Duration, err error) {
+	c = &connectorConfig{}
+	if err = decodeStrict(raw, c); err != nil {
+		return
+	}
+	socket, inst, timeout, err = c.common()
+	return
+}
+
 func (c *connectorConfig) common() (socket string, inst uuid.UUID, timeout time.Duration, err error) {
 	if socket, err = c.socketOf(); err != nil {
 		return
@@ -160,16 +171,12 @@ func init() {
 }
 
 func openScheduler(in *instance, raw []byte) error {
-	var cfg connectorConfig
-	if err := decodeStrict(raw, &cfg); err != nil {
-		return err
-	}
-	socket, inst, timeout, err := cfg.common()
+	cfg, socket, inst, timeout, err := parseConnector(raw)
 	if err != nil {
 		return err
 	}
 	if cfg.Server == "" || cfg.Server == "embedded" {
-		release, err := acquireEmbedded(socket, &cfg)
+		release, err := acquireEmbedded(socket, cfg)
 		if err != nil {
 			return err
 		}
@@ -186,11 +193,7 @@ func openScheduler(in *instance, raw []byte) error {
 }
 
 func openWorker(in *instance, raw []byte) error {
-	var cfg connectorConfig
-	if err := decodeStrict(raw, &cfg); err != nil {
-		return err
-	}
-	socket, inst, timeout, err := cfg.common()
+	cfg, socket, inst, timeout, err := parseConnector(raw)
 	if err != nil {
 		return err
 	}

@@ -26,11 +26,7 @@ type toolState struct {
 
 func init() {
 	openers["tool"] = func(in *instance, raw []byte) error {
-		var cfg connectorConfig
-		if err := decodeStrict(raw, &cfg); err != nil {
-			return err
-		}
-		socket, inst, timeout, err := cfg.common()
+		_, socket, inst, timeout, err := parseConnector(raw)
 		if err != nil {
 			return err
 		}
