@@ -36,6 +36,7 @@ type Scheduler struct {
 	nextLookup uint64
 	loads      []LoadSpec // dispatched with the next metadata
 	finished   []string   // delay-freed requests, told to workers with the next metadata
+	orphans    []uint64   // lookups given up while pending: read once final so the server forgets them
 }
 
 type lookupState uint8
@@ -101,6 +102,14 @@ func (s *Scheduler) Match(req string, tokens []uint32, ex Extras, numComputed in
 		}
 	}
 	r.local = numComputed
+	if r.loadPlaned {
+		// vLLM asks again only after our load failed and it dropped the
+		// request's blocks to recompute them (kv_load_failure_policy
+		// "recompute"): the workers released the holds, so answer a final
+		// miss (never retry a load that just failed: it could fail forever)
+		// and save the recomputed chunks again.
+		r.loadPlaned, r.hits, r.saved = false, 0, 0
+	}
 	if r.state == lookupPending {
 		s.poll(r)
 	}
@@ -174,7 +183,37 @@ func (s *Scheduler) free(r *schedReq, from uint32) {
 	})
 	if from == 0 {
 		r.holdsFreed = true
+		if r.state == lookupPending {
+			// The server forgets a lookup only once its answer is read:
+			// read it when the fill ends (reapOrphans).
+			s.orphans = append(s.orphans, r.lookupID)
+		}
 	}
+}
+
+// reapOrphans reads the answers of lookups given up while pending (request
+// aborted, or pending past the timeout) once they are final, and frees what
+// they hold, so the server forgets them. Called once per step.
+func (s *Scheduler) reapOrphans() {
+	keep := s.orphans[:0]
+	for _, id := range s.orphans {
+		var res *ipc.LookupResultResp
+		err := s.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
+			res, err = c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: id})
+			return err
+		})
+		switch {
+		case err != nil || res.Status == ipc.StatusUnknown:
+			// server gone (its session with us too) or already forgotten
+		case res.Status == ipc.StatusPending:
+			keep = append(keep, id)
+		case res.Chunks > 0:
+			_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
+				return c.Free(ctx, &ipc.FreeReq{LookupID: id, Start: 0, End: ^uint32(0)})
+			})
+		}
+	}
+	s.orphans = keep
 }
 
 // AfterAlloc answers update_state_after_alloc: blocks are all the request's
@@ -267,6 +306,7 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 	defer s.mu.Unlock()
 	m := &StepMeta{Loads: s.loads, Finished: s.finished, Preempted: step.Preempted}
 	s.loads, s.finished = nil, nil
+	s.reapOrphans()
 	// A preempted request loses its blocks (the workers wait for its copies
 	// before they are reused) and comes back through a new lookup.
 	for _, id := range step.Preempted {

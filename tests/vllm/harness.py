@@ -25,6 +25,16 @@ Typical use::
     req = h.add_request(h.make_request(list(range(100)), max_tokens=4))
     h.run_until_idle()
     h.assert_no_leaks()
+
+KV bytes without a GPU: ``ModelRunner`` plays one rank's GPU model runner.
+Its KV cache is CPU torch tensors (standing in for GPU memory) shaped as
+FlashAttention shapes them, ``(2, num_blocks, block_size, kv_heads,
+head_size)`` per layer, registered with a WORKER-role connector through
+``register_kv_caches``. Its "forward pass" writes, for every scheduled token,
+KV bytes that are a deterministic function of the token prefix up to it
+(``KVModel``), so a restored block can be checked byte for byte. Pass
+``SchedulerHarness(..., runners=[ModelRunner(...), ...])``; with more than one
+runner (TP) their outputs are combined by vLLM's own KVOutputAggregator.
 """
 
 from __future__ import annotations
@@ -45,10 +55,12 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -121,12 +133,20 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     disable_hybrid_kv_cache_manager: bool | None = None,
     async_scheduling: bool | None = None,
+    tensor_parallel_size: int = 1,
+    rank: int = 0,
+    engine_id: str | None = None,
 ) -> VllmConfig:
     """A real VllmConfig for a CPU-only machine (no hub access, no tokenizer).
 
     ``async_scheduling=None`` lets vLLM decide, as in production: with the
     "uni" executor it turns it on, so the harness gets vLLM's AsyncScheduler
-    (max_concurrent_batches == 2); ``False`` gives the plain Scheduler."""
+    (max_concurrent_batches == 2); ``False`` gives the plain Scheduler.
+
+    ``tensor_parallel_size``/``rank`` build the ParallelConfig of one TP rank
+    (vLLM picks the "mp" executor for TP > 1); ``engine_id`` fixes
+    KVTransferConfig.engine_id (else vLLM makes a uuid4), so processes that
+    build their own config agree on it as vLLM's broadcast makes them do."""
     model_config = ModelConfig(
         model=str(model_dir),
         skip_tokenizer_init=True,
@@ -153,8 +173,10 @@ def make_vllm_config(
         kv_role=kv_role,
         kv_connector_extra_config=dict(kv_connector_extra_config or {}),
         kv_load_failure_policy=kv_load_failure_policy,
+        **({"engine_id": engine_id} if engine_id else {}),
     )
     return VllmConfig(
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size, rank=rank),
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
@@ -226,6 +248,7 @@ class SchedulerHarness:
         *,
         num_blocks: int = 256,
         with_worker: bool = False,
+        runners: Sequence[Any] | None = None,
         log_stats: bool = True,
     ) -> None:
         cache_config = vllm_config.cache_config
@@ -263,6 +286,13 @@ class SchedulerHarness:
             self.worker_connector = KVConnectorFactory.create_connector(
                 vllm_config, KVConnectorRole.WORKER, kv_cache_config
             )
+        # Model runners with KV tensors (ModelRunner, or anything with
+        # execute(scheduler_output) -> KVConnectorOutput, e.g. a proxy of a
+        # runner in another process). They replace worker_connector.
+        self.runners: list[Any] = list(runners or ())
+        self._aggregator: KVOutputAggregator | None = None
+        if len(self.runners) > 1:
+            self._aggregator = KVOutputAggregator(len(self.runners))
         self.requests: dict[str, Request] = {}
         self.outputs: dict[str, list[int]] = {}
         self.steps: list[StepResult] = []
@@ -342,6 +372,21 @@ class SchedulerHarness:
             wc.clear_connector_metadata()
         return out
 
+    def runners_step(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput:
+        """Every runner executes the step; with TP their connector outputs
+        are combined as vLLM's executor does (KVOutputAggregator: a request
+        is finished only when every rank reported it)."""
+        outs = [r.execute(scheduler_output) for r in self.runners]
+        if self._aggregator is None:
+            return outs[0]
+        mros = [
+            self.model_runner_output(scheduler_output, kv_connector_output=o)
+            for o in outs
+        ]
+        agg = self._aggregator.aggregate(mros)
+        assert agg is not None
+        return agg.kv_connector_output or KVConnectorOutput()
+
     def model_runner_output(
         self,
         scheduler_output: SchedulerOutput,
@@ -383,11 +428,12 @@ class SchedulerHarness:
         connector (if any), then a fake model output. The keyword KV fields
         are merged into the connector output, so a test without a worker
         connector can play the worker's part."""
-        kvo = (
-            self.worker_step(scheduler_output)
-            if self.worker_connector is not None
-            else None
-        )
+        if self.runners:
+            kvo = self.runners_step(scheduler_output)
+        elif self.worker_connector is not None:
+            kvo = self.worker_step(scheduler_output)
+        else:
+            kvo = None
         extra = (finished_sending, finished_recving, invalid_block_ids, worker_meta)
         if any(x is not None for x in extra):
             kvo = kvo or KVConnectorOutput()
@@ -463,6 +509,58 @@ class SchedulerHarness:
             f"{ {r: q.status.name for r, q in self.scheduler.requests.items()} }"
         )
 
+    def close(self) -> None:
+        """Shut the connectors down (runners first: the scheduler connector
+        owns the embedded server)."""
+        for r in self.runners:
+            r.close()
+        if self.worker_connector is not None:
+            self.worker_connector.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
+
+    def settle(
+        self,
+        timeout_s: float = 10.0,
+        *,
+        until: Any = None,
+        pipelined: bool = False,
+        **execute_kwargs: Any,
+    ) -> list[StepResult]:
+        """Steps until the scheduler is idle, or until ``until(step)`` is
+        true for a finished step (with ``pipelined`` the batch already in
+        flight is finished too). Transfers complete on their own threads,
+        so an engine with nothing to compute spins like EngineCore's busy
+        loop: here with a 1 ms pause after every step that scheduled no
+        token. ``pipelined=True`` overlaps steps as run_until_idle does
+        (EngineCore.step_with_batch_queue). Raises after ``timeout_s``."""
+        import time
+
+        results: list[StepResult] = []
+        depth = self.vllm_config.max_concurrent_batches if pipelined else 1
+        queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+        deadline = time.monotonic() + timeout_s
+        done = False
+        while True:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"not settled after {timeout_s}s ({len(results)} steps): "
+                    f"{ {r: q.status.name for r, q in self.scheduler.requests.items()} }"
+                )
+            if not done and (self.scheduler.has_requests() or until is not None):
+                so = self.scheduler.schedule()
+                queue.appendleft((so, self.execute(so, **execute_kwargs)))
+                if so.total_num_scheduled_tokens == 0:
+                    time.sleep(0.001)
+                if len(queue) < depth:
+                    continue
+            elif not queue:
+                return results
+            so, mro = queue.pop()
+            results.append(self.finish(so, mro))
+            if until is not None and until(results[-1]):
+                done = True
+
     # ---- checks ------------------------------------------------------------
 
     @property
@@ -479,3 +577,344 @@ class SchedulerHarness:
         pool = s.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
         assert all(b.ref_cnt == 0 for b in pool.blocks if not b.is_null)
+
+
+# ---- KV bytes: a deterministic "model" and one rank's model runner -------------
+
+_MASK64 = (1 << 64) - 1
+
+
+class KVModel:
+    """What the "model" computes: the KV of token position p (every layer,
+    K and V, every KV head) is a function of tokens[0..p] only — a running
+    64-bit hash of the prefix mixed with per-(layer, K/V, head, dim, rank)
+    constants — written as int16 bit patterns into the float16 cache (byte
+    comparisons only, so NaN patterns do not matter)."""
+
+    def __init__(
+        self,
+        num_layers: int = NUM_LAYERS,
+        num_kv_heads: int = NUM_KV_HEADS,
+        head_size: int = HEAD_SIZE,
+        rank: int = 0,
+    ) -> None:
+        import numpy as np
+
+        self.shape = (2, num_kv_heads, head_size)
+        rng = np.random.default_rng(1000 + rank)  # each TP rank its own bytes
+        n = 2 * num_kv_heads * head_size
+        self._mult = [
+            rng.integers(1, 1 << 62, n, dtype=np.uint64) | np.uint64(1)
+            for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def prefix_hashes(tokens: Sequence[int]) -> list[int]:
+        h, out = 0x9E3779B97F4A7C15, []
+        for t in tokens:
+            h = ((h ^ (int(t) + 1)) * 0x100000001B3) & _MASK64
+            h ^= h >> 29
+            out.append(h)
+        return out
+
+    def kv(self, hashes: Sequence[int], layer: int) -> torch.Tensor:
+        """int16 (2, len(hashes), kv_heads, head_size) for those positions."""
+        import numpy as np
+
+        H = np.asarray(hashes, dtype=np.uint64)[:, None]
+        with np.errstate(over="ignore"):
+            x = H * self._mult[layer][None, :]
+            x ^= x >> np.uint64(31)
+            x = x * np.uint64(0xBF58476D1CE4E5B9)
+        v = (x >> np.uint64(48)).astype(np.uint16).view(np.int16)
+        v = v.reshape(len(hashes), *self.shape).transpose(1, 0, 2, 3)
+        return torch.from_numpy(np.ascontiguousarray(v))
+
+
+@dataclass
+class _RunnerReq:
+    tokens: list[int]
+    hashes: list[int]
+    blocks: list[int]
+
+
+class ModelRunner:
+    """One rank's model runner without a GPU: CPU torch KV tensors standing
+    in for GPU memory, registered with a WORKER-role KVShimConnector (made by
+    vLLM's factory), driven in vLLM's model-runner order
+    (vllm/v1/worker/kv_connector_model_runner_mixin.py and, for
+    handle_preemptions, v1/worker/gpu/kv_connector.py):
+
+        handle_preemptions -> bind_connector_metadata -> [start_load_kv if
+        sync] -> forward (writes KV of the scheduled tokens) -> [start_load_kv
+        if async] -> wait_for_save -> get_transfer_results ->
+        get_block_ids_with_load_errors -> stats/events/worker meta ->
+        clear_connector_metadata
+
+    Output tokens are the harness's fake sampled token (``sampled_token``)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        *,
+        rank: int = 0,
+        sampled_token: int = 7,
+        connector: KVConnectorBase_V1 | None = None,
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.rank = rank
+        self.sampled_token = sampled_token
+        group = kv_cache_config.kv_cache_groups[0]
+        spec = group.kv_cache_spec
+        self.block_size = spec.block_size
+        self.layer_names = list(group.layer_names)
+        self.model = KVModel(len(self.layer_names), spec.num_kv_heads, spec.head_size, rank)
+        # FlashAttention's per-layer KV cache shape.
+        shape = (2, kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        self.kv_caches = {n: torch.zeros(shape, dtype=spec.dtype) for n in self.layer_names}
+        self.connector = connector or KVConnectorFactory.create_connector(
+            vllm_config, KVConnectorRole.WORKER, kv_cache_config
+        )
+        self.connector.register_kv_caches(self.kv_caches)
+        self.reqs: dict[str, _RunnerReq] = {}
+        self.load_errors: list[set[int]] = []  # per step
+        self.skip_save_steps: set[int] = set()  # steps whose saves this rank drops
+        self.step_no = 0
+        # req -> (num_computed_tokens, indices of wrong blocks) checked when
+        # vLLM first schedules a request with a prefix it did not compute
+        # in this step (loaded or a local prefix-cache hit), before the
+        # forward pass: those blocks must already hold the model's bytes.
+        self.prefix_checks: dict[str, tuple[int, list[int]]] = {}
+
+    # -- KV access --
+    def scribble(self) -> None:
+        """Overwrite the whole cache (e.g. after a request was freed), so only
+        a real load can bring the right bytes back."""
+        for t in self.kv_caches.values():
+            t.view(torch.int16).fill_(-21846)  # 0xAAAA
+
+    def block_bytes(self, block_id: int) -> torch.Tensor:
+        """int16 KV of one block, every layer: (layers, 2, block, heads, head)."""
+        return torch.stack([t.view(torch.int16)[:, block_id] for t in self.kv_caches.values()])
+
+    def expected_block(self, tokens: Sequence[int], block_index: int) -> torch.Tensor:
+        bs = self.block_size
+        hs = KVModel.prefix_hashes(tokens[: (block_index + 1) * bs])[block_index * bs :]
+        assert len(hs) == bs, "block beyond the tokens"
+        return torch.stack([self.model.kv(hs, i) for i in range(len(self.layer_names))])
+
+    def check_blocks(self, tokens: Sequence[int], block_ids: Sequence[int]) -> list[int]:
+        """Indices i where block block_ids[i] does not hold what the model
+        computes for block i of tokens (empty list: all equal)."""
+        return [
+            i for i, b in enumerate(block_ids)
+            if not torch.equal(self.block_bytes(b), self.expected_block(tokens, i))
+        ]
+
+    # -- one step --
+    def _track(self, so: SchedulerOutput) -> list[tuple[str, int, int]]:
+        """Update block tables; return (req, first token, n tokens) to compute."""
+        for rid in so.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            self.reqs.pop(rid, None)
+        work = []
+        for nr in so.scheduled_new_reqs:
+            toks = list(nr.prompt_token_ids or [])
+            self.reqs[nr.req_id] = _RunnerReq(toks, KVModel.prefix_hashes(toks), list(nr.block_ids[0]))
+            self._check_prefix(nr.req_id, nr.num_computed_tokens)
+            work.append((nr.req_id, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id]))
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            new = c.new_block_ids[i]
+            r = self.reqs.get(rid)
+            if r is None or rid in c.resumed_req_ids:
+                toks = list(c.all_token_ids.get(rid) or (r.tokens if r else []))
+                r = self.reqs[rid] = _RunnerReq(toks, KVModel.prefix_hashes(toks), [])
+                r.blocks = list(new[0]) if new is not None else []
+                self._check_prefix(rid, c.num_computed_tokens[i])
+            elif new is not None:
+                r.blocks.extend(new[0])
+            work.append((rid, c.num_computed_tokens[i], so.num_scheduled_tokens[rid]))
+        return work
+
+    def _check_prefix(self, rid: str, num_computed: int) -> None:
+        n = num_computed // self.block_size
+        if n:
+            r = self.reqs[rid]
+            self.prefix_checks[rid] = (num_computed, self.check_blocks(r.tokens, r.blocks[:n]))
+
+    def _forward(self, work: list[tuple[str, int, int]]) -> None:
+        bs = self.block_size
+        for rid, start, n in work:
+            r = self.reqs[rid]
+            end = start + n
+            while len(r.tokens) < end:  # decode: the previous sampled token
+                r.tokens.append(self.sampled_token)
+                r.hashes = KVModel.prefix_hashes(r.tokens)
+            pos = torch.arange(start, end)
+            blocks = torch.tensor(r.blocks, dtype=torch.long)[pos // bs]
+            slots = pos % bs
+            for i, name in enumerate(self.layer_names):
+                kv = self.model.kv(r.hashes[start:end], i)
+                self.kv_caches[name].view(torch.int16)[:, blocks, slots] = kv
+
+    def execute(self, so: SchedulerOutput) -> KVConnectorOutput:
+        wc = self.connector
+        self.step_no += 1
+        out = KVConnectorOutput()
+        meta = so.kv_connector_metadata
+        assert meta is not None
+        with set_forward_context(None, self.vllm_config):
+            wc.handle_preemptions(meta)
+            wc.bind_connector_metadata(meta)
+            sync = so.has_sync_kv_loads
+            if sync:
+                wc.start_load_kv(get_forward_context())
+            self._forward(self._track(so))
+            if not sync:
+                wc.start_load_kv(get_forward_context())
+            if self.step_no not in self.skip_save_steps:
+                wc.wait_for_save()
+            results = wc.get_transfer_results(so.finished_req_ids)
+            out.finished_sending = results.finished_sending
+            out.finished_recving = results.finished_recving
+            out.failed_recving = results.failed_recving
+            out.invalid_block_ids = wc.get_block_ids_with_load_errors()
+            out.kv_connector_stats = wc.get_kv_connector_stats()
+            out.kv_cache_events = wc.get_kv_connector_kv_cache_events()
+            out.kv_connector_worker_meta = wc.build_connector_worker_meta()
+            wc.clear_connector_metadata()
+        self.load_errors.append(set(out.invalid_block_ids))
+        return out
+
+    def close(self) -> None:
+        self.connector.shutdown()
+
+
+# ---- kvshim helpers shared by the connector tests ------------------------------
+
+CHUNK = 64  # kvshim.chunk_size in the connector tests: 4 blocks of 16 tokens
+
+
+def kvshim_config(
+    model_dir: str | os.PathLike, *, server: str = "embedded", timeout_ms: int = 2000, **kw: Any
+) -> VllmConfig:
+    """A VllmConfig selecting KVShimConnector with a small L1 and 64-token
+    chunks; keyword arguments go to make_vllm_config."""
+    extra = {
+        "kvshim.server": server,
+        "kvshim.chunk_size": CHUNK,
+        "kvshim.l1_size_gb": 0.125,
+        "kvshim.timeout_ms": timeout_ms,
+    }
+    extra.update(kw.pop("kv_connector_extra_config", None) or {})
+    return make_vllm_config(model_dir, kv_connector_extra_config=extra, **kw)
+
+
+def server_stats(connector: KVConnectorBase_V1) -> dict[str, float]:
+    """The server's counters through the scheduler connector (STATS)."""
+    st = connector.stats()  # type: ignore[attr-defined]
+    assert "server" in st, st
+    return st["server"]
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """n deterministic token ids (3..1000) for prompt number ``seed``."""
+    import numpy as np
+
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 1000, n)]
+
+
+class ServerProcess:
+    """A kvshim server in its own process: the library's ``kvshim serve``
+    (kvshim_main) run by a fresh Python interpreter that loads
+    libkvshim.so itself. ``kill()`` sends SIGKILL (no cleanup runs)."""
+
+    def __init__(self, socket_path: str | os.PathLike, l1_size_gb: float = 0.125) -> None:
+        self.socket = str(socket_path)
+        self.l1_size_gb = l1_size_gb
+        self.proc: Any = None
+
+    def start(self, timeout_s: float = 30.0) -> "ServerProcess":
+        import subprocess
+        import sys
+        import time
+
+        python_dir = str(Path(__file__).resolve().parents[2] / "python")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [python_dir, env.get("PYTHONPATH")]))
+        code = (
+            "import sys; from kvshim import native; "
+            "sys.exit(native.run_main(['kvshim', 'serve', '--socket', sys.argv[1], "
+            "'--l1-size-gb', sys.argv[2]]))"
+        )
+        self.log = Path(self.socket + ".log")
+        with open(self.log, "w") as logf:  # a file, never a pipe that can fill
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code, self.socket, str(self.l1_size_gb)],
+                env=env,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+            )
+        # "kvshim serve: listening on ..." once the socket accepts.
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if "listening on" in self.log.read_text():
+                return self
+            time.sleep(0.02)
+        self.kill()
+        raise AssertionError(f"kvshim serve did not start: {self.log.read_text()!r}")
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def wait_stat(h: SchedulerHarness, name: str, want: float, timeout: float = 5.0) -> dict[str, float]:
+    """Server counters move when asynchronous copies commit: poll them
+    until ``name`` equals ``want``; return the server's counters."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        st = server_stats(h.connector)
+        if st[name] == want or time.monotonic() > deadline:
+            assert st[name] == want, (name, st[name], want)
+            return st
+        time.sleep(0.01)
+
+
+def loads_of(step: StepResult | SchedulerOutput, req_id: str) -> list[dict[str, Any]]:
+    """The load specs kvshim put in this step's connector metadata (Go
+    writes it as JSON: {"loads": [{"req", "start", "end", "blocks", ...}]})."""
+    so = step.scheduler_output if isinstance(step, StepResult) else step
+    meta = json.loads(so.kv_connector_metadata.data or b"{}")
+    return [ld for ld in meta.get("loads", []) if ld["req"] == req_id]
+
+
+def new_req_data(step: StepResult, req_id: str) -> Any:
+    """The NewRequestData vLLM sent the workers for req_id in this step."""
+    (nr,) = [n for n in step.scheduler_output.scheduled_new_reqs if n.req_id == req_id]
+    return nr
+
+
+def store(h: SchedulerHarness, r: ModelRunner, tokens: Sequence[int], **kw: Any) -> tuple[Request, list[int]]:
+    """Run one request to completion (its full chunks get saved) and return
+    the block ids it was computed in."""
+    req = h.add_request(h.make_request(tokens, **kw))
+    # (with an L2 the miss is answered after the L2 lookup: a pending step first)
+    s = run_until_scheduled(h, req)
+    assert s.num_scheduled_tokens[req.request_id] == len(tokens)
+    blocks = list(r.reqs[req.request_id].blocks)
+    h.settle()
+    return req, blocks
+
+
+def run_until_scheduled(h: SchedulerHarness, req: Request, timeout_s: float = 10.0, **kw: Any) -> StepResult:
+    """Step until req is scheduled; return that step."""
+    steps = h.settle(timeout_s, until=lambda s: req.request_id in s.num_scheduled_tokens, **kw)
+    return next(s for s in steps if req.request_id in s.num_scheduled_tokens)
