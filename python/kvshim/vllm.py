@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvshim import native
 
@@ -64,6 +65,27 @@ def read_config(extra: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; valid keys: {sorted(CONFIG_KEYS)}")
     return {k: extra.get(k, default) for k, (default, _) in CONFIG_KEYS.items()}
+
+
+@dataclass
+class KVShimStats(KVConnectorStats):
+    """Worker counters since the last report (chunks and bytes saved and
+    loaded, failures, saves skipped as already stored or for lack of
+    space); aggregated across workers by summing."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVShimStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 @dataclass
@@ -185,6 +207,7 @@ class KVShimConnector(KVConnectorBase_V1):
         self._bound: KVShimMetadata | None = None
         self._load_errors: set[int] = set()
         self._events: list[Any] = []  # CUDA events the copy streams still wait on
+        self._reported: dict[str, int] = {}  # worker counters already in a stats report
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -315,8 +338,26 @@ class KVShimConnector(KVConnectorBase_V1):
         """The connector's counters (and the server's, scheduler side)."""
         return json.loads(self._h.output("kvshim_stats"))
 
+    def get_kv_connector_stats(self) -> KVShimStats | None:
+        if self.role != KVConnectorRole.WORKER:
+            return None
+        now = self.stats()["worker"]
+        delta = {_snake(k): v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        st = KVShimStats(data=delta)
+        return None if st.is_empty() else st
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVShimStats:
+        return KVShimStats(data=dict(data or {}))
+
     def shutdown(self) -> None:
         self._h.close()
+
+
+def _snake(name: str) -> str:
+    """Go's field names (SavedChunks) as metric names (saved_chunks)."""
+    return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name))
 
 
 def _extras(request: Request) -> bytes | None:
