@@ -94,18 +94,27 @@ func (b *Backend) rkey(k l2.Key) string {
 	return b.prefix + k.String()
 }
 
+// pipelined queues cmd(i, key) for every key and sends them in one round
+// trip; each command carries its own result or error.
+func pipelined[C any](ctx context.Context, b *Backend, keys []l2.Key, cmd func(p goredis.Pipeliner, i int, key string) C) []C {
+	cmds := make([]C, len(keys))
+	_, _ = b.c.Pipelined(ctx, func(p goredis.Pipeliner) error {
+		for i, k := range keys {
+			cmds[i] = cmd(p, i, b.rkey(k))
+		}
+		return nil
+	})
+	return cmds
+}
+
 func keyErr(op string, k l2.Key, err error) error {
 	return fmt.Errorf("redis: %s %s: %w: %w", op, k, l2.ErrUnavailable, err)
 }
 
 // Store implements l2.Backend.
 func (b *Backend) Store(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
-	cmds := make([]*goredis.StatusCmd, len(keys))
-	_, _ = b.c.Pipelined(ctx, func(p goredis.Pipeliner) error {
-		for i, k := range keys {
-			cmds[i] = p.SetArgs(ctx, b.rkey(k), bufs[i], goredis.SetArgs{Mode: "NX"})
-		}
-		return nil
+	cmds := pipelined(ctx, b, keys, func(p goredis.Pipeliner, i int, k string) *goredis.StatusCmd {
+		return p.SetArgs(ctx, k, bufs[i], goredis.SetArgs{Mode: "NX"})
 	})
 	for i, cmd := range cmds {
 		if err := cmd.Err(); err != nil && !errors.Is(err, goredis.Nil) {
@@ -120,13 +129,7 @@ func (b *Backend) Store(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.
 // reports the object's size (Result.Bytes), which a prefetch needs to
 // reserve L1 staging. 0 means absent (objects are never empty).
 func (b *Backend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
-	cmds := make([]*goredis.IntCmd, len(keys))
-	_, _ = b.c.Pipelined(ctx, func(p goredis.Pipeliner) error {
-		for i, k := range keys {
-			cmds[i] = p.StrLen(ctx, b.rkey(k))
-		}
-		return nil
-	})
+	cmds := pipelined(ctx, b, keys, func(p goredis.Pipeliner, _ int, k string) *goredis.IntCmd { return p.StrLen(ctx, k) })
 	for i, cmd := range cmds {
 		n, err := cmd.Result()
 		switch {
@@ -142,13 +145,7 @@ func (b *Backend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
 
 // Load implements l2.Backend.
 func (b *Backend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
-	cmds := make([]*goredis.StringCmd, len(keys))
-	_, _ = b.c.Pipelined(ctx, func(p goredis.Pipeliner) error {
-		for i, k := range keys {
-			cmds[i] = p.Get(ctx, b.rkey(k))
-		}
-		return nil
-	})
+	cmds := pipelined(ctx, b, keys, func(p goredis.Pipeliner, _ int, k string) *goredis.StringCmd { return p.Get(ctx, k) })
 	for i, cmd := range cmds {
 		v, err := cmd.Bytes()
 		switch {
@@ -167,13 +164,7 @@ func (b *Backend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.R
 
 // Delete implements l2.Backend.
 func (b *Backend) Delete(ctx context.Context, keys []l2.Key, r l2.Reporter) {
-	cmds := make([]*goredis.IntCmd, len(keys))
-	_, _ = b.c.Pipelined(ctx, func(p goredis.Pipeliner) error {
-		for i, k := range keys {
-			cmds[i] = p.Del(ctx, b.rkey(k))
-		}
-		return nil
-	})
+	cmds := pipelined(ctx, b, keys, func(p goredis.Pipeliner, _ int, k string) *goredis.IntCmd { return p.Del(ctx, k) })
 	for i, cmd := range cmds {
 		n, err := cmd.Result()
 		switch {
