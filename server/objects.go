@@ -1,7 +1,7 @@
 package server
 
 import (
-	"hash/maphash"
+	"encoding/binary"
 
 	"github.com/kvshim/kvshim/ipc"
 )
@@ -49,8 +49,21 @@ type shard struct {
 	m  map[uint64]uint32
 }
 
-// tableKey is the shard map key of h.
-func (st *Store) tableKey(h *ipc.Hash) uint64 { return maphash.Bytes(st.seed, h[:]) & st.keyMask }
+// tableKey is the shard map key of h: 64 bits of the chunk hash itself
+// (already uniform: SHA-256), mixed with a per-store seed so a client
+// cannot line keys up across restarts.
+func (st *Store) tableKey(h *ipc.Hash) uint64 {
+	return (binary.LittleEndian.Uint64(h[:8]) ^ st.seed64) & st.keyMask
+}
+
+// sameHash compares two chunk hashes word by word (inlined; a [32]byte ==
+// is a call to memequal).
+func sameHash(a, b *ipc.Hash) bool {
+	return binary.LittleEndian.Uint64(a[:8]) == binary.LittleEndian.Uint64(b[:8]) &&
+		binary.LittleEndian.Uint64(a[8:16]) == binary.LittleEndian.Uint64(b[8:16]) &&
+		binary.LittleEndian.Uint64(a[16:24]) == binary.LittleEndian.Uint64(b[16:24]) &&
+		binary.LittleEndian.Uint64(a[24:]) == binary.LittleEndian.Uint64(b[24:])
+}
 
 // find returns the resident object (h, rank) of sh (sh may be nil).
 func (st *Store) find(sh *shard, h *ipc.Hash, rank uint32) (uint32, bool) {
@@ -60,7 +73,7 @@ func (st *Store) find(sh *shard, h *ipc.Hash, rank uint32) (uint32, bool) {
 	i, ok := sh.m[st.tableKey(h)]
 	for ok && i != nilIdx {
 		o := st.objs.get(i)
-		if o.rank == rank && o.hash == *h {
+		if o.rank == rank && sameHash(&o.hash, h) {
 			return i, true
 		}
 		i = o.coll
@@ -80,7 +93,7 @@ func (st *Store) findRanks(sh *shard, h *ipc.Hash, out []uint32) {
 	i, ok := sh.m[st.tableKey(h)]
 	for ok && i != nilIdx {
 		o := st.objs.get(i)
-		if o.rank < uint32(len(out)) && o.hash == *h {
+		if o.rank < uint32(len(out)) && sameHash(&o.hash, h) {
 			out[o.rank] = i
 		}
 		i = o.coll

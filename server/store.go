@@ -3,7 +3,7 @@ package server
 import (
 	"errors"
 	"fmt"
-	"hash/maphash"
+	"math/rand/v2"
 	"sync"
 	"time"
 
@@ -58,7 +58,7 @@ type Store struct {
 	pinned     map[uint32]uint32 // object → pins (see Pin)
 	cnt        counters
 	lastSegErr error // most recent segment source failure (see LastSegmentError)
-	seed       maphash.Seed
+	seed64     uint64
 	keyMask    uint64 // ^0; tests narrow it to force key collisions
 	now        func() time.Time
 
@@ -106,7 +106,7 @@ func NewStore(cfg Config, o Options) (*Store, error) {
 		staging:    map[stageKey]stageEntry{},
 		sessions:   map[ipc.Tag]*Session{},
 		now:        time.Now,
-		seed:       maphash.MakeSeed(),
+		seed64:     rand.Uint64(), // a fresh seed per store
 		keyMask:    ^uint64(0),
 		stop:       make(chan struct{}),
 		done:       make(chan struct{}),
