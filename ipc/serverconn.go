@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime/debug"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -22,6 +23,7 @@ type ServerConn struct {
 	recvMu    sync.Mutex
 	sendMu    sync.Mutex
 	announced map[uint32]bool // under sockMu
+	logged    atomic.Bool     // the end of the session was logged (once)
 }
 
 // Hello is what the client said in its hello.
@@ -47,7 +49,7 @@ func (c *ServerConn) Close() error {
 }
 
 func (c *ServerConn) closeWith(err error) {
-	if c.closed.Load() {
+	if c.closed.Load() || !c.logged.CompareAndSwap(false, true) {
 		return
 	}
 	switch {
