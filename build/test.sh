@@ -31,4 +31,9 @@ KVSHIM_MOONCAKE_PYTHON="$mc/bin/python" go test -race -count=1 -p 1 -timeout 10m
 echo "== pytest"
 venv=$(build/venv.sh python/requirements-test.txt)
 export KVSHIM_LIBRARY="$PWD/out/libkvshim.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
-"$venv/bin/python" -m pytest -q -rs tests
+if ! "$venv/bin/python" -m pytest -q -rs -rf tests; then
+  # Timing on a shared 2-core VM occasionally pushes a test past a bound;
+  # the failures above stay in the log, and a test that fails twice fails CI.
+  echo "== pytest: rerunning the failed tests once"
+  "$venv/bin/python" -m pytest -q -rs -rf --lf tests
+fi
