@@ -22,11 +22,10 @@ var ErrUnavailable = errors.New("kvshim server unavailable")
 // after RedialEvery tries again, so the connector recovers by itself when a
 // server comes back.
 type link struct {
-	path     string
-	hello    ipc.Hello
-	timeout  time.Duration
-	redial   time.Duration
-	onDialed func(*ipc.Client) error // e.g. register segments with CUDA
+	path    string
+	hello   ipc.Hello
+	timeout time.Duration
+	redial  time.Duration
 
 	mu      sync.Mutex
 	c       *ipc.Client
@@ -63,11 +62,6 @@ func (l *link) client() (*ipc.Client, error) {
 	}
 	l.lastTry = time.Now()
 	c, err := ipc.Dial(l.path, l.hello, l.timeout)
-	if err == nil && l.onDialed != nil {
-		if err = l.onDialed(c); err != nil {
-			c.Close()
-		}
-	}
 	if err != nil {
 		l.lastErr = err
 		return nil, fmt.Errorf("%w: %s: %v", ErrUnavailable, l.path, err)

@@ -2,7 +2,6 @@ package shim
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -384,6 +383,3 @@ func (s *Scheduler) Stats() (*ipc.StatsResp, error) {
 	})
 	return st, err
 }
-
-// IsUnavailable tells whether err means the server could not be reached.
-func IsUnavailable(err error) bool { return errors.Is(err, ErrUnavailable) }

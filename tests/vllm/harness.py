@@ -213,6 +213,20 @@ def make_kv_cache_config(
     )
 
 
+def collect_worker_output(wc: KVConnectorBase_V1, finished_req_ids: set[str], out: KVConnectorOutput) -> None:
+    """The end of a worker step, in the model runner's order: transfer
+    results, load errors, stats, events, worker metadata, then clear."""
+    results = wc.get_transfer_results(finished_req_ids)
+    out.finished_sending = results.finished_sending
+    out.finished_recving = results.finished_recving
+    out.failed_recving = results.failed_recving
+    out.invalid_block_ids = wc.get_block_ids_with_load_errors()
+    out.kv_connector_stats = wc.get_kv_connector_stats()
+    out.kv_cache_events = wc.get_kv_connector_kv_cache_events()
+    out.kv_connector_worker_meta = wc.build_connector_worker_meta()
+    wc.clear_connector_metadata()
+
+
 @dataclass
 class StepResult:
     scheduler_output: SchedulerOutput
@@ -361,15 +375,7 @@ class SchedulerHarness:
             if not sync:
                 wc.start_load_kv(get_forward_context())
             wc.wait_for_save()
-            results = wc.get_transfer_results(scheduler_output.finished_req_ids)
-            out.finished_sending = results.finished_sending
-            out.finished_recving = results.finished_recving
-            out.failed_recving = results.failed_recving
-            out.invalid_block_ids = wc.get_block_ids_with_load_errors()
-            out.kv_connector_stats = wc.get_kv_connector_stats()
-            out.kv_cache_events = wc.get_kv_connector_kv_cache_events()
-            out.kv_connector_worker_meta = wc.build_connector_worker_meta()
-            wc.clear_connector_metadata()
+            collect_worker_output(wc, scheduler_output.finished_req_ids, out)
         return out
 
     def runners_step(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput:
@@ -777,15 +783,7 @@ class ModelRunner:
                 wc.start_load_kv(get_forward_context())
             if self.step_no not in self.skip_save_steps:
                 wc.wait_for_save()
-            results = wc.get_transfer_results(so.finished_req_ids)
-            out.finished_sending = results.finished_sending
-            out.finished_recving = results.finished_recving
-            out.failed_recving = results.failed_recving
-            out.invalid_block_ids = wc.get_block_ids_with_load_errors()
-            out.kv_connector_stats = wc.get_kv_connector_stats()
-            out.kv_cache_events = wc.get_kv_connector_kv_cache_events()
-            out.kv_connector_worker_meta = wc.build_connector_worker_meta()
-            wc.clear_connector_metadata()
+            collect_worker_output(wc, so.finished_req_ids, out)
         self.load_errors.append(set(out.invalid_block_ids))
         return out
 
