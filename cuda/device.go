@@ -6,6 +6,7 @@ package cuda
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"runtime"
 	"sync"
@@ -117,14 +118,12 @@ func (e *DeviceEngine) serve(ready chan<- error) {
 // release everything this engine created.
 func (e *DeviceEngine) teardown() {
 	d := e.drv.d
-	drained := true
+	e.drained.Store(e.drain(drainLimit))
 	for _, s := range e.streams[1:] {
 		if s != 0 {
-			drained = waitPoll(func() bool { return C.kvs_stream_query(d, C.uint64_t(s)) != cudaErrorNotReady }, 30*time.Second) && drained
 			C.kvs_stream_destroy(d, C.uint64_t(s))
 		}
 	}
-	e.drained.Store(drained)
 	for _, ev := range e.allEvents {
 		C.kvs_event_destroy(d, C.uint64_t(ev))
 	}
@@ -134,6 +133,24 @@ func (e *DeviceEngine) teardown() {
 	if e.ctx != 0 {
 		C.kvs_primary_ctx_release(d, e.dev)
 	}
+}
+
+// drainLimit bounds how long teardown and UnregisterHost wait for copies.
+const drainLimit = 30 * time.Second
+
+// drain waits until both streams are idle or timeout passes (driver
+// thread); it reports whether they are idle.
+func (e *DeviceEngine) drain(timeout time.Duration) bool {
+	d := e.drv.d
+	idle := func() bool {
+		for _, s := range e.streams[1:] {
+			if s != 0 && C.kvs_stream_query(d, C.uint64_t(s)) == cudaErrorNotReady {
+				return false
+			}
+		}
+		return true
+	}
+	return waitPoll(idle, timeout)
 }
 
 // do runs f on the driver thread and returns its error.
@@ -184,11 +201,16 @@ func (e *DeviceEngine) RegisterHost(addr, size uint64) error {
 	})
 }
 
-// UnregisterHost undoes RegisterHost for the range starting at addr.
+// UnregisterHost undoes RegisterHost for the range starting at addr. It
+// first waits (up to 30 s) for the engine's copies, which may still read or
+// write that memory: call it before the memory is unmapped.
 func (e *DeviceEngine) UnregisterHost(addr uint64) error {
 	return e.do(func() error {
 		if _, ok := e.registered[addr]; !ok {
 			return errorf(ErrBadSpan, "host range %#x not registered by this engine", addr)
+		}
+		if !e.drain(drainLimit) {
+			return errorf(ErrTimeout, "unregister host range %#x: copies still running after %v", addr, drainLimit)
 		}
 		delete(e.registered, addr)
 		return e.drv.check("cuMemHostUnregister", C.kvs_host_unregister(e.drv.d, C.uint64_t(addr)))
@@ -198,6 +220,11 @@ func (e *DeviceEngine) UnregisterHost(addr uint64) error {
 // Submit enqueues the spans on the direction's stream after waitEvent (if
 // non-zero) and records a completion event. Save copies device to host,
 // Load host to device. The spans are consumed before Submit returns.
+//
+// Submit returns an error only when no copy can have started. A driver
+// error part-way through the spans fails the job instead, and the job is
+// done only when the copies already queued have finished: until then they
+// may still read or write the memory, so the caller must not reuse it.
 func (e *DeviceEngine) Submit(spans []Span, dir Direction, waitEvent uint64) (Job, error) {
 	if _, err := checkSpans(spans, dir); err != nil {
 		return nil, err
@@ -210,16 +237,19 @@ func (e *DeviceEngine) Submit(spans []Span, dir Direction, waitEvent uint64) (Jo
 				return err
 			}
 		}
-		if err := e.enqueue(spans, dir, s); err != nil {
-			return err
-		}
+		j.failed = e.enqueue(spans, dir, s)
 		ev, err := e.event()
-		if err != nil {
-			return err
+		if err == nil {
+			if err = e.drv.check("cuEventRecord", C.kvs_event_record(d, C.uint64_t(ev), s)); err != nil {
+				e.freeEvents = append(e.freeEvents, ev)
+			}
 		}
-		if err := e.drv.check("cuEventRecord", C.kvs_event_record(d, C.uint64_t(ev), s)); err != nil {
-			e.freeEvents = append(e.freeEvents, ev)
-			return err
+		if err != nil {
+			// No completion event: wait here for what may have been queued.
+			if !e.drain(drainLimit) {
+				err = fmt.Errorf("%w (copies still running after %v)", err, drainLimit)
+			}
+			return errors.Join(j.failed, err)
 		}
 		j.ev = ev
 		return nil
@@ -293,11 +323,12 @@ func (e *DeviceEngine) event() (uint64, error) {
 }
 
 type deviceJob struct {
-	e    *DeviceEngine
-	ev   uint64
-	done atomic.Bool
-	mu   sync.Mutex
-	err  error
+	e      *DeviceEngine
+	ev     uint64
+	failed error // enqueue error, reported once the queued copies are done
+	done   atomic.Bool
+	mu     sync.Mutex
+	err    error
 }
 
 // Done queries the completion event (cuEventQuery on the driver thread).
@@ -313,13 +344,17 @@ func (j *deviceJob) Done() bool {
 		if r == cudaErrorNotReady {
 			return errNotReady
 		}
-		j.finish(j.e.drv.check("cuEventQuery", r))
+		err := j.e.drv.check("cuEventQuery", r)
+		if err == nil {
+			err = j.failed
+		}
+		j.finish(err)
 		j.e.freeEvents = append(j.e.freeEvents, j.ev)
 		return nil
 	})
 	if err == ErrClosed {
 		if j.e.drained.Load() {
-			err = nil // Close waited for the copy
+			err = j.failed // Close waited for the copy
 		}
 		j.finish(err)
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"math/rand"
+	"os"
 	"testing"
 	"time"
 
@@ -55,6 +56,9 @@ func TestDeviceInfo(t *testing.T) {
 	assert.Assert(t, info.Devices > 0)
 	if info.Version >= 13000 {
 		assert.Equal(t, info.BatchAPI, "cuMemcpyBatchAsync_v2")
+	}
+	if want, ok := os.LookupEnv("KVSHIM_WANT_BATCH_API"); ok {
+		assert.Equal(t, info.BatchAPI, want)
 	}
 	_, err = NewDeviceEngine(info.Devices + 7)
 	var de *DriverError

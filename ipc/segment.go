@@ -20,6 +20,10 @@ type Segment struct {
 	fd   int
 	mem  []byte
 	once sync.Once
+
+	hookMu  sync.Mutex
+	closing bool
+	onUnmap []func()
 }
 
 // pageSize is the mapping granularity; segment and ring sizes are multiples.
@@ -128,10 +132,35 @@ func (s *Segment) Size() uint64 { return uint64(len(s.mem)) }
 // Fd is the backing file descriptor (owned by the Segment; dup it to keep it).
 func (s *Segment) Fd() int { return s.fd }
 
-// Close unmaps the segment and closes its fd. Safe to call more than once.
+// OnUnmap registers f to run when the segment is closed, before its memory
+// is unmapped: a GPU worker unregisters the segment from the CUDA driver
+// there, because memory unmapped while registered leaves the driver's pinned
+// pages behind (and a later mapping at the same address would not be the
+// memory the driver copies to). It returns false, and does not keep f, when
+// the segment is already closing.
+func (s *Segment) OnUnmap(f func()) bool {
+	s.hookMu.Lock()
+	defer s.hookMu.Unlock()
+	if s.closing {
+		return false
+	}
+	s.onUnmap = append(s.onUnmap, f)
+	return true
+}
+
+// Close runs the OnUnmap hooks, unmaps the segment and closes its fd. Safe
+// to call more than once.
 func (s *Segment) Close() error {
 	var err error
 	s.once.Do(func() {
+		s.hookMu.Lock()
+		s.closing = true
+		hooks := s.onUnmap
+		s.onUnmap = nil
+		s.hookMu.Unlock()
+		for _, f := range hooks {
+			f()
+		}
 		if s.mem != nil {
 			err = unix.Munmap(s.mem)
 		}

@@ -68,3 +68,19 @@ func TestSegmentTable(t *testing.T) {
 	assert.NilError(t, tab.CloseAll())
 	assert.Equal(t, tab.Len(), 0)
 }
+
+// TestSegmentOnUnmap: hooks run once, in order, while the memory is still
+// mapped; a hook added after Close starts is refused.
+func TestSegmentOnUnmap(t *testing.T) {
+	s, err := CreateSegment(7, 1<<20)
+	assert.NilError(t, err)
+	s.Mem()[0] = 42
+	var seen []byte
+	for i := range 2 {
+		assert.Assert(t, s.OnUnmap(func() { seen = append(seen, s.Mem()[0]+byte(i)) }))
+	}
+	assert.NilError(t, s.Close())
+	assert.NilError(t, s.Close())
+	assert.DeepEqual(t, seen, []byte{42, 43})
+	assert.Assert(t, !s.OnUnmap(func() { t.Error("hook after Close ran") }))
+}

@@ -36,9 +36,10 @@ func newRankCache(t *testing.T) *rankCache {
 	assert.NilError(t, err)
 	t.Cleanup(func() { unix.Munmap(mem) })
 	c := &rankCache{mem: mem}
+	dev := kvDevice(t, mem)
 	for i := range tLayers {
 		c.descs = append(c.descs, layout.TensorDesc{
-			Layer: "layer" + string(rune('0'+i)), Backend: layout.FlashAttn, Device: layout.Device{Kind: layout.CPU},
+			Layer: "layer" + string(rune('0'+i)), Backend: layout.FlashAttn, Device: dev,
 			DataPtr: addrOf(mem) + uint64(int64(i)*layer), DTypeSize: 2,
 			Shape:   []int64{2, tBlocks, tBS, tHeads, tHead},
 			Strides: []int64{layer / 2, tBS * tHeads * tHead * 2, tHeads * tHead * 2, tHead * 2, 2},
@@ -69,6 +70,7 @@ func (c *rankCache) fill(b int, seed uint64) {
 }
 
 type rig struct {
+	cfg     server.Config
 	srv     *server.Server
 	sched   *Scheduler
 	workers []*Worker
@@ -86,7 +88,7 @@ func newRig(t *testing.T, world int) *rig {
 	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS, Timeout: 2 * time.Second, Instance: uuid.New()})
 	assert.NilError(t, err)
 	t.Cleanup(func() { s.Close() })
-	r := &rig{srv: srv, sched: s}
+	r := &rig{cfg: cfg, srv: srv, sched: s}
 	for rank := range world {
 		w, err := NewWorker(WorkerConfig{Socket: sock, Namespace: ns, Rank: rank, Timeout: 2 * time.Second, Instance: uuid.New(), Workers: 2})
 		assert.NilError(t, err)

@@ -93,7 +93,7 @@ func (w *Worker) Register(descs []layout.TensorDesc) error {
 			return fmt.Errorf("KV cache on %s: %w", dev, err)
 		}
 		eng = de
-		pins = &pinner{eng: de, done: map[uint64]bool{}}
+		pins = &pinner{eng: de, done: map[*ipc.Segment]bool{}}
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -156,8 +156,13 @@ func (w *Worker) load(ld *LoadSpec) {
 		w.loadFailed(ld, 0, cb, err)
 		return
 	}
-	// Holds are dropped once the copy has read the objects (or failed).
+	// Holds are dropped once the copy has read the objects (or failed), and
+	// kept if it may still be reading them.
+	stuck := false
 	defer func() {
+		if stuck {
+			return
+		}
 		_ = w.link.call(func(ctx context.Context, c *ipc.Client) error {
 			return c.Release(ctx, &ipc.ReleaseReq{Owner: rr.Owner, LookupID: rr.LookupID, Rank: rr.Rank})
 		})
@@ -177,6 +182,7 @@ func (w *Worker) load(ld *LoadSpec) {
 		return
 	}
 	if err := w.copy(eng, spans, cuda.Load, 0); err != nil {
+		stuck = errors.Is(err, errCopyStuck)
 		w.loadFailed(ld, 0, cb, err)
 		return
 	}
@@ -305,7 +311,7 @@ func (w *Worker) save(sv *SaveSpec, streamEvent uint64) {
 			_, err := c.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: hashes})
 			return err
 		})
-	} else {
+	} else if !errors.Is(err, errCopyStuck) {
 		w.abort(tag, hashes)
 	}
 	w.count(func(s *WorkerStats) {
@@ -351,11 +357,31 @@ func (w *Worker) background(req string, f func()) {
 	}()
 }
 
-// copy runs one copy job to completion or the timeout.
+// copyStuckAfter bounds the wait for a copy that outlived the timeout.
+var copyStuckAfter = time.Minute
+
+// errCopyStuck: a copy still running after copyStuckAfter. Its memory may
+// still be read or written, so the caller keeps its holds and staging
+// (leaked until the session ends) instead of handing them back.
+var errCopyStuck = errors.New("copy still running")
+
+// copy runs one copy job to its end. A copy slower than the timeout is a
+// failure, but copy returns only once it has stopped: until then it may
+// still read or write vLLM's blocks and the L1 objects, and the caller's
+// cleanup (release, abort, recompute) must not race it.
 func (w *Worker) copy(eng cuda.Engine, spans []layout.Span, dir cuda.Direction, ev uint64) error {
 	job, err := eng.Submit(spans, dir, ev)
-	if err == nil {
-		err = job.Wait(w.cfg.Timeout)
+	if err != nil {
+		return err
+	}
+	err = job.Wait(w.cfg.Timeout)
+	if !errors.Is(err, cuda.ErrTimeout) {
+		return err
+	}
+	slog.Warn("kvshim: copy slower than the timeout; waiting for it to stop", "dir", dir, "spans", len(spans), "timeout", w.cfg.Timeout)
+	if werr := job.Wait(copyStuckAfter); errors.Is(werr, cuda.ErrTimeout) {
+		slog.Error("kvshim: copy still running; its L1 memory is kept, not reused", "dir", dir, "after", copyStuckAfter+w.cfg.Timeout)
+		return fmt.Errorf("%w after %v: %w", errCopyStuck, copyStuckAfter, err)
 	}
 	return err
 }

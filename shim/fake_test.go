@@ -1,0 +1,203 @@
+package shim
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+
+	"gotest.tools/v3/assert"
+	is "gotest.tools/v3/assert/cmp"
+
+	"github.com/kvshim/kvshim/cuda"
+	"github.com/kvshim/kvshim/internal/fakecuda"
+	"github.com/kvshim/kvshim/layout"
+	"github.com/kvshim/kvshim/server"
+)
+
+// The connector tests with "GPU" KV caches: TestWorkerOnFakeCUDA re-runs
+// them in a child whose CUDA driver is internal/fakecuda, so the worker
+// takes its DeviceEngine path (pinning L1 segments, stream-ordered copies)
+// and the fake checks the rules a real driver would punish silently: copies
+// only from registered host memory, segments unregistered before they are
+// unmapped. TestMain fails the child on any breach or leftover.
+
+// kvDeviceEnv selects the rig's KV cache device: unset = CPU, "cuda:0" =
+// memory the fake driver treats as device memory.
+const kvDeviceEnv = "KVSHIM_TEST_KV_DEVICE"
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if code == 0 && fakecuda.InChild() {
+		if d, ok := fakecuda.Open(); !ok {
+			fmt.Fprintln(os.Stderr, "fakecuda child: the fake driver was never loaded")
+			code = 1
+		} else if err := d.CheckClean(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+func TestWorkerOnFakeCUDA(t *testing.T) {
+	if _, err := exec.LookPath("cc"); err != nil {
+		t.Skipf("no C compiler to build the fake driver: %v", err)
+	}
+	lib, err := fakecuda.Build(t.TempDir(), 2)
+	assert.NilError(t, err)
+	out := fakecuda.Run(t, lib, "^(TestConnector|TestFakeCUDA)", kvDeviceEnv+"=cuda:0")
+	assert.Check(t, is.Contains(out, "--- PASS: TestConnectorSaveThenRestoreIntoOtherBlocks"))
+	assert.Check(t, is.Contains(out, "--- PASS: TestFakeCUDAServerRestart"))
+}
+
+// kvDevice is the device the rig's KV caches claim to be on; for cuda:0
+// their memory is adopted by the fake driver as device memory.
+func kvDevice(t *testing.T, mem []byte) layout.Device {
+	dev := layout.Device{Kind: layout.CPU}
+	if os.Getenv(kvDeviceEnv) == "" {
+		return dev
+	}
+	dev, err := layout.ParseDevice(os.Getenv(kvDeviceEnv))
+	assert.NilError(t, err)
+	d := fakeDriver(t)
+	d.Adopt(addrOf(mem), uint64(len(mem)))
+	t.Cleanup(func() { d.Unadopt(addrOf(mem)) })
+	return dev
+}
+
+func fakeDriver(t *testing.T) *fakecuda.Driver {
+	t.Helper()
+	if os.Getenv(kvDeviceEnv) == "" {
+		t.Skip("needs the fake CUDA driver: TestWorkerOnFakeCUDA runs this test")
+	}
+	assert.NilError(t, cuda.Init())
+	d, ok := fakecuda.Open()
+	assert.Assert(t, ok, "%s is not the fake driver", os.Getenv(fakecuda.LibraryEnv))
+	t.Cleanup(func() { d.Reset(0) })
+	return d
+}
+
+func holds(t *testing.T, srv *server.Server) float64 {
+	t.Helper()
+	mfs, err := srv.Store.Registry().Gather()
+	assert.NilError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() == "kvshim_l1_holds" {
+			return mf.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	t.Fatal("no kvshim_l1_holds metric")
+	return 0
+}
+
+// saveChunks saves the first chunks of tokens from blocks 0.. of rank 0
+// and returns the blocks and how many chunks were saved.
+func saveChunks(t *testing.T, r *rig, req string, tokens []uint32, chunks int) ([]int64, int) {
+	t.Helper()
+	blocks := seq(0, chunks*tChunk/tBS)
+	for _, b := range blocks {
+		r.caches[0].fill(int(b), 5)
+	}
+	assert.Equal(t, r.match(t, req, tokens, Extras{}, 0), 0)
+	assert.NilError(t, r.sched.AfterAlloc(req, blocks, 0, 0))
+	saved := r.workers[0].Stats().SavedChunks
+	r.step(t, &Step{Requests: []StepRequest{{Req: req, Blocks: blocks, Scheduled: chunks * tChunk}}})
+	r.sched.Finished(req)
+	return blocks, int(r.workers[0].Stats().SavedChunks - saved)
+}
+
+// TestFakeCUDAServerRestart: when the server goes away, the worker
+// unregisters the dead session's L1 segments before they are unmapped, and
+// pins the new server's segments; saves and loads work again.
+func TestFakeCUDAServerRestart(t *testing.T) {
+	d := fakeDriver(t)
+	r := newRig(t, 1)
+	tokens := make([]uint32, 3*tChunk)
+	for i := range tokens {
+		tokens[i] = uint32(3*i + 1)
+	}
+	_, saved := saveChunks(t, r, "A", tokens, 2)
+	assert.Equal(t, saved, 2)
+	assert.Assert(t, d.Stats().Registrations > 0, "%+v", d.Stats())
+
+	assert.NilError(t, r.srv.Close())
+	srv, err := server.Start(r.cfg, nil, server.Options{})
+	assert.NilError(t, err)
+	t.Cleanup(func() { srv.Close() })
+	r.srv = srv
+	deadline := time.Now().Add(10 * time.Second)
+	for d.Stats().Registrations != 0 {
+		assert.Assert(t, time.Now().Before(deadline), "old segments still registered: %+v", d.Stats())
+		time.Sleep(10 * time.Millisecond)
+	}
+
+	// The new server is empty. Once the worker has redialled (at most once
+	// a second) a save lands in the new segments, then a hit is restored.
+	var src []int64
+	for i, saved := 0, 0; saved != 2; i++ {
+		assert.Assert(t, i < 50, "no save after the restart")
+		time.Sleep(100 * time.Millisecond)
+		src, saved = saveChunks(t, r, fmt.Sprintf("B%d", i), tokens, 2)
+	}
+	assert.Assert(t, d.Stats().Registrations > 0, "%+v", d.Stats())
+	n := r.match(t, "C", tokens, Extras{}, 0)
+	assert.Equal(t, n, 2*tChunk)
+	dst := seq(40, 4)
+	assert.NilError(t, r.sched.AfterAlloc("C", dst, -1, n))
+	recv, errs := r.step(t, &Step{})
+	assert.Equal(t, recv["C"], 1)
+	assert.Equal(t, len(errs), 0)
+	for k := range dst {
+		assert.Assert(t, bytes.Equal(r.caches[0].block(1, int(dst[k])), r.caches[0].block(1, int(src[k]))), "block %d", k)
+	}
+	assert.Equal(t, d.Stats().Violations, uint64(0), d.Stats().LastViolation)
+}
+
+// TestFakeCUDASlowCopy: a load slower than the timeout fails (vLLM
+// recomputes), but the worker reports it and releases its holds only once
+// the copy has stopped; a copy that never stops keeps its holds.
+func TestFakeCUDASlowCopy(t *testing.T) {
+	d := fakeDriver(t)
+	r := newRig(t, 1)
+	tokens := make([]uint32, 3*tChunk)
+	for i := range tokens {
+		tokens[i] = uint32(5*i + 2)
+	}
+	_, saved := saveChunks(t, r, "A", tokens, 2)
+	assert.Equal(t, saved, 2)
+	w := r.workers[0]
+	w.cfg.Timeout = 100 * time.Millisecond
+	const delay = 150 * time.Millisecond // per copy; a load is several copies
+
+	load := func(req string) (copiesAtReport uint64, errs []int64) {
+		n := r.match(t, req, tokens, Extras{}, 0)
+		assert.Equal(t, n, 2*tChunk)
+		assert.NilError(t, r.sched.AfterAlloc(req, seq(20, 4), -1, n))
+		d.Reset(delay)
+		recv, errs := r.step(t, &Step{})
+		assert.Equal(t, recv[req], 1)
+		return d.Stats().Copies, errs
+	}
+
+	before := d.Stats().Copies
+	copies, errs := load("B")
+	assert.Equal(t, len(errs), 4, "the timed-out load's blocks are load errors")
+	time.Sleep(3 * delay)
+	assert.Equal(t, d.Stats().Copies, copies, "a copy ran after the load was reported")
+	assert.Equal(t, holds(t, r.srv), 0.0)
+
+	old := copyStuckAfter
+	copyStuckAfter = 10 * time.Millisecond
+	t.Cleanup(func() { copyStuckAfter = old })
+	_, errs = load("C")
+	assert.Equal(t, len(errs), 4)
+	assert.Assert(t, holds(t, r.srv) > 0, "holds released while the copy may still read the objects")
+	// Let the stuck copy end before the test unmaps the cache it writes.
+	for deadline := time.Now().Add(10 * time.Second); d.Stats().Copies-copies < copies-before; {
+		assert.Assert(t, time.Now().Before(deadline))
+		time.Sleep(10 * time.Millisecond)
+	}
+}
