@@ -142,7 +142,7 @@ func TestFakeCUDACopyErrors(t *testing.T) {
 		// submitErr: Submit itself fails; else the job fails with jobErr.
 		submitErr, jobErr string
 	}{{
-		name:   "enqueue fails part-way",
+		name: "enqueue fails part-way",
 		inject: func(e *DeviceEngine) {
 			if e.BatchAPI() != "" {
 				d.Inject(e.BatchAPI(), 1, 1, false) // one call for all spans
