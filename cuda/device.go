@@ -217,26 +217,37 @@ func (e *DeviceEngine) UnregisterHost(addr uint64) error {
 	})
 }
 
-// Submit enqueues the spans on the direction's stream after waitEvent (if
-// non-zero) and records a completion event. Save copies device to host,
-// Load host to device. The spans are consumed before Submit returns.
+// WaitEvent enqueues cuStreamWaitEvent(stream[dir], event): copies
+// submitted in that direction afterwards start only once event, as
+// recorded when WaitEvent runs, has completed. event may be destroyed as
+// soon as WaitEvent returns (CUDA captures the event's state at the call).
+func (e *DeviceEngine) WaitEvent(dir Direction, event uint64) error {
+	if dir != Save && dir != Load {
+		return errorf(ErrBadSpan, "direction %d", dir)
+	}
+	if event == 0 {
+		return nil
+	}
+	return e.do(func() error {
+		return e.drv.check("cuStreamWaitEvent", C.kvs_stream_wait_event(e.drv.d, C.uint64_t(e.streams[dir]), C.uint64_t(event)))
+	})
+}
+
+// Submit enqueues the spans on the direction's stream and records a
+// completion event. Save copies device to host, Load host to device. The
+// spans are consumed before Submit returns.
 //
 // Submit returns an error only when no copy can have started. A driver
 // error part-way through the spans fails the job instead, and the job is
 // done only when the copies already queued have finished: until then they
 // may still read or write the memory, so the caller must not reuse it.
-func (e *DeviceEngine) Submit(spans []Span, dir Direction, waitEvent uint64) (Job, error) {
+func (e *DeviceEngine) Submit(spans []Span, dir Direction) (Job, error) {
 	if _, err := checkSpans(spans, dir); err != nil {
 		return nil, err
 	}
 	j := &deviceJob{e: e}
 	err := e.do(func() error {
 		d, s := e.drv.d, C.uint64_t(e.streams[dir])
-		if waitEvent != 0 {
-			if err := e.drv.check("cuStreamWaitEvent", C.kvs_stream_wait_event(d, s, C.uint64_t(waitEvent))); err != nil {
-				return err
-			}
-		}
 		j.failed = e.enqueue(spans, dir, s)
 		ev, err := e.event()
 		if err == nil {

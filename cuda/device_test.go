@@ -41,9 +41,9 @@ func pinnedTB(t *testing.T, e *DeviceEngine, n int) ([]byte, uint64) {
 	return b, a
 }
 
-func run(t *testing.T, e Engine, spans []Span, dir Direction, ev uint64) {
+func run(t *testing.T, e Engine, spans []Span, dir Direction) {
 	t.Helper()
-	j, err := e.Submit(spans, dir, ev)
+	j, err := e.Submit(spans, dir)
 	assert.NilError(t, err)
 	assert.NilError(t, j.Wait(30*time.Second))
 	assert.Assert(t, j.Done())
@@ -81,7 +81,7 @@ func TestDeviceRoundTrip(t *testing.T) {
 			src, sa := pinnedTB(t, e, n)
 			dst, da := pinnedTB(t, e, n)
 			fill(src, 4)
-			run(t, e, []Span{{Src: sa, Dst: dev, Len: n}}, Load, 0)
+			run(t, e, []Span{{Src: sa, Dst: dev, Len: n}}, Load)
 			// Scattered spans of odd sizes, out of order, device -> host.
 			perm := rand.New(rand.NewSource(2)).Perm(n / 65536)
 			var spans []Span
@@ -89,7 +89,7 @@ func TestDeviceRoundTrip(t *testing.T) {
 				l := uint64(4096 + 17*i%60000)
 				spans = append(spans, Span{Src: dev + uint64(p)*65536, Dst: da + uint64(p)*65536, Len: l})
 			}
-			run(t, e, spans, Save, 0)
+			run(t, e, spans, Save)
 			want := make([]byte, n)
 			for _, s := range spans {
 				copy(want[s.Dst-da:s.Dst-da+s.Len], src[s.Src-dev:s.Src-dev+s.Len])
@@ -112,11 +112,12 @@ func TestDeviceWaitEvent(t *testing.T) {
 	out, oa := pinnedTB(t, e, n)
 	fill(a, 5)
 	fill(b, 6)
-	run(t, e, []Span{{Src: aa, Dst: dev, Len: n}}, Load, 0) // device holds a
-	ev, destroy, err := e.foreignEvent(dev, ba, n)          // "vLLM" writes b, records ev
-	defer destroy()
+	run(t, e, []Span{{Src: aa, Dst: dev, Len: n}}, Load) // device holds a
+	ev, destroy, err := e.foreignEvent(dev, ba, n)       // "vLLM" writes b, records ev
 	assert.NilError(t, err)
-	run(t, e, []Span{{Src: dev, Dst: oa, Len: n}}, Save, ev)
+	assert.NilError(t, e.WaitEvent(Save, ev))
+	destroy() // as torch may, once WaitEvent returned
+	run(t, e, []Span{{Src: dev, Dst: oa, Len: n}}, Save)
 	assert.Assert(t, bytes.Equal(out, b), "save did not wait for the event")
 }
 
@@ -132,7 +133,7 @@ func TestDevicePlans(t *testing.T) {
 			dev := deviceBuffer(t, e, uint64(g.bytes))
 			host, ha := pinnedTB(t, e, g.bytes)
 			fill(host, 7)
-			run(t, e, []Span{{Src: ha, Dst: dev, Len: uint64(g.bytes)}}, Load, 0)
+			run(t, e, []Span{{Src: ha, Dst: dev, Len: uint64(g.bytes)}}, Load)
 			ld, err := layout.New(g.descs(dev), 4*gBS)
 			assert.NilError(t, err)
 			hostDescs := g.descs(ha)
@@ -148,23 +149,23 @@ func TestDevicePlans(t *testing.T) {
 			for c, ids := range chunks {
 				sd, err := ld.Plan(ids, oa+uint64(c)*size, layout.Save)
 				assert.NilError(t, err)
-				run(t, e, sd, Save, 0)
+				run(t, e, sd, Save)
 				sh, err := lh.Plan(ids, ra+uint64(c)*size, layout.Save)
 				assert.NilError(t, err)
-				run(t, h, sh, Save, 0)
+				run(t, h, sh, Save)
 				o := objs[uint64(c)*size : uint64(c+1)*size]
 				assert.NilError(t, ld.SealObject(o))
 				assert.NilError(t, ld.VerifyObject(o))
 				assert.Assert(t, bytes.Equal(o[layout.HeaderSize:], ref[uint64(c)*size+layout.HeaderSize:uint64(c+1)*size]))
 			}
 			zero, za := pinnedTB(t, e, g.bytes)
-			run(t, e, []Span{{Src: za, Dst: dev, Len: uint64(g.bytes)}}, Load, 0)
+			run(t, e, []Span{{Src: za, Dst: dev, Len: uint64(g.bytes)}}, Load)
 			for c, ids := range chunks {
 				sd, err := ld.Plan(ids, oa+uint64(c)*size, layout.Load)
 				assert.NilError(t, err)
-				run(t, e, sd, Load, 0)
+				run(t, e, sd, Load)
 			}
-			run(t, e, []Span{{Src: dev, Dst: za, Len: uint64(g.bytes)}}, Save, 0)
+			run(t, e, []Span{{Src: dev, Dst: za, Len: uint64(g.bytes)}}, Save)
 			want := make([]byte, g.bytes)
 			blocks := map[int64]bool{}
 			for _, c := range chunks {

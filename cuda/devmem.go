@@ -20,8 +20,9 @@ func (e *DeviceEngine) FreeDevice(p uint64) error {
 
 // foreignEvent plays vLLM's side in tests: on a stream of its own it
 // copies n bytes host src -> device dst and records an event after the
-// copy. It returns the event's handle (what Python would pass as
-// waitEvent) and a function that destroys the stream and event.
+// copy. It returns the event's handle (what Python passes to WaitEvent)
+// and a function that destroys the stream and event without waiting for
+// them, as torch may.
 func (e *DeviceEngine) foreignEvent(dst, src, n uint64) (ev uint64, destroy func(), err error) {
 	var s, evh C.uint64_t
 	d := e.drv.d
@@ -41,8 +42,7 @@ func (e *DeviceEngine) foreignEvent(dst, src, n uint64) (ev uint64, destroy func
 	})
 	destroy = func() {
 		_ = e.do(func() error {
-			if evh != 0 {
-				C.kvs_event_synchronize(d, evh)
+			if evh != 0 { // pending or not: CUDA frees it once complete
 				C.kvs_event_destroy(d, evh)
 			}
 			if s != 0 {

@@ -11,12 +11,12 @@
 //
 //	connector goroutines                 DeviceEngine driver thread
 //	─────────────────────                (runtime.LockOSThread, primary
-//	Submit(spans, dir, ev) ──request──►   context of cuda:N current)
+//	WaitEvent(dir, ev) ─────request──►   context of cuda:N current)
 //	                                     cuStreamWaitEvent(stream[dir], ev)
-//	                                     cuMemcpyBatchAsync[_v2] (or one
+//	Submit(spans, dir) ─────request──►   cuMemcpyBatchAsync[_v2] (or one
 //	                                       cuMemcpy{DtoH,HtoD}Async per span)
-//	Job.Done() / Wait(t) ───request──►   cuEventRecord(done, stream[dir])
-//	                                     cuEventQuery(done)
+//	                                     cuEventRecord(done, stream[dir])
+//	Job.Done() / Wait(t) ───request──►   cuEventQuery(done)
 //
 //	stream[Save]: D2H, device KV blocks -> pinned L1 objects
 //	stream[Load]: H2D, pinned L1 objects -> device KV blocks
@@ -26,5 +26,10 @@
 // pinned memory; pageable copies are synchronous and ~10x slower.
 //
 // Spans are raw addresses of memory Go does not manage (see mem.go); both
-// engines consume the span slice before Submit returns.
+// engines consume the span slice before Submit returns. A job is done only
+// when no copy it queued can still touch its memory, failed jobs included:
+// only then may the caller hand the memory back.
+//
+// Tests run the device engine against internal/fakecuda, a driver emulated
+// in host memory, when no GPU is present (fake_test.go).
 package cuda

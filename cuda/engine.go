@@ -34,10 +34,13 @@ func (d Direction) String() string {
 // caches, DeviceEngine for CUDA) are safe for concurrent use.
 type Engine interface {
 	// Submit starts copying spans. It does not keep spans after it returns.
-	// waitEvent is a CUevent handle (Python: torch.cuda.Event.cuda_event)
-	// that the copies must wait for, recorded on vLLM's stream; 0 = none.
-	// The host engine accepts only 0.
-	Submit(spans []Span, dir Direction, waitEvent uint64) (Job, error)
+	Submit(spans []Span, dir Direction) (Job, error)
+	// WaitEvent makes the copies submitted in direction dir after it
+	// returns wait for event: a CUevent recorded on another stream, e.g.
+	// vLLM's after the forward pass (torch.cuda.Event.cuda_event). The
+	// wait is enqueued before WaitEvent returns, so the caller may destroy
+	// the event then. The host engine accepts only 0 (no event).
+	WaitEvent(dir Direction, event uint64) error
 	// Close waits (bounded) for submitted copies and releases resources.
 	Close() error
 }

@@ -95,7 +95,7 @@ func TestFakeCUDAAsynchronous(t *testing.T) {
 	src, sa := pinnedTB(t, e, 1<<20)
 	fill(src, 9)
 	d.Reset(20 * time.Millisecond)
-	j, err := e.Submit([]Span{{Src: sa, Dst: dev, Len: 1 << 20}}, Load, 0)
+	j, err := e.Submit([]Span{{Src: sa, Dst: dev, Len: 1 << 20}}, Load)
 	assert.NilError(t, err)
 	assert.Assert(t, !j.Done(), "a delayed copy finished inside Submit")
 	assert.NilError(t, j.Wait(5*time.Second))
@@ -113,7 +113,7 @@ func TestFakeCUDABatch(t *testing.T) {
 	src, sa := pinnedTB(t, e, n)
 	fill(src, 3)
 	before := d.Stats()
-	run(t, e, scattered(sa, dev, 64), Load, 0)
+	run(t, e, scattered(sa, dev, 64), Load)
 	after := d.Stats()
 	if e.BatchAPI() == "" {
 		assert.Equal(t, after.SpanCalls-before.SpanCalls, uint64(64))
@@ -122,7 +122,7 @@ func TestFakeCUDABatch(t *testing.T) {
 	assert.Equal(t, after.BatchCalls-before.BatchCalls, uint64(1))
 	d.Inject(e.BatchAPI(), 1, cudaErrorNotSupported, false)
 	out, oa := pinnedTB(t, e, n)
-	run(t, e, scattered(dev, oa, 64), Save, 0)
+	run(t, e, scattered(dev, oa, 64), Save)
 	assert.Equal(t, e.BatchAPI(), "")
 	assert.Equal(t, d.Stats().SpanCalls-after.SpanCalls, uint64(64))
 	for i := 0; i < 64*8192; i += 8192 {
@@ -167,7 +167,7 @@ func TestFakeCUDACopyErrors(t *testing.T) {
 			dev := deviceBuffer(t, e, n)
 			src, sa := pinnedTB(t, e, n)
 			fill(src, 11)
-			run(t, e, []Span{{Src: sa, Dst: dev, Len: n}}, Load, 0)
+			run(t, e, []Span{{Src: sa, Dst: dev, Len: n}}, Load)
 			dst, da := pinnedTB(t, e, n)
 			spans := scattered(dev, da, 8)
 			if e.BatchAPI() == "" {
@@ -175,7 +175,7 @@ func TestFakeCUDACopyErrors(t *testing.T) {
 			}
 			d.Reset(10 * time.Millisecond)
 			tc.inject(e)
-			j, err := e.Submit(spans, Save, 0)
+			j, err := e.Submit(spans, Save)
 			if tc.submitErr != "" {
 				assert.ErrorContains(t, err, tc.submitErr)
 				// Submit returned only after the queued copies ended.
@@ -210,7 +210,7 @@ func TestFakeCUDAUnregisterWaitsForCopies(t *testing.T) {
 	_, ha := mmapTB(t, n, rw())
 	assert.NilError(t, e.RegisterHost(ha, n))
 	d.Reset(30 * time.Millisecond)
-	j, err := e.Submit([]Span{{Src: dev, Dst: ha, Len: n}}, Save, 0)
+	j, err := e.Submit([]Span{{Src: dev, Dst: ha, Len: n}}, Save)
 	assert.NilError(t, err)
 	assert.NilError(t, e.UnregisterHost(ha))
 	assert.Assert(t, j.Done(), "host memory unregistered while a copy into it ran")
@@ -230,7 +230,7 @@ func TestFakeCUDACloseWaitsForCopies(t *testing.T) {
 	fill(src, 12)
 	assert.NilError(t, e.RegisterHost(sa, n))
 	d.Reset(30 * time.Millisecond)
-	j, err := e.Submit(scattered(sa, dev, 4), Load, 0)
+	j, err := e.Submit(scattered(sa, dev, 4), Load)
 	assert.NilError(t, err)
 	// FreeDevice is queued on the driver thread behind nothing: free only
 	// after Close has drained the copies, as vLLM frees its cache last.
@@ -241,6 +241,6 @@ func TestFakeCUDACloseWaitsForCopies(t *testing.T) {
 	// The engine is gone; release the allocation through a new one.
 	e2 := newDeviceEngine(t)
 	assert.NilError(t, e2.FreeDevice(dev))
-	_, err = e.Submit(scattered(sa, dev, 1), Load, 0)
+	_, err = e.Submit(scattered(sa, dev, 1), Load)
 	assert.ErrorIs(t, err, ErrClosed)
 }

@@ -57,13 +57,10 @@ type hostJob struct {
 }
 
 // Submit splits spans into pieces and queues them; it returns at once.
-func (e *HostEngine) Submit(spans []Span, dir Direction, waitEvent uint64) (Job, error) {
+func (e *HostEngine) Submit(spans []Span, dir Direction) (Job, error) {
 	total, err := checkSpans(spans, dir)
 	if err != nil {
 		return nil, err
-	}
-	if waitEvent != 0 {
-		return nil, errorf(ErrBadSpan, "host engine cannot wait on CUDA event %#x", waitEvent)
 	}
 	piece := max(e.minPiece, total/uint64(4*e.workers))
 	j := &hostJob{done: make(chan struct{})}
@@ -89,6 +86,14 @@ func (e *HostEngine) Submit(spans []Span, dir Direction, waitEvent uint64) (Job,
 		e.work <- j
 	}
 	return j, nil
+}
+
+// WaitEvent accepts only 0: a CPU KV cache has no CUDA stream to order by.
+func (e *HostEngine) WaitEvent(dir Direction, event uint64) error {
+	if event != 0 {
+		return errorf(ErrBadSpan, "host engine cannot wait on CUDA event %#x", event)
+	}
+	return nil
 }
 
 func (e *HostEngine) worker() {

@@ -26,7 +26,7 @@ func TestHostEngineCopies(t *testing.T) {
 	for _, workers := range []int{1, 2, 5} {
 		clear(dst)
 		e := NewHostEngine(workers, WithMinPiece(64<<10))
-		j, err := e.Submit(spans, Save, 0)
+		j, err := e.Submit(spans, Save)
 		assert.NilError(t, err)
 		assert.NilError(t, j.Wait(10*time.Second))
 		assert.Assert(t, j.Done())
@@ -55,7 +55,7 @@ func TestHostEngineConcurrent(t *testing.T) {
 			defer wg.Done()
 			part := uint64(n / 8)
 			for r := 0; r < 20; r++ {
-				j, err := e.Submit([]Span{{Src: sa + g*part, Dst: da + g*part, Len: part}}, Load, 0)
+				j, err := e.Submit([]Span{{Src: sa + g*part, Dst: da + g*part, Len: part}}, Load)
 				assert.Check(t, err)
 				assert.Check(t, j.Wait(10*time.Second))
 			}
@@ -72,23 +72,23 @@ func TestHostEngineRefuses(t *testing.T) {
 		name  string
 		spans []Span
 		dir   Direction
-		ev    uint64
 	}{
-		{"cuda event", []Span{{Src: a, Dst: a + 2048, Len: 8}}, Save, 0x1234},
-		{"empty span", []Span{{Src: a, Dst: a + 2048, Len: 0}}, Save, 0},
-		{"null", []Span{{Src: 0, Dst: a, Len: 8}}, Save, 0},
-		{"wraps", []Span{{Src: ^uint64(0) - 4, Dst: a, Len: 8}}, Save, 0},
-		{"direction", []Span{{Src: a, Dst: a + 2048, Len: 8}}, 9, 0},
+		{"empty span", []Span{{Src: a, Dst: a + 2048, Len: 0}}, Save},
+		{"null", []Span{{Src: 0, Dst: a, Len: 8}}, Save},
+		{"wraps", []Span{{Src: ^uint64(0) - 4, Dst: a, Len: 8}}, Save},
+		{"direction", []Span{{Src: a, Dst: a + 2048, Len: 8}}, 9},
 	}
 	for _, tc := range tests {
-		_, err := e.Submit(tc.spans, tc.dir, tc.ev)
+		_, err := e.Submit(tc.spans, tc.dir)
 		assert.ErrorIs(t, err, ErrBadSpan, tc.name)
 	}
-	j, err := e.Submit(nil, Save, 0) // nothing to copy: done at once
+	assert.ErrorIs(t, e.WaitEvent(Save, 0x1234), ErrBadSpan, "a CUDA event")
+	assert.NilError(t, e.WaitEvent(Save, 0))
+	j, err := e.Submit(nil, Save) // nothing to copy: done at once
 	assert.NilError(t, err)
 	assert.Assert(t, j.Done())
 	assert.NilError(t, e.Close())
-	_, err = e.Submit([]Span{{Src: a, Dst: a + 2048, Len: 8}}, Save, 0)
+	_, err = e.Submit([]Span{{Src: a, Dst: a + 2048, Len: 8}}, Save)
 	assert.ErrorIs(t, err, ErrClosed)
 }
 
@@ -98,13 +98,13 @@ func TestHostEngineFaultIsAnError(t *testing.T) {
 	e := NewHostEngine(2, WithMinPiece(4096))
 	defer e.Close()
 	spans := []Span{{Src: good, Dst: good + 512<<10, Len: 256 << 10}, {Src: bad, Dst: good, Len: 256 << 10}}
-	j, err := e.Submit(spans, Save, 0)
+	j, err := e.Submit(spans, Save)
 	assert.NilError(t, err)
 	err = j.Wait(10 * time.Second)
 	assert.ErrorIs(t, err, ErrBadSpan)
 	assert.Check(t, is.ErrorContains(err, "faulted"))
 	// The engine keeps working.
-	j, err = e.Submit(spans[:1], Save, 0)
+	j, err = e.Submit(spans[:1], Save)
 	assert.NilError(t, err)
 	assert.NilError(t, j.Wait(10*time.Second))
 }
@@ -115,7 +115,7 @@ func TestHostEngineWaitTimeout(t *testing.T) {
 	_, da := mmapTB(t, n, rw())
 	e := NewHostEngine(1, WithMinPiece(n))
 	defer e.Close()
-	j, err := e.Submit([]Span{{Src: sa, Dst: da, Len: n}}, Save, 0)
+	j, err := e.Submit([]Span{{Src: sa, Dst: da, Len: n}}, Save)
 	assert.NilError(t, err)
 	err = j.Wait(time.Microsecond)
 	assert.ErrorIs(t, err, ErrTimeout)

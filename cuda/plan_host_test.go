@@ -71,7 +71,7 @@ func TestHostPlansRoundTrip(t *testing.T) {
 			for c, blocks := range chunks {
 				spans, err := l.Plan(blocks, objA+uint64(c)*size, layout.Save)
 				assert.NilError(t, err)
-				j, err := e.Submit(spans, Direction(layout.Save), 0)
+				j, err := e.Submit(spans, Direction(layout.Save))
 				assert.NilError(t, err)
 				assert.NilError(t, j.Wait(10*time.Second))
 				o := objs[uint64(c)*size : uint64(c+1)*size]
@@ -82,7 +82,7 @@ func TestHostPlansRoundTrip(t *testing.T) {
 			for c, blocks := range chunks {
 				spans, err := l.Plan(blocks, objA+uint64(c)*size, layout.Load)
 				assert.NilError(t, err)
-				j, err := e.Submit(spans, Load, 0)
+				j, err := e.Submit(spans, Load)
 				assert.NilError(t, err)
 				assert.NilError(t, j.Wait(10*time.Second))
 			}

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 
@@ -199,5 +200,57 @@ func TestFakeCUDASlowCopy(t *testing.T) {
 	for deadline := time.Now().Add(10 * time.Second); d.Stats().Copies-copies < copies-before; {
 		assert.Assert(t, time.Now().Before(deadline))
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestFakeCUDASaveWaitsForStreamEvent: the save of a step copies what the
+// forward pass wrote, however late its kernel finishes: the save stream
+// waits for the event Python passes, which may be destroyed as soon as
+// StartSaves returns (torch frees it with the Python object).
+func TestFakeCUDASaveWaitsForStreamEvent(t *testing.T) {
+	d := fakeDriver(t)
+	r := newRig(t, 1)
+	c, w := r.caches[0], r.workers[0]
+	tokens := make([]uint32, 3*tChunk)
+	for i := range tokens {
+		tokens[i] = uint32(11*i + 3)
+	}
+	blocks := seq(0, 4)
+	for _, b := range blocks {
+		c.fill(int(b), 1)
+	}
+	// The forward pass writes layer 0's K of blocks 0-3 (contiguous), late.
+	kBytes := 4 * tBS * tHeads * tHead * 2
+	fresh, err := unix.Mmap(-1, 0, kBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	assert.NilError(t, err)
+	t.Cleanup(func() { unix.Munmap(fresh) })
+	for i := range fresh {
+		fresh[i] = byte(i*7 + 1)
+	}
+
+	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
+	assert.NilError(t, r.sched.AfterAlloc("A", blocks, 0, 0))
+	b, err := r.sched.BuildMeta(&Step{Requests: []StepRequest{{Req: "A", Blocks: blocks, Scheduled: 2 * tChunk}}})
+	assert.NilError(t, err)
+	m, err := DecodeStepMeta(b, w.Layout().ChunkBlocks(), w.Layout().NumBlocks())
+	assert.NilError(t, err)
+	ev := d.VLLMWrite(addrOf(c.mem), addrOf(fresh), uint64(kBytes), 300*time.Millisecond)
+	w.StartSaves(m, ev)
+	d.DestroyEvent(ev)
+	w.wg.Wait()
+	assert.Equal(t, w.Stats().SavedChunks, uint64(2))
+	r.sched.Finished("A")
+
+	// Restore into other blocks: layer 0's K is what the forward pass wrote.
+	n := r.match(t, "B", tokens, Extras{}, 0)
+	assert.Equal(t, n, 2*tChunk)
+	dst := seq(40, 4)
+	assert.NilError(t, r.sched.AfterAlloc("B", dst, -1, n))
+	_, errs := r.step(t, &Step{})
+	assert.Equal(t, len(errs), 0)
+	bb := kBytes / 4
+	for k, blk := range dst {
+		got := c.block(0, int(blk))[:bb] // K of layer 0
+		assert.Assert(t, bytes.Equal(got, fresh[k*bb:(k+1)*bb]), "block %d: the save did not wait for the forward pass", k)
 	}
 }

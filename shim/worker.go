@@ -181,7 +181,7 @@ func (w *Worker) load(ld *LoadSpec) {
 	if good == 0 {
 		return
 	}
-	if err := w.copy(eng, spans, cuda.Load, 0); err != nil {
+	if err := w.copy(eng, spans, cuda.Load); err != nil {
 		stuck = errors.Is(err, errCopyStuck)
 		w.loadFailed(ld, 0, cb, err)
 		return
@@ -243,19 +243,33 @@ func (w *Worker) loadFailed(ld *LoadSpec, k, cb int, why error) {
 // StartSaves starts the saves of one step's metadata after the forward
 // pass and returns at once; ALLOC, copy and COMMIT run in the background.
 // streamEvent is a CUevent recorded on vLLM's stream (0 for CPU caches,
-// whose forward pass has finished when this is called). A full cache, a
+// whose forward pass has finished when this is called); the caller may
+// destroy it once StartSaves returns. A full cache, a
 // dead server or a failed copy skips the save: a future miss.
 func (w *Worker) StartSaves(meta *StepMeta, streamEvent uint64) {
-	if !w.writer {
+	if !w.writer || len(meta.Saves) == 0 {
 		return
+	}
+	// The saves copy blocks the forward pass wrote: the save stream waits
+	// for vLLM's event, enqueued now, while the caller still owns it.
+	if _, eng, err := w.ready(); err == nil {
+		if err := eng.WaitEvent(cuda.Save, streamEvent); err != nil {
+			slog.Warn("kvshim: saves of this step skipped", "err", err)
+			w.count(func(s *WorkerStats) {
+				for _, sv := range meta.Saves {
+					s.FailedSaves += uint64(len(sv.Hashes))
+				}
+			})
+			return
+		}
 	}
 	for i := range meta.Saves {
 		sv := &meta.Saves[i]
-		w.background(sv.Req, func() { w.save(sv, streamEvent) })
+		w.background(sv.Req, func() { w.save(sv) })
 	}
 }
 
-func (w *Worker) save(sv *SaveSpec, streamEvent uint64) {
+func (w *Worker) save(sv *SaveSpec) {
 	l, eng, err := w.ready()
 	if err != nil {
 		return
@@ -299,7 +313,7 @@ func (w *Worker) save(sv *SaveSpec, streamEvent uint64) {
 	if len(objs) == 0 {
 		return
 	}
-	err = w.copy(eng, spans, cuda.Save, streamEvent)
+	err = w.copy(eng, spans, cuda.Save)
 	for _, obj := range objs {
 		if err != nil {
 			break
@@ -369,8 +383,8 @@ var errCopyStuck = errors.New("copy still running")
 // failure, but copy returns only once it has stopped: until then it may
 // still read or write vLLM's blocks and the L1 objects, and the caller's
 // cleanup (release, abort, recompute) must not race it.
-func (w *Worker) copy(eng cuda.Engine, spans []layout.Span, dir cuda.Direction, ev uint64) error {
-	job, err := eng.Submit(spans, dir, ev)
+func (w *Worker) copy(eng cuda.Engine, spans []layout.Span, dir cuda.Direction) error {
+	job, err := eng.Submit(spans, dir)
 	if err != nil {
 		return err
 	}

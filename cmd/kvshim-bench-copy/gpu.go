@@ -76,7 +76,7 @@ func gpuBench(c *config, res map[string]any) error {
 			s = cuda.Span{Src: dev, Dst: oa, Len: uint64(size)}
 		}
 		t := time.Now()
-		j, err := eng.Submit([]cuda.Span{s}, dir, 0)
+		j, err := eng.Submit([]cuda.Span{s}, dir)
 		if err == nil {
 			err = j.Wait(time.Minute)
 		}

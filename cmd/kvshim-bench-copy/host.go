@@ -59,7 +59,7 @@ func runChunksSubmit(e cuda.Engine, l *layout.Layout, chunks [][]int64, objA, ob
 			return 0, 0, err
 		}
 		t := time.Now()
-		j, err := e.Submit(buf, cuda.Direction(dir), 0)
+		j, err := e.Submit(buf, cuda.Direction(dir))
 		submit += time.Since(t)
 		spans += len(buf)
 		if err != nil {
@@ -210,7 +210,7 @@ func spanCost(c *config, e *cuda.HostEngine, src, dst uint64, res map[string]any
 	for range c.repeats {
 		cpu0 := cpuTime()
 		t := time.Now()
-		j, err := e.Submit(spans, cuda.Save, 0)
+		j, err := e.Submit(spans, cuda.Save)
 		if err != nil {
 			return err
 		}

@@ -11,6 +11,8 @@ typedef void (*reset_fn)(unsigned);
 typedef int (*adopt_fn)(uint64_t, uint64_t);
 typedef void (*unadopt_fn)(uint64_t);
 typedef void (*stats_fn)(uint64_t *, char *, size_t);
+typedef int (*vllm_write_fn)(uint64_t, uint64_t, uint64_t, unsigned, uint64_t *);
+typedef int (*event_destroy_fn)(void *);
 
 static void *open_loaded(const char *path) { return dlopen(path, RTLD_NOW | RTLD_NOLOAD); }
 static int call_inject(void *f, const char *fn, int nth, int code, int async) { return ((inject_fn)f)(fn, nth, code, async); }
@@ -18,6 +20,8 @@ static void call_reset(void *f, unsigned us) { ((reset_fn)f)(us); }
 static int call_adopt(void *f, uint64_t p, uint64_t n) { return ((adopt_fn)f)(p, n); }
 static void call_unadopt(void *f, uint64_t p) { ((unadopt_fn)f)(p); }
 static void call_stats(void *f, uint64_t *out, char *msg, size_t n) { ((stats_fn)f)(out, msg, n); }
+static int call_vllm_write(void *f, uint64_t dst, uint64_t src, uint64_t n, unsigned us, uint64_t *ev) { return ((vllm_write_fn)f)(dst, src, n, us, ev); }
+static int call_event_destroy(void *f, uint64_t ev) { return ((event_destroy_fn)f)((void *)(uintptr_t)ev); }
 */
 import "C"
 
@@ -61,7 +65,7 @@ func Build(dir string, batch int) (string, error) {
 
 // Driver is the fake as loaded in this process.
 type Driver struct {
-	inject, reset, adopt, unadopt, stats unsafe.Pointer
+	inject, reset, adopt, unadopt, stats, vllmWrite, eventDestroy unsafe.Pointer
 }
 
 // Open finds the fake among the libraries this process loaded (the cuda
@@ -82,6 +86,7 @@ func Open() (*Driver, bool) {
 	for name, p := range map[string]*unsafe.Pointer{
 		"fakecuda_inject": &d.inject, "fakecuda_reset": &d.reset, "fakecuda_adopt": &d.adopt,
 		"fakecuda_unadopt": &d.unadopt, "fakecuda_stats": &d.stats,
+		"fakecuda_vllm_write": &d.vllmWrite, "cuEventDestroy_v2": &d.eventDestroy,
 	} {
 		cname := C.CString(name)
 		*p = C.dlsym(h, cname)
@@ -126,6 +131,25 @@ func (d *Driver) Adopt(addr, n uint64) {
 
 // Unadopt forgets an adopted range by its start.
 func (d *Driver) Unadopt(addr uint64) { C.call_unadopt(d.unadopt, C.uint64_t(addr)) }
+
+// VLLMWrite plays vLLM's forward pass: on a stream of its own the driver
+// copies n bytes src -> dst (device memory) after delay and then records
+// an event, whose handle it returns. Destroy it with DestroyEvent, at once
+// if you like.
+func (d *Driver) VLLMWrite(dst, src, n uint64, delay time.Duration) uint64 {
+	var ev C.uint64_t
+	if C.call_vllm_write(d.vllmWrite, C.uint64_t(dst), C.uint64_t(src), C.uint64_t(n), C.unsigned(delay.Microseconds()), &ev) != 0 {
+		panic("fakecuda: vllm write")
+	}
+	return uint64(ev)
+}
+
+// DestroyEvent is cuEventDestroy_v2 (pending events are freed when done).
+func (d *Driver) DestroyEvent(ev uint64) {
+	if r := C.call_event_destroy(d.eventDestroy, C.uint64_t(ev)); r != 0 {
+		panic(fmt.Sprintf("fakecuda: cuEventDestroy_v2: %d", r))
+	}
+}
 
 // Stats is what the fake counted and what is still live.
 type Stats struct {

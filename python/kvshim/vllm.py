@@ -206,7 +206,6 @@ class KVShimConnector(KVConnectorBase_V1):
         self._tokens: dict[str, np.ndarray] = {}
         self._bound: KVShimMetadata | None = None
         self._load_errors: set[int] = set()
-        self._events: list[Any] = []  # CUDA events the copy streams still wait on
         self._reported: dict[str, int] = {}  # worker counters already in a stats report
 
     @property
@@ -309,21 +308,25 @@ class KVShimConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self._bound is None:
             return
-        self._h.check(self._lib.kvshim_worker_start_saves(self._h.value, self._stream_event()))
+        # The event only has to live through the call: the library enqueues
+        # the save stream's wait on it before returning.
+        ev = self._stream_event()
+        handle = int(ev.cuda_event) if ev is not None else 0
+        self._h.check(self._lib.kvshim_worker_start_saves(self._h.value, handle))
 
-    def _stream_event(self) -> int:
-        """A CUevent on vLLM's current stream for the copy streams to wait
-        on (0 when the KV cache is on the CPU: the forward pass is done)."""
+    def _stream_event(self) -> Any:
+        """A torch.cuda.Event recorded on vLLM's current stream after the
+        forward pass, for the save stream to wait on; None when the KV cache
+        is on the CPU (the forward pass is done)."""
         try:
             import torch
         except ImportError:
-            return 0
+            return None
         if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-            return 0
+            return None
         ev = torch.cuda.Event()
         ev.record()
-        self._events = self._events[-8:] + [ev]  # the copy stream may still wait on it
-        return int(ev.cuda_event)
+        return ev
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         p = json.loads(self._h.output("kvshim_worker_poll"))

@@ -90,6 +90,7 @@ struct op {
 	int kind;
 	uint64_t dst, src, len;
 	CUresult fail;                // injected asynchronous failure
+	unsigned delay_us;            // extra wait before this copy
 	struct event *ev;
 	uint64_t seq;
 	struct op *next;
@@ -260,7 +261,7 @@ static void *stream_main(void *arg) {
 			while (o->ev->completed < o->seq) pthread_cond_wait(&cv, &mu);
 		} else if (o->kind == OP_COPY) {
 			pthread_mutex_unlock(&mu);
-			if (copy_delay_us) usleep(copy_delay_us);
+			if (copy_delay_us + o->delay_us) usleep(copy_delay_us + o->delay_us);
 			if (o->fail == OK) memcpy((void *)(uintptr_t)o->dst, (const void *)(uintptr_t)o->src, o->len);
 			pthread_mutex_lock(&mu);
 			if (o->fail != OK && s->err == OK) s->err = o->fail;
@@ -364,19 +365,26 @@ CUresult cuCtxSetCurrent(void *ctx) {
 	RETURN(OK);
 }
 
+// new_stream starts a stream's thread (mu held).
+static struct stream *new_stream(void) {
+	struct stream *s = calloc(1, sizeof(*s));
+	if (s == NULL) return NULL;
+	pthread_t th;
+	if (pthread_create(&th, NULL, stream_main, s) != 0) {
+		free(s);
+		return NULL;
+	}
+	pthread_detach(th);
+	return s;
+}
+
 CUresult cuStreamCreate(void **out, unsigned int flags) {
 	ENTER("cuStreamCreate");
 	(void)flags;
 	CUresult r = need_ctx();
 	if (r != OK) RETURN(r);
-	struct stream *s = calloc(1, sizeof(*s));
+	struct stream *s = new_stream();
 	if (s == NULL) RETURN(OUT_OF_MEMORY);
-	pthread_t th;
-	if (pthread_create(&th, NULL, stream_main, s) != 0) {
-		free(s);
-		RETURN(OUT_OF_MEMORY);
-	}
-	pthread_detach(th);
 	s->next = streams;
 	streams = s;
 	*out = s;
@@ -421,15 +429,22 @@ CUresult cuStreamWaitEvent(void *h, void *ev, unsigned int flags) {
 	RETURN(OK);
 }
 
+// new_event creates a live event (mu held).
+static struct event *new_event(void) {
+	struct event *e = calloc(1, sizeof(*e));
+	if (e == NULL) return NULL;
+	e->next = events;
+	events = e;
+	return e;
+}
+
 CUresult cuEventCreate(void **out, unsigned int flags) {
 	ENTER("cuEventCreate");
 	(void)flags;
 	CUresult r = need_ctx();
 	if (r != OK) RETURN(r);
-	struct event *e = calloc(1, sizeof(*e));
+	struct event *e = new_event();
 	if (e == NULL) RETURN(OUT_OF_MEMORY);
-	e->next = events;
-	events = e;
 	*out = e;
 	RETURN(OK);
 }
@@ -630,6 +645,32 @@ int fakecuda_inject(const char *fn, int nth, int code, int async) {
 	pthread_mutex_lock(&mu);
 	r->next = rules;
 	rules = r;
+	pthread_mutex_unlock(&mu);
+	return 0;
+}
+
+// fakecuda_vllm_write plays vLLM's forward pass: on a stream of its own it
+// copies n bytes src -> dst, delay_us after it reaches the copy, and
+// records a new event after the copy, returned in *ev. The caller owns the
+// event and may destroy it (cuEventDestroy_v2) at once, as torch may.
+int fakecuda_vllm_write(uint64_t dst, uint64_t src, uint64_t n, unsigned delay_us, uint64_t *ev) {
+	static struct stream *vllm; // never destroyed, not counted as live
+	pthread_mutex_lock(&mu);
+	struct op *c = calloc(1, sizeof(*c)), *rec = calloc(1, sizeof(*rec));
+	struct event *e = NULL;
+	if (vllm == NULL) vllm = new_stream();
+	if (vllm != NULL && c != NULL && rec != NULL) e = new_event();
+	if (e == NULL) {
+		free(c);
+		free(rec);
+		pthread_mutex_unlock(&mu);
+		return -1;
+	}
+	*c = (struct op){.kind = OP_COPY, .dst = dst, .src = src, .len = n, .delay_us = delay_us};
+	*rec = (struct op){.kind = OP_RECORD, .ev = e, .seq = ++e->recorded};
+	push(vllm, c);
+	push(vllm, rec);
+	*ev = (uint64_t)(uintptr_t)e;
 	pthread_mutex_unlock(&mu);
 	return 0;
 }
