@@ -3,6 +3,8 @@ package cuda
 import (
 	"fmt"
 	"unsafe"
+
+	"github.com/kvshim/kvshim/internal/ntcopy"
 )
 
 // Raw addresses. Spans name memory by address (uint64) because it is never
@@ -29,9 +31,11 @@ func bytesAt(addr, n uint64) []byte {
 	return unsafe.Slice((*byte)(pointer(addr)), n)
 }
 
-// memmove copies one span on the CPU.
+// memmove copies one span on the CPU. Spans are tens of KiB (one block of
+// one layer) and a job's spans far outgrow the caches: ntcopy stores around
+// the cache instead of first reading every destination line.
 func memmove(s Span) {
-	copy(bytesAt(s.Dst, s.Len), bytesAt(s.Src, s.Len))
+	ntcopy.Copy(uintptr(s.Dst), uintptr(s.Src), uintptr(s.Len))
 }
 
 func errorf(sentinel error, format string, args ...any) error {
