@@ -15,6 +15,12 @@ const (
 	FlashInfer Backend = "flashinfer"  // (blocks, 2, block_size, heads, head)
 	MLA        Backend = "mla"         // (blocks, block_size, head)
 	CrossLayer Backend = "cross_layer" // (blocks, layers, 2, block_size, heads, head)
+	// Paged is the per-layer view vLLM 0.33 hands every connector
+	// (create_kv_cache_views in v1/kv_cache_interface.py): (blocks, heads,
+	// block_size, content), where content is one token's K and V for one
+	// head (head_size + head_size_v elements; MLA: the latent), strided in
+	// the order of the resolved KVCacheLayout (LBNHC, BLHNC, ...).
+	Paged Backend = "paged"
 )
 
 // Dim names one logical dimension of a KV tensor.
@@ -47,6 +53,8 @@ func DefaultDims(b Backend, rank int) ([]Dim, bool) {
 		return []Dim{DimBlocks, DimLayers, DimKV, DimBlockSize, DimHeads, DimHead}, true
 	case b == CrossLayer && rank == 4: // MLA cross-layer
 		return []Dim{DimBlocks, DimLayers, DimBlockSize, DimHead}, true
+	case b == Paged && rank == 4: // head: the content dim (K and V)
+		return []Dim{DimBlocks, DimHeads, DimBlockSize, DimHead}, true
 	}
 	return nil, false
 }
@@ -110,7 +118,7 @@ func (d Device) String() string {
 //
 //	Layer        layer name (register_kv_caches key; any name for cross-layer)
 //	Group        KV-cache group id of the layer
-//	Backend      flash_attn | flashinfer | mla | cross_layer
+//	Backend      paged | flash_attn | flashinfer | mla | cross_layer
 //	Device       tensor.device (type, index)
 //	DataPtr      tensor.data_ptr()   (storage offset already applied)
 //	DTypeSize    tensor.element_size()

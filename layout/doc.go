@@ -3,10 +3,13 @@
 // The Python connector reports every registered KV tensor (TensorDesc: data
 // pointer, device, dtype size, shape, strides in bytes, backend, layer, KV
 // group). New validates them into a Layout; nothing about the physical order
-// is assumed, it is read from the strides. Supported: FlashAttention
-// (2, blocks, block_size, heads, head) and FlashInfer (blocks, 2, ...) in NHD
-// or HND stride order, MLA (blocks, block_size, head), and vLLM's cross-layer
-// tensor (blocks, layers, 2, block_size, heads, head) in any stride order.
+// is assumed, it is read from the strides. Supported: vLLM 0.33's per-layer
+// view (blocks, heads, block_size, K|V content) in any of its KVCacheLayout
+// stride orders (Paged: what vLLM 0.33 registers, FlashAttention and MLA
+// alike), the older FlashAttention (2, blocks, block_size, heads, head) and
+// FlashInfer (blocks, 2, ...) in NHD or HND stride order, MLA (blocks,
+// block_size, head), and the cross-layer tensor (blocks, layers, 2,
+// block_size, heads, head) in any stride order.
 //
 // Each block of a tensor is a set of equal, contiguous runs: the dense inner
 // dims (head, heads, block_size, ... up to the first gap) form one run, and

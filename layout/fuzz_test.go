@@ -27,12 +27,12 @@ type genTensor struct {
 
 // genGeometry builds a random, usually valid, set of tensors.
 func genGeometry(r *fuzzBytes) ([]genTensor, int) {
-	backends := []Backend{FlashAttn, FlashInfer, MLA, CrossLayer}
-	be := backends[r.intn(4)]
+	backends := []Backend{FlashAttn, FlashInfer, MLA, CrossLayer, Paged}
+	be := backends[r.intn(len(backends))]
 	dt := []int64{1, 2, 4}[r.intn(3)]
 	sz := map[Dim]int64{DimBlocks: int64(1 + r.intn(6)), DimBlockSize: int64(1 + r.intn(4)),
 		DimHeads: int64(1 + r.intn(3)), DimHead: int64(1 + r.intn(6)), DimKV: 2, DimLayers: int64(1 + r.intn(3))}
-	rank := map[Backend]int{FlashAttn: 5, FlashInfer: 5, MLA: 3, CrossLayer: 6}[be]
+	rank := map[Backend]int{FlashAttn: 5, FlashInfer: 5, MLA: 3, CrossLayer: 6, Paged: 4}[be]
 	names, _ := DefaultDims(be, rank)
 	// Physical order, innermost first: a permutation, head usually first.
 	phys := append([]Dim(nil), names...)

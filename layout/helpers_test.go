@@ -74,3 +74,30 @@ func crossFALogical(base uint64) TensorDesc {
 	d.Strides = []int64{2 * tRun, tRun, tL * 2 * tRun, tH * tD * tDT, tD * tDT, tDT}
 	return d
 }
+
+// vLLM 0.33's per-layer view (blocks, heads, block_size, content), content
+// = K|V = 2*tD elements; one page = tH*tBS*2*tD*tDT = 64 bytes. The helpers
+// are named after the KVCacheLayout whose strides they carry.
+const tC, tPage = 2 * tD, tH * tBS * 2 * tD * tDT
+
+func paged(name string, base uint64, blockStride, headStride, tokenStride int64) TensorDesc {
+	return TensorDesc{Layer: name, Backend: Paged, Device: cuda0(), DataPtr: base, DTypeSize: tDT,
+		Shape:   []int64{tNB, tH, tBS, tC},
+		Strides: []int64{blockStride, headStride, tokenStride, tDT}}
+}
+
+// pagedLBNHC: physical [layer][block][token][head][content] (vLLM's default).
+func pagedLBNHC(name string, base uint64) TensorDesc {
+	return paged(name, base, tPage, tC*tDT, tH*tC*tDT)
+}
+
+// pagedLBHNC: physical [layer][block][head][token][content] (HND).
+func pagedLBHNC(name string, base uint64) TensorDesc {
+	return paged(name, base, tPage, tBS*tC*tDT, tC*tDT)
+}
+
+// pagedBLNHC: layer l of layers in a block-outermost buffer at base:
+// physical [block][layer][token][head][content].
+func pagedBLNHC(name string, base uint64, l, layers int64) TensorDesc {
+	return paged(name, base+uint64(l*tPage), layers*tPage, tC*tDT, tH*tC*tDT)
+}

@@ -22,7 +22,7 @@ func TestNewRefuses(t *testing.T) {
 		want  string // field named in the error
 	}{
 		{"no tensors", nil, 4, "tensors"},
-		{"unknown backend", []TensorDesc{mod(base, func(d *TensorDesc) { d.Backend = "paged" })}, 4, "backend"},
+		{"unknown backend", []TensorDesc{mod(base, func(d *TensorDesc) { d.Backend = "flash_attn_v9" })}, 4, "backend"},
 		{"dtype size", []TensorDesc{mod(base, func(d *TensorDesc) { d.DTypeSize = 3 })}, 4, "dtype_size"},
 		{"null pointer", []TensorDesc{mod(base, func(d *TensorDesc) { d.DataPtr = 0 })}, 4, "data_ptr"},
 		{"device", []TensorDesc{mod(base, func(d *TensorDesc) { d.Device = Device{} })}, 4, "device"},
@@ -53,6 +53,10 @@ func TestNewRefuses(t *testing.T) {
 		{"overlapping layers", []TensorDesc{faNHD("a", 0x10000), faNHD("b", 0x10000+128)}, 4, "overlaps layer"},
 		{"interleaved runs collide", []TensorDesc{interleaved("a", 0x10000, 0), interleaved("b", 0x10000+32, 0)}, 4, "overlap"},
 		{"two cross-layer tensors", []TensorDesc{crossNHD(0x10000), mod(crossNHD(0x90000), func(d *TensorDesc) { d.Layer = "x" })}, 4, "cross_layer"},
+		{"paged content not contiguous", []TensorDesc{mod(pagedLBNHC("p", 0x10000), func(d *TensorDesc) { d.Strides = []int64{64, 16, 32, 4} })}, 4, "overlaps"},
+		{"paged rank 5", []TensorDesc{mod(pagedLBNHC("p", 0x10000), func(d *TensorDesc) {
+			d.Shape, d.Strides = append(d.Shape, 1), append(d.Strides, 2)
+		})}, 4, "shape"},
 		{"partial chunk size", []TensorDesc{base}, 3, "chunk_tokens"},
 		{"zero chunk", []TensorDesc{base}, 0, "chunk_tokens"},
 	}

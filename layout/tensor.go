@@ -36,6 +36,7 @@ var requiredDims = map[Backend][]Dim{
 	FlashInfer: {DimKV, DimBlocks, DimBlockSize, DimHeads, DimHead},
 	MLA:        {DimBlocks, DimBlockSize, DimHead},
 	CrossLayer: {DimBlocks, DimLayers, DimBlockSize, DimHead},
+	Paged:      {DimBlocks, DimHeads, DimBlockSize, DimHead},
 }
 
 var knownDims = map[Dim]bool{DimLayers: true, DimKV: true, DimBlocks: true,

@@ -3,8 +3,9 @@
 The demo drives libkvshim.so the way the vLLM connector does, one engine
 step at a time, with no vLLM in the process: a scheduler handle (which starts
 the embedded server, as `--kv-transfer-config` alone does in vLLM) and a
-worker handle whose KV cache is 32 per-layer FlashAttention tensors
-(2, blocks, 16, 8, 128) of bf16 in CPU memory. A stream of requests that share
+worker handle whose KV cache is laid out as vLLM 0.33 lays out Llama-3-8B's
+for FlashAttention: one bf16 buffer in CPU memory, seen as 32 per-layer
+(blocks, 8 heads, 16 tokens, K|V 256) views (KVCacheLayout LBNHC). A stream of requests that share
 prefixes runs through it. For each request the demo looks the prompt up
 (pending, then final), allocates fresh blocks, has the worker restore the hit
 chunks from the server's shared-memory L1 into those blocks (never the blocks
@@ -33,22 +34,24 @@ from kvshim import native
 
 # Llama-3-8B: 32 layers, 8 KV heads, head size 128, bf16; vLLM block 16.
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_TOKENS = 32, 8, 128, 16
-RUN_BYTES = BLOCK_TOKENS * KV_HEADS * HEAD_SIZE * 2  # one block of one layer's K (or V)
-BLOCK_BYTES = LAYERS * 2 * RUN_BYTES  # 2 MiB across layers, K and V
+BLOCK_BYTES = LAYERS * BLOCK_TOKENS * KV_HEADS * 2 * HEAD_SIZE * 2  # 2 MiB across layers, K and V
 
 
 class PagedCache:
-    """Per-layer FlashAttention NHD tensors: (2, blocks, block_size, heads, head) bf16."""
+    """vLLM 0.33's allocate_kv_cache for one FlashAttention group in LBNHC:
+    one buffer (layers, blocks, block_size, heads, K|V), registered as a
+    (blocks, heads, block_size, K|V) view per layer."""
 
     def __init__(self, num_blocks: int) -> None:
-        self.layers = [np.zeros((2, num_blocks, BLOCK_TOKENS, KV_HEADS, HEAD_SIZE), dtype=np.uint16) for _ in range(LAYERS)]
+        self.buf = np.zeros((LAYERS, num_blocks, BLOCK_TOKENS, KV_HEADS, 2 * HEAD_SIZE), dtype=np.uint16)
         self.free = [int(i) for i in np.random.default_rng(7).permutation(num_blocks)]
 
     def describe(self) -> str:
+        views = [self.buf[i].transpose(0, 2, 1, 3) for i in range(LAYERS)]
         return json.dumps([
-            {"layer": f"model.layers.{i}.self_attn.attn", "group": 0, "backend": "flash_attn", "device": "cpu",
-             "data_ptr": t.ctypes.data, "dtype_size": 2, "shape": list(t.shape), "stride_bytes": list(t.strides)}
-            for i, t in enumerate(self.layers)
+            {"layer": f"model.layers.{i}.self_attn.attn", "group": 0, "backend": "paged", "device": "cpu",
+             "data_ptr": v.ctypes.data, "dtype_size": 2, "shape": list(v.shape), "stride_bytes": list(v.strides)}
+            for i, v in enumerate(views)
         ])
 
     def allocate(self, n: int) -> np.ndarray:
@@ -61,11 +64,10 @@ class PagedCache:
         self.free.extend(int(i) for i in ids)
 
     def read(self, b: int) -> bytes:
-        return b"".join(t[:, b].tobytes() for t in self.layers)
+        return self.buf[:, b].tobytes()
 
     def write(self, b: int, data: np.ndarray) -> None:
-        for i, t in enumerate(self.layers):
-            t[:, b] = data[i * 2 * RUN_BYTES : (i + 1) * 2 * RUN_BYTES].view(np.uint16).reshape(t[:, b].shape)
+        self.buf[:, b] = data.view(np.uint16).reshape(self.buf[:, b].shape)
 
 
 _PATTERN = np.random.default_rng(0).integers(0, 256, BLOCK_BYTES, dtype=np.uint8)
@@ -160,7 +162,7 @@ def main(argv: list[str]) -> int:
     prompts = workload(args.requests, rng)
     max_blocks = max(len(p) for p in prompts) // BLOCK_TOKENS + 1
     cache = PagedCache(2 * max_blocks)
-    namespace = {"model": "meta-llama/Meta-Llama-3-8B@demo", "dtype": "bfloat16", "layout": "flash_attn NHD 32x(2,B,16,8,128)",
+    namespace = {"model": "meta-llama/Meta-Llama-3-8B@demo", "dtype": "bfloat16", "layout": "paged LBNHC 32x(B,8,16,256)",
                  "object_format": 1, "world_size": 1, "tp_size": 1, "chunk_size": args.chunk_tokens, "kv_group": 0, "mla": False}
     engine_id = f"demo-{uuid.uuid4().hex[:12]}"
     common = {"server": "embedded", "engine_id": engine_id, "namespace": namespace, "timeout_ms": 10_000}

@@ -137,14 +137,17 @@ def _cache_layout() -> str:
 def _tensor_desc(name: str, t: torch.Tensor, group: int) -> dict[str, Any]:
     """How a KV tensor lies in memory, read from the tensor itself."""
     shape, esize = list(t.shape), t.element_size()
-    if len(shape) == 3:
+    if len(shape) == 4:
+        backend = "paged"  # vLLM >= 0.33: (blocks, heads, block_size, K|V content), any stride order
+    elif len(shape) == 3:
         backend = "mla"
     elif len(shape) == 5 and shape[0] == 2:
         backend = "flash_attn"
     elif len(shape) == 5 and shape[1] == 2:
         backend = "flashinfer"
     else:
-        raise ValueError(f"KV tensor {name}: unsupported shape {shape} (want FlashAttention, FlashInfer or MLA)")
+        raise ValueError(f"KV tensor {name}: unsupported shape {shape} (want vLLM 0.33's (blocks, heads, block_size, content) "
+                         "view, FlashAttention, FlashInfer or MLA)")
     device = str(t.device)
     if device == "cuda":
         device = f"cuda:{t.device.index or 0}"
@@ -265,11 +268,17 @@ class KVShimConnector(KVConnectorBase_V1):
         if self._kv_cache_config is not None:
             for g, grp in enumerate(self._kv_cache_config.kv_cache_groups):
                 group_of |= {name: g for name in grp.layer_names}
+        block_size = self._vllm_config.cache_config.block_size
         descs, seen = [], set()
         for name, t in kv_caches.items():
             if t.data_ptr() in seen:
                 continue  # layers that share one KV tensor (KV sharing) are copied once
             seen.add(t.data_ptr())
+            if t.dim() == 4 and t.shape[2] != block_size:
+                # vLLM split its blocks into kernel blocks (dim 0 counts those):
+                # block ids from the scheduler would not index this view.
+                raise ValueError(f"KV tensor {name}: kernel blocks of {t.shape[2]} tokens, not vLLM's {block_size}-token "
+                                 "blocks; kvshim copies whole blocks (use a block size the attention backend supports)")
             descs.append(_tensor_desc(name, t, group_of.get(name, 0)))
         self._h.check(self._lib.kvshim_worker_register(self._h.value, json.dumps(descs).encode()))
 

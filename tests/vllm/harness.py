@@ -27,9 +27,10 @@ Typical use::
     h.assert_no_leaks()
 
 KV bytes without a GPU: ``ModelRunner`` plays one rank's GPU model runner.
-Its KV cache is CPU torch tensors (standing in for GPU memory) shaped as
-FlashAttention shapes them, ``(2, num_blocks, block_size, kv_heads,
-head_size)`` per layer, registered with a WORKER-role connector through
+Its KV cache is made by vLLM's own ``allocate_kv_cache`` on the CPU
+(standing in for GPU memory): one buffer viewed as ``(num_blocks, kv_heads,
+block_size, K|V)`` per layer in the resolved ``KVCacheLayout``, exactly what
+vLLM 0.33's GPU model runner registers with a WORKER-role connector through
 ``register_kv_caches``. Its "forward pass" writes, for every scheduled token,
 KV bytes that are a deterministic function of the token prefix up to it
 (``KVModel``), so a restored block can be checked byte for byte. Pass
@@ -68,6 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.forward_context import get_forward_context, set_forward_context
 from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
@@ -82,6 +84,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
 
 EOS_TOKEN_ID = 2
 NUM_LAYERS = 2
@@ -676,9 +679,16 @@ class ModelRunner:
         self.block_size = spec.block_size
         self.layer_names = list(group.layer_names)
         self.model = KVModel(len(self.layer_names), spec.num_kv_heads, spec.head_size, rank)
-        # FlashAttention's per-layer KV cache shape.
-        shape = (2, kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-        self.kv_caches = {n: torch.zeros(shape, dtype=spec.dtype) for n in self.layer_names}
+        # vLLM's own KV cache allocation, as its GPU model runner makes it
+        # (v1/worker/utils.py allocate_kv_cache): one buffer and a (blocks,
+        # heads, block_size, K|V) view per layer, strided as the resolved
+        # KVCacheLayout says (FlashAttention declares none: LBNHC first).
+        cache_config = vllm_config.cache_config
+        if cache_config.kv_cache_layout is None:
+            cache_config.kv_cache_layout = "LBNHC"
+        cache_config.num_gpu_blocks_override = kv_cache_config.num_blocks
+        kv_cache_config = get_kv_cache_config_from_groups(vllm_config, kv_cache_config.kv_cache_groups, 1 << 40)
+        self.kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), cache_config.get_resolved_kv_cache_layout())
         self.connector = connector or KVConnectorFactory.create_connector(
             vllm_config, KVConnectorRole.WORKER, kv_cache_config
         )
@@ -701,14 +711,20 @@ class ModelRunner:
             t.view(torch.int16).fill_(-21846)  # 0xAAAA
 
     def block_bytes(self, block_id: int) -> torch.Tensor:
-        """int16 KV of one block, every layer: (layers, 2, block, heads, head)."""
-        return torch.stack([t.view(torch.int16)[:, block_id] for t in self.kv_caches.values()])
+        """int16 KV of one block, every layer: (layers, heads, block, K|V)."""
+        return torch.stack([t.view(torch.int16)[block_id] for t in self.kv_caches.values()])
+
+    @staticmethod
+    def _content(kv: torch.Tensor) -> torch.Tensor:
+        """The model's (2, tokens, heads, head) as the view's (tokens, heads,
+        K|V) content: K then V of one token and head."""
+        return kv.permute(1, 2, 0, 3).reshape(kv.shape[1], kv.shape[2], 2 * kv.shape[3])
 
     def expected_block(self, tokens: Sequence[int], block_index: int) -> torch.Tensor:
         bs = self.block_size
         hs = KVModel.prefix_hashes(tokens[: (block_index + 1) * bs])[block_index * bs :]
         assert len(hs) == bs, "block beyond the tokens"
-        return torch.stack([self.model.kv(hs, i) for i in range(len(self.layer_names))])
+        return torch.stack([self._content(self.model.kv(hs, i)).transpose(0, 1) for i in range(len(self.layer_names))])
 
     def check_blocks(self, tokens: Sequence[int], block_ids: Sequence[int]) -> list[int]:
         """Indices i where block block_ids[i] does not hold what the model
@@ -763,8 +779,8 @@ class ModelRunner:
             blocks = torch.tensor(r.blocks, dtype=torch.long)[pos // bs]
             slots = pos % bs
             for i, name in enumerate(self.layer_names):
-                kv = self.model.kv(r.hashes[start:end], i)
-                self.kv_caches[name].view(torch.int16)[:, blocks, slots] = kv
+                kv = self._content(self.model.kv(r.hashes[start:end], i))
+                self.kv_caches[name].view(torch.int16)[blocks, :, slots] = kv
 
     def execute(self, so: SchedulerOutput) -> KVConnectorOutput:
         wc = self.connector
