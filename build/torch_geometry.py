@@ -48,6 +48,10 @@ class FakeTensor:
         return FakeTensor([self.shape[i] for i in order], [self._stride[i] for i in order],
                           self.ptr, self.storage, self.esize)
 
+    def select0(self, i):  # t[i]
+        return FakeTensor(self.shape[1:], self._stride[1:], self.ptr + i * self._stride[0] * self.esize,
+                          self.storage, self.esize)
+
     def select1(self, i):  # t[:, i]
         return FakeTensor(self.shape[:1] + self.shape[2:], self._stride[:1] + self._stride[2:],
                           self.ptr + i * self._stride[1] * self.esize, self.storage, self.esize)
@@ -57,7 +61,18 @@ def make_backend(emulate, device):
     if emulate:
         return (lambda shape: FakeTensor(shape)), "emulated"
     import torch
-    return (lambda shape: torch.empty(shape, dtype=torch.bfloat16, device=device)), "torch " + torch.__version__
+
+    alive = []  # a freed tensor's memory is reused by the next one: keep them all
+
+    def alloc(shape):
+        alive.append(torch.empty(shape, dtype=torch.bfloat16, device=device))
+        return alive[-1]
+
+    return alloc, "torch " + torch.__version__
+
+
+def select0(t, i):
+    return t.select0(i) if isinstance(t, FakeTensor) else t[i]
 
 
 def select1(t, i):
@@ -86,12 +101,24 @@ def cases(alloc):
     out = []
     fa_dims = None
 
-    def add(name, tensors, runs, block_bytes, consec_spans, scattered_spans):
+    def add(name, tensors, runs, block_bytes, consec_spans, scattered_spans, same_object_as=""):
+        # same_object_as: a case whose objects hold the same bytes (same
+        # fingerprint: their instances can share objects).
         out.append({"name": name, "tensors": tensors, "expect": {
             "runs_per_block": runs, "block_bytes": block_bytes,
-            "consecutive_spans": consec_spans, "scattered_spans": scattered_spans}})
+            "consecutive_spans": consec_spans, "scattered_spans": scattered_spans,
+            "same_object_as": same_object_as}})
 
-    # FlashAttention NHD: (2, NB, BS, H, D) allocated as is.
+    # vLLM 0.33 (allocate_kv_cache): one buffer, a (NB, H, BS, K|V) view
+    # per layer. LBNHC, the default: physical (L, NB, BS, H, 2D).
+    lb = alloc((L, NB, BS, H, 2 * D))
+    add("paged_lbnhc", [describe(f"layers.{i}", select0(lb, i).permute(0, 2, 1, 3), "paged") for i in range(L)],
+        L, 2 * L * RUN, L, L * K)
+    # BLNHC: all layers of a block side by side, physical (NB, L, BS, H, 2D).
+    bl = alloc((NB, L, BS, H, 2 * D))
+    add("paged_blnhc", [describe(f"layers.{i}", select1(bl, i).permute(0, 2, 1, 3), "paged") for i in range(L)],
+        L, 2 * L * RUN, L * K, L * K, same_object_as="paged_lbnhc")
+    # FlashAttention NHD (vLLM <= 0.32): (2, NB, BS, H, D) allocated as is.
     add("flash_attn_nhd", [describe(f"layers.{i}", alloc((2, NB, BS, H, D)), "flash_attn") for i in range(L)],
         2 * L, 2 * L * RUN, 2 * L, 2 * L * K)
     # FlashAttention HND: physical (2, NB, H, BS, D), logical view permuted.
