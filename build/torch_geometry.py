@@ -101,23 +101,21 @@ def cases(alloc):
     out = []
     fa_dims = None
 
-    def add(name, tensors, runs, block_bytes, consec_spans, scattered_spans, same_object_as=""):
-        # same_object_as: a case whose objects hold the same bytes (same
-        # fingerprint: their instances can share objects).
+    def add(name, tensors, runs, block_bytes, consec_spans, scattered_spans):
         out.append({"name": name, "tensors": tensors, "expect": {
             "runs_per_block": runs, "block_bytes": block_bytes,
-            "consecutive_spans": consec_spans, "scattered_spans": scattered_spans,
-            "same_object_as": same_object_as}})
+            "consecutive_spans": consec_spans, "scattered_spans": scattered_spans}})
 
     # vLLM 0.33 (allocate_kv_cache): one buffer, a (NB, H, BS, K|V) view
     # per layer. LBNHC, the default: physical (L, NB, BS, H, 2D).
     lb = alloc((L, NB, BS, H, 2 * D))
     add("paged_lbnhc", [describe(f"layers.{i}", select0(lb, i).permute(0, 2, 1, 3), "paged") for i in range(L)],
         L, 2 * L * RUN, L, L * K)
-    # BLNHC: all layers of a block side by side, physical (NB, L, BS, H, 2D).
+    # BLNHC: all layers of a block side by side, physical (NB, L, BS, H, 2D);
+    # together the views tile each block: copied as one run per block.
     bl = alloc((NB, L, BS, H, 2 * D))
     add("paged_blnhc", [describe(f"layers.{i}", select1(bl, i).permute(0, 2, 1, 3), "paged") for i in range(L)],
-        L, 2 * L * RUN, L * K, L * K, same_object_as="paged_lbnhc")
+        1, 2 * L * RUN, 1, K)
     # FlashAttention NHD (vLLM <= 0.32): (2, NB, BS, H, D) allocated as is.
     add("flash_attn_nhd", [describe(f"layers.{i}", alloc((2, NB, BS, H, D)), "flash_attn") for i in range(L)],
         2 * L, 2 * L * RUN, 2 * L, 2 * L * K)
@@ -140,11 +138,12 @@ def cases(alloc):
     # ... and HND physical (NB, H, L, 2, BS, D).
     add("cross_layer_hnd", [describe("kv_cache", alloc((NB, H, L, 2, BS, D)).permute(2, 3, 0, 4, 1, 5), "cross_layer", cl_dims)],
         1, 2 * L * RUN, 1, K)
-    # Per-layer FlashAttention views into one block-major buffer.
+    # Per-layer FlashAttention views into one block-major buffer: they tile
+    # each block, so they are copied as the cross-layer tensor they are.
     buf = alloc((NB, L, 2, BS, H, D))
     add("per_layer_views_of_cross_buffer",
         [describe(f"layers.{i}", select1(buf, i).permute(1, 0, 2, 3, 4), "flash_attn") for i in range(L)],
-        L, 2 * L * RUN, L * K, L * K)
+        1, 2 * L * RUN, 1, K)
     return out
 
 

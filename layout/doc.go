@@ -28,6 +28,10 @@
 //	object:      [ ids[0] block ][ ids[1] block ] ...     consecutive ids ->
 //	                                                       one span per chunk
 //
+// Per-layer views whose runs together tile every block of one block-major
+// buffer (vLLM 0.33's BLNHC, BLHNC, BHLNC) are copied as one cross-layer
+// tensor: one run per block for all layers (merge.go).
+//
 // An object is a 64-byte header (magic "KVSO", format version, payload size,
 // chunk tokens, payload CRC-32C, layout fingerprint, header CRC-32C) followed
 // by the payload above: tensors in registration order, within a tensor the

@@ -70,6 +70,9 @@ func New(descs []TensorDesc, chunkTokens int) (*Layout, error) {
 	if err := checkDisjoint(l.tensors); err != nil {
 		return nil, err
 	}
+	if m, ok := blockMajor(l.tensors); ok {
+		l.tensors = []*tensor{m}
+	}
 	l.fp = fingerprint(l)
 	return l, nil
 }

@@ -53,14 +53,19 @@ func TestPlanHandComputed(t *testing.T) {
 		{name: "paged LBHNC scattered, two layers", descs: []TensorDesc{pagedLBHNC("l0", A), pagedLBHNC("l1", B)}, chunk: 4,
 			ids: []int64{3, 0}, want: []sp{{A + 192, pay, 64}, {A, pay + 64, 64}, {B + 192, pay + 128, 64}, {B, pay + 192, 64}},
 			runs: 2, bbytes: 128},
-		{name: "paged BLNHC: layers share each block", chunk: 4, ids: []int64{1, 2},
+		{name: "paged BLNHC: the layers tile each block, copied as one", chunk: 4, ids: []int64{1, 2},
 			descs: []TensorDesc{pagedBLNHC("l0", A, 0, 2), pagedBLNHC("l1", A, 1, 2)},
-			want:  []sp{{A + 128, pay, 64}, {A + 256, pay + 64, 64}, {A + 192, pay + 128, 64}, {A + 320, pay + 192, 64}},
+			want:  []sp{{A + 128, pay, 256}}, runs: 1, bbytes: 128},
+		{name: "paged BLNHC scattered: one span per block", chunk: 4, ids: []int64{3, 0},
+			descs: []TensorDesc{pagedBLNHC("l0", A, 0, 2), pagedBLNHC("l1", A, 1, 2)},
+			want:  []sp{{A + 384, pay, 128}, {A, pay + 128, 128}}, runs: 1, bbytes: 128},
+		{name: "paged BLNHC with a gap (a layer not registered): per layer", chunk: 4, ids: []int64{1, 2},
+			descs: []TensorDesc{pagedBLNHC("l0", A, 0, 3), pagedBLNHC("l2", A, 2, 3)},
+			want:  []sp{{A + 192, pay, 64}, {A + 384, pay + 64, 64}, {A + 320, pay + 128, 64}, {A + 512, pay + 192, 64}},
 			runs:  2, bbytes: 128},
 		{name: "per-layer views over a block-major buffer", chunk: 4, ids: []int64{0, 1},
 			descs: []TensorDesc{interleaved("l0", A, 0), interleaved("l1", A, 1)},
-			want:  []sp{{A, pay, 64}, {A + 128, pay + 64, 64}, {A + 64, pay + 128, 64}, {A + 192, pay + 192, 64}},
-			runs:  2, bbytes: 128},
+			want:  []sp{{A, pay, 256}}, runs: 1, bbytes: 128},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -53,6 +53,9 @@ type WorkerStats struct {
 	SavedChunks, SkippedChunks, FailedSaves uint64
 	LoadedChunks, FailedLoads               uint64
 	SavedBytes, LoadedBytes                 uint64
+	// CopySpans counts copy descriptors submitted (saves and loads): with
+	// bytes, how well the KV layout coalesces (a GPU's cost is per span).
+	CopySpans uint64
 }
 
 // NewWorker checks cfg; Register must follow before any step.
@@ -388,6 +391,7 @@ func (w *Worker) copy(eng cuda.Engine, spans []layout.Span, dir cuda.Direction) 
 	if err != nil {
 		return err
 	}
+	w.count(func(s *WorkerStats) { s.CopySpans += uint64(len(spans)) })
 	err = job.Wait(w.cfg.Timeout)
 	if !errors.Is(err, cuda.ErrTimeout) {
 		return err

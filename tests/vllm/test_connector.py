@@ -128,6 +128,17 @@ def test_every_kv_cache_layout_restores_bytes(kv, layout):
     assert r.check_blocks(b.prompt_token_ids, r.reqs[b.request_id].blocks[: 2 * CHUNK // BLOCK]) == []
     h.settle()
     h.assert_no_leaks()
+    # 2 saved and 2 restored chunks of 4 blocks, 2 layers: layer-outermost
+    # layouts copy at least a span per layer and chunk (20 here: the block
+    # ids are mostly consecutive; LHBNC 40); block-outermost ones, whose
+    # layers tile each block, copy all layers of a block as one span: at
+    # most 4 per chunk (10 here; 32 if each layer were copied on its own).
+    w = r.connector.stats()["worker"]
+    assert w["LoadedChunks"] == 2 and w["SavedChunks"] == 2
+    if KVCacheLayout[layout].is_block_outermost:
+        assert w["CopySpans"] <= 4 * 4, w
+    else:
+        assert w["CopySpans"] >= 4 * 2, w
 
 
 def test_whole_prompt_hit_leaves_the_last_token_to_vllm(kv):
