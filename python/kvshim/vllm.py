@@ -56,7 +56,12 @@ CONFIG_KEYS: dict[str, tuple[Any, str]] = {
     "kvshim.hold_ttl_s": (1800.0, "embedded server: last-resort release of holds a live client forgot"),
     "kvshim.model": (None, "model identity in the namespace (default: the model name and revision)"),
     "kvshim.l2_adapters": ([], 'embedded server: L2 adapters, each like `kvshim serve --l2-adapter` ({"type": "fs", "base_path": ...})'),
+    "kvshim.kv_cache_layout": (None, 'KV cache layout to ask vLLM for: "BLNHC" or "BLHNC" put all layers of a block side by '
+                               "side, so a chunk is copied as one span per block (default: vLLM's choice)"),
 }
+
+# vLLM 0.33's KVCacheLayout names (v1/kv_cache_layout.py).
+KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 
 def read_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -64,7 +69,10 @@ def read_config(extra: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(k for k in extra if k.startswith("kvshim.") and k not in CONFIG_KEYS)
     if unknown:
         raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; valid keys: {sorted(CONFIG_KEYS)}")
-    return {k: extra.get(k, default) for k, (default, _) in CONFIG_KEYS.items()}
+    cfg = {k: extra.get(k, default) for k, (default, _) in CONFIG_KEYS.items()}
+    if cfg["kvshim.kv_cache_layout"] not in (None, *KV_CACHE_LAYOUTS):
+        raise ValueError(f"kvshim.kv_cache_layout {cfg['kvshim.kv_cache_layout']!r} is not one of {list(KV_CACHE_LAYOUTS)}")
+    return cfg
 
 
 @dataclass
@@ -110,7 +118,9 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
         "kv_heads": getattr(spec, "num_kv_heads", None),
         "head_size": getattr(spec, "head_size", None),
         "layers": layers,
-        "cache_layout": _cache_layout(),
+        # Resolved by the engine core before the scheduler and the workers'
+        # connectors exist (resolve_kv_cache_layout, record_kv_cache_layout).
+        "cache_layout": vllm_config.cache_config.kv_cache_layout or getattr(kv_cache_config, "kv_cache_layout", None),
     }
     return {
         "model": model,
@@ -123,15 +133,6 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
         "kv_group": 0,
         "mla": bool(mc.use_mla),
     }
-
-
-def _cache_layout() -> str:
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
-
-        return str(get_kv_connector_cache_layout())
-    except Exception:  # older/newer vLLM without it, or no config context
-        return "NHD"
 
 
 def _tensor_desc(name: str, t: torch.Tensor, group: int) -> dict[str, Any]:
@@ -215,6 +216,12 @@ class KVShimConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         # A best-effort cache: a dropped save is a future miss.
         return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # A wish: vLLM drops it, with a warning, if a backend cannot use it.
+        tc = vllm_config.kv_transfer_config
+        return read_config(dict(tc.kv_connector_extra_config or {}) if tc else {})["kvshim.kv_cache_layout"]
 
     # ---------------------------------------------------------------- scheduler
 

@@ -68,6 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.forward_context import get_forward_context, set_forward_context
+from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import (
@@ -216,6 +217,17 @@ def make_kv_cache_config(
     )
 
 
+def resolve_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """The KV cache layout, resolved as the engine core does before it builds
+    the scheduler (v1/engine/core.py, resolve_kv_cache_layout): FlashAttention
+    declares no layouts, so the candidates are vLLM's default preference, and
+    a connector's wish (get_required_kvcache_layout) is taken when it is one
+    of them. A layout already set on the cache config wins, as in vLLM."""
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    supported = [m.name for m in get_supported_kv_cache_layouts([])]
+    resolve_kv_cache_layout(vllm_config, [supported], specs)
+
+
 def collect_worker_output(wc: KVConnectorBase_V1, finished_req_ids: set[str], out: KVConnectorOutput) -> None:
     """The end of a worker step, in the model runner's order: transfer
     results, load errors, stats, events, worker metadata, then clear."""
@@ -274,8 +286,7 @@ class SchedulerHarness:
         # The engine core sets these before it builds the scheduler
         # (EngineCore._initialize_kv_caches and resolve_kv_cache_layout).
         cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-        if cache_config.kv_cache_layout is None:
-            cache_config.kv_cache_layout = "LBNHC"
+        resolve_layout(vllm_config, kv_cache_config)
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
 
@@ -684,8 +695,7 @@ class ModelRunner:
         # heads, block_size, K|V) view per layer, strided as the resolved
         # KVCacheLayout says (FlashAttention declares none: LBNHC first).
         cache_config = vllm_config.cache_config
-        if cache_config.kv_cache_layout is None:
-            cache_config.kv_cache_layout = "LBNHC"
+        resolve_layout(vllm_config, kv_cache_config)
         cache_config.num_gpu_blocks_override = kv_cache_config.num_blocks
         kv_cache_config = get_kv_cache_config_from_groups(vllm_config, kv_cache_config.kv_cache_groups, 1 << 40)
         self.kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), cache_config.get_resolved_kv_cache_layout())

@@ -474,3 +474,34 @@ def test_abort_while_the_l2_lookup_is_pending_releases_everything(kv, tmp_path):
     # L1 holds only the new request's one full chunk
     assert st["kvshim_l1_objects{state=resident}"] == 1
     h.assert_no_leaks()
+
+
+def test_connector_asks_vllm_for_a_block_outermost_layout(kv):
+    # kvshim.kv_cache_layout is the connector's wish, resolved by vLLM's own
+    # resolve_kv_cache_layout (as in the engine core): the cache is then
+    # block-outermost and each block's layers copy as one span.
+    h, r = kv(kv_connector_extra_config={"kvshim.kv_cache_layout": "BLNHC"})
+    assert h.vllm_config.cache_config.kv_cache_layout == "BLNHC"
+    p = prompt(13, 2 * CHUNK + 1)
+    store(h, r, p, max_tokens=1)
+    wait_stat(h, "kvshim_l1_commits_total", 2)
+    w = r.connector.stats()["worker"]
+    assert w["SavedChunks"] == 2 and w["CopySpans"] <= 2 * (CHUNK // BLOCK), w
+
+
+def test_layouts_do_not_share_a_namespace(tiny_model_dir):
+    # Block-outermost objects hold blocks in another order: an instance
+    # with another layout must not even find them (its load would fail the
+    # fingerprint check and recompute).
+    from kvshim.vllm import _namespace, read_config
+
+    def ns(layout: str | None) -> dict:
+        cfg = kvshim_config(tiny_model_dir)
+        cfg.cache_config.kv_cache_layout = layout
+        kvc = make_kv_cache_config()
+        return _namespace(cfg, kvc, read_config(cfg.kv_transfer_config.kv_connector_extra_config))
+
+    assert ns("LBNHC") == ns("LBNHC")
+    assert ns("LBNHC")["layout"] != ns("BLNHC")["layout"]
+    with pytest.raises(ValueError, match=r"kvshim.kv_cache_layout 'NHD' is not one of"):
+        read_config({"kvshim.kv_cache_layout": "NHD"})
