@@ -7,7 +7,7 @@ LIB     := $(OUT)/libkvshim.so
 VERSION := $(shell cat VERSION)+$(shell git rev-parse --short HEAD 2>/dev/null || echo nogit)
 SOURCES := $(shell find . -path ./$(OUT) -prune -o \( -name '*.go' -o -name '*.c' -o -name '*.h' \) -print) go.mod go.sum
 
-.PHONY: all lib ctest test demo wheel bench-ipc bench-server bench-copy bench-l2 bench-keys gpu-check clean
+.PHONY: all lib ctest test demo wheel bench-ipc bench-server bench-copy bench-l2 bench-keys gpu-check gpu-check-dry clean
 
 all: lib
 
@@ -61,3 +61,11 @@ bench-keys:
 # Builds the GPU check's binaries here; build/gpu-check.sh runs them on a GPU machine.
 gpu-check:
 	build/gpu-check.sh --prepare
+
+# The GPU check run here against the emulated driver (internal/fakecuda):
+# proves the script and its benchmark work before a GPU is lent.
+gpu-check-dry:
+	@mkdir -p $(OUT)
+	$(CC) -std=c11 -O1 -shared -fPIC -pthread -o $(OUT)/libcuda-fake.so internal/fakecuda/testdata/fakecuda.c
+	KVSHIM_LIBCUDA=$(CURDIR)/$(OUT)/libcuda-fake.so KVSHIM_GPU_CHECK_GIB=0.25 OUT=$(CURDIR)/$(OUT)/gpu-check-dry \
+		build/gpu-check.sh | tail -n 1 | grep -q '^{"ok":true' || { cat $(OUT)/gpu-check-dry/*.log; exit 1; }

@@ -28,6 +28,9 @@ mc=$(build/venv.sh python/requirements-mooncake.txt)
 KVSHIM_MOONCAKE_PYTHON="$mc/bin/python" go test -race -count=1 -p 1 -timeout 10m \
   ./server/l2/mooncake ./server/tier -run 'Mooncake|RoundTrip|HelperDeath|Config'
 
+echo "== GPU check script, dry run against the emulated CUDA driver"
+make gpu-check-dry
+
 echo "== pytest"
 venv=$(build/venv.sh python/requirements-test.txt)
 export KVSHIM_LIBRARY="$PWD/out/libkvshim.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"

@@ -107,7 +107,9 @@ func TestFakeCUDAAsynchronous(t *testing.T) {
 func TestFakeCUDABatch(t *testing.T) {
 	d := fakeDriver(t)
 	e := newDeviceEngine(t)
-	assert.Equal(t, e.BatchAPI(), os.Getenv("KVSHIM_WANT_BATCH_API"))
+	if want, ok := os.LookupEnv("KVSHIM_WANT_BATCH_API"); ok {
+		assert.Equal(t, e.BatchAPI(), want)
+	}
 	const n = 1 << 20
 	dev := deviceBuffer(t, e, n)
 	src, sa := pinnedTB(t, e, n)

@@ -101,8 +101,8 @@ func gpuBench(c *config, res map[string]any) error {
 		return err
 	}
 
-	for _, cross := range []bool{false, true} {
-		l, err := layout.New(c.descs(dev, nb, cross, layout.Device{Kind: layout.CUDA, Index: c.device}), c.chunk)
+	for _, kind := range cacheKinds {
+		l, err := layout.New(c.descs(dev, nb, kind, layout.Device{Kind: layout.CUDA, Index: c.device}), c.chunk)
 		if err != nil {
 			return err
 		}
@@ -111,10 +111,7 @@ func gpuBench(c *config, res map[string]any) error {
 			name string
 			e    *cuda.DeviceEngine
 		}{{"batch", eng}, {"per_span", spanEng}} {
-			pfx := "gpu"
-			if cross {
-				pfx += "_cross"
-			}
+			pfx := "gpu" + kind.name
 			if mode.name == "per_span" {
 				pfx += "_per_span"
 			}
@@ -127,7 +124,7 @@ func gpuBench(c *config, res map[string]any) error {
 					return fmt.Errorf("%s save: %w", pfx, err)
 				}
 				if r == 0 {
-					if err := checkSaved(c, l, ids, src, sa, dev, objs, objSize); err != nil {
+					if err := checkSaved(c, l, kind, ids, src, sa, dev, objs, objSize); err != nil {
 						return fmt.Errorf("%s: %w", pfx, err)
 					}
 				}
@@ -152,8 +149,8 @@ func gpuBench(c *config, res map[string]any) error {
 
 // checkSaved compares the device-saved objects of the first chunks with
 // objects the host engine makes from the host pattern the device holds.
-func checkSaved(c *config, l *layout.Layout, ids [][]int64, src []byte, sa, dev uint64, objs []byte, objSize uint64) error {
-	hl, err := layout.New(c.descs(sa, l.NumBlocks(), l.Backend() == layout.CrossLayer, layout.Device{Kind: layout.CPU}), c.chunk)
+func checkSaved(c *config, l *layout.Layout, kind cacheKind, ids [][]int64, src []byte, sa, dev uint64, objs []byte, objSize uint64) error {
+	hl, err := layout.New(c.descs(sa, l.NumBlocks(), kind, layout.Device{Kind: layout.CPU}), c.chunk)
 	if err != nil {
 		return err
 	}
@@ -162,6 +159,7 @@ func checkSaved(c *config, l *layout.Layout, ids [][]int64, src []byte, sa, dev 
 		return err
 	}
 	defer syscall.Munmap(ref)
+	ref = ref[:objSize] // mapAnon rounds up to whole pages
 	h := cuda.NewHostEngine(2)
 	defer h.Close()
 	for i := range min(4, len(ids)) {

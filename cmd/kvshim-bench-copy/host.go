@@ -109,12 +109,9 @@ func hostBench(c *config, res map[string]any) error {
 		spans                   int
 	}
 	var vs []*variant
-	for _, cross := range []bool{false, true} {
-		v := &variant{pfx: "host", planKey: "plan_ns_per_chunk"}
-		if cross {
-			v.pfx, v.planKey = "host_cross", "plan_ns_per_chunk_cross"
-		}
-		if v.l, err = layout.New(c.descs(ca, nb, cross, layout.Device{Kind: layout.CPU}), c.chunk); err != nil {
+	for _, kind := range cacheKinds {
+		v := &variant{pfx: "host" + kind.name, planKey: "plan_ns_per_chunk" + kind.name}
+		if v.l, err = layout.New(c.descs(ca, nb, kind, layout.Device{Kind: layout.CPU}), c.chunk); err != nil {
 			return err
 		}
 		v.ids = c.chunks(nb)
