@@ -25,19 +25,7 @@ import (
 // On a GPU machine (build/gpu-check.sh) the same TestDevice* tests use the
 // real driver.
 
-func TestMain(m *testing.M) {
-	code := m.Run()
-	if code == 0 && fakecuda.InChild() {
-		if d, ok := fakecuda.Open(); !ok {
-			fmt.Fprintln(os.Stderr, "fakecuda child: the fake driver was never loaded")
-			code = 1
-		} else if err := d.CheckClean(); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(fakecuda.Main(m)) }
 
 func TestFakeDriver(t *testing.T) {
 	if _, err := exec.LookPath(cmp(os.Getenv("CC"), "cc")); err != nil {

@@ -29,19 +29,7 @@ import (
 // memory the fake driver treats as device memory.
 const kvDeviceEnv = "KVSHIM_TEST_KV_DEVICE"
 
-func TestMain(m *testing.M) {
-	code := m.Run()
-	if code == 0 && fakecuda.InChild() {
-		if d, ok := fakecuda.Open(); !ok {
-			fmt.Fprintln(os.Stderr, "fakecuda child: the fake driver was never loaded")
-			code = 1
-		} else if err := d.CheckClean(); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(fakecuda.Main(m)) }
 
 func TestWorkerOnFakeCUDA(t *testing.T) {
 	if _, err := exec.LookPath("cc"); err != nil {
@@ -94,6 +82,15 @@ func holds(t *testing.T, srv *server.Server) float64 {
 	return 0
 }
 
+// tokensOf is a prompt of 3 chunks: tokens mul*i + add.
+func tokensOf(mul, add uint32) []uint32 {
+	tokens := make([]uint32, 3*tChunk)
+	for i := range tokens {
+		tokens[i] = mul*uint32(i) + add
+	}
+	return tokens
+}
+
 // saveChunks saves the first chunks of tokens from blocks 0.. of rank 0
 // and returns the blocks and how many chunks were saved.
 func saveChunks(t *testing.T, r *rig, req string, tokens []uint32, chunks int) ([]int64, int) {
@@ -116,10 +113,7 @@ func saveChunks(t *testing.T, r *rig, req string, tokens []uint32, chunks int) (
 func TestFakeCUDAServerRestart(t *testing.T) {
 	d := fakeDriver(t)
 	r := newRig(t, 1)
-	tokens := make([]uint32, 3*tChunk)
-	for i := range tokens {
-		tokens[i] = uint32(3*i + 1)
-	}
+	tokens := tokensOf(3, 1)
 	_, saved := saveChunks(t, r, "A", tokens, 2)
 	assert.Equal(t, saved, 2)
 	assert.Assert(t, d.Stats().Registrations > 0, "%+v", d.Stats())
@@ -163,10 +157,7 @@ func TestFakeCUDAServerRestart(t *testing.T) {
 func TestFakeCUDASlowCopy(t *testing.T) {
 	d := fakeDriver(t)
 	r := newRig(t, 1)
-	tokens := make([]uint32, 3*tChunk)
-	for i := range tokens {
-		tokens[i] = uint32(5*i + 2)
-	}
+	tokens := tokensOf(5, 2)
 	_, saved := saveChunks(t, r, "A", tokens, 2)
 	assert.Equal(t, saved, 2)
 	w := r.workers[0]
@@ -211,10 +202,7 @@ func TestFakeCUDASaveWaitsForStreamEvent(t *testing.T) {
 	d := fakeDriver(t)
 	r := newRig(t, 1)
 	c, w := r.caches[0], r.workers[0]
-	tokens := make([]uint32, 3*tChunk)
-	for i := range tokens {
-		tokens[i] = uint32(11*i + 3)
-	}
+	tokens := tokensOf(11, 3)
 	blocks := seq(0, 4)
 	for _, b := range blocks {
 		c.fill(int(b), 1)

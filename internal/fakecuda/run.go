@@ -1,6 +1,7 @@
 package fakecuda
 
 import (
+	"fmt"
 	"os"
 	"os/exec"
 	"strings"
@@ -31,3 +32,24 @@ func Run(t testing.TB, lib, pattern string, env ...string) string {
 
 // InChild reports whether this process is a child started by Run.
 func InChild() bool { return os.Getenv(ChildEnv) != "" }
+
+// Main runs a package's tests (call it from TestMain) and, in a child
+// started by Run, then fails the process on any violation the fake saw or
+// anything left retained, registered, allocated or alive. It returns the
+// exit code.
+func Main(m *testing.M) int {
+	code := m.Run()
+	if code != 0 || !InChild() {
+		return code
+	}
+	d, ok := Open()
+	if !ok {
+		fmt.Fprintln(os.Stderr, "fakecuda child: the fake driver was never loaded")
+		return 1
+	}
+	if err := d.CheckClean(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return 0
+}
