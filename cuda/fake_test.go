@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"testing"
 	"time"
 
@@ -28,9 +27,7 @@ import (
 func TestMain(m *testing.M) { os.Exit(fakecuda.Main(m)) }
 
 func TestFakeDriver(t *testing.T) {
-	if _, err := exec.LookPath(cmp(os.Getenv("CC"), "cc")); err != nil {
-		t.Skipf("no C compiler to build the fake driver: %v", err)
-	}
+	fakecuda.SkipWithoutCompiler(t)
 	for _, v := range []struct {
 		batch int
 		api   string

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"fmt"
 	"os"
-	"os/exec"
 	"testing"
 	"time"
 
@@ -32,9 +31,7 @@ const kvDeviceEnv = "KVSHIM_TEST_KV_DEVICE"
 func TestMain(m *testing.M) { os.Exit(fakecuda.Main(m)) }
 
 func TestWorkerOnFakeCUDA(t *testing.T) {
-	if _, err := exec.LookPath("cc"); err != nil {
-		t.Skipf("no C compiler to build the fake driver: %v", err)
-	}
+	fakecuda.SkipWithoutCompiler(t)
 	lib, err := fakecuda.Build(t.TempDir(), 2)
 	assert.NilError(t, err)
 	out := fakecuda.Run(t, lib, "^(TestConnector|TestFakeCUDA)", kvDeviceEnv+"=cuda:0")

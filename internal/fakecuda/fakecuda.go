@@ -32,6 +32,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"testing"
 	"time"
 	"unsafe"
 )
@@ -51,16 +52,29 @@ func Build(dir string, batch int) (string, error) {
 		return "", err
 	}
 	lib := filepath.Join(dir, fmt.Sprintf("libcuda-fake%d.so", batch))
-	cc := os.Getenv("CC")
-	if cc == "" {
-		cc = "cc"
-	}
+	cc := compiler()
 	out, err := exec.Command(cc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-shared", "-fPIC",
 		"-pthread", fmt.Sprintf("-DFAKECUDA_BATCH=%d", batch), "-o", lib, src).CombinedOutput()
 	if err != nil {
 		return "", fmt.Errorf("fakecuda: %s: %w\n%s", cc, err, out)
 	}
 	return lib, nil
+}
+
+func compiler() string {
+	if cc := os.Getenv("CC"); cc != "" {
+		return cc
+	}
+	return "cc"
+}
+
+// SkipWithoutCompiler skips t where no C compiler can build the fake (a
+// GPU machine running build/gpu-check.sh may have none).
+func SkipWithoutCompiler(t testing.TB) {
+	t.Helper()
+	if _, err := exec.LookPath(compiler()); err != nil {
+		t.Skipf("no C compiler to build the fake CUDA driver: %v", err)
+	}
 }
 
 // Driver is the fake as loaded in this process.
