@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvshim import native
 
@@ -60,8 +61,7 @@ CONFIG_KEYS: dict[str, tuple[Any, str]] = {
                                "side, so a chunk is copied as one span per block (default: vLLM's choice)"),
 }
 
-# vLLM 0.33's KVCacheLayout names (v1/kv_cache_layout.py).
-KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+KV_CACHE_LAYOUTS = tuple(m.name for m in KVCacheLayout)
 
 
 def read_config(extra: dict[str, Any]) -> dict[str, Any]:
