@@ -21,7 +21,11 @@ type ClientConfig struct {
 	// SegmentWait bounds how long Resolve waits for an announcement of a
 	// segment it does not know yet; default 1 s.
 	SegmentWait time.Duration
-	Logger      *slog.Logger
+	// ServerUIDs are the uids besides this process's own that may serve it
+	// (checked with SO_PEERCRED before the hello): a socket in a shared
+	// directory answered by another user's process is refused.
+	ServerUIDs []uint32
+	Logger     *slog.Logger
 }
 
 func (c ClientConfig) withDefaults() ClientConfig {
@@ -89,6 +93,14 @@ func DialConfig(path string, hello Hello, timeout time.Duration, cfg *ClientConf
 		return nil, fmt.Errorf("ipc: dial %s: %w", path, err)
 	}
 	uc := nc.(*net.UnixConn)
+	cred, err := peerCred(uc)
+	if err == nil {
+		err = CheckPeerCred(cred, uint32(os.Getuid()), cc.ServerUIDs)
+	}
+	if err != nil {
+		uc.Close()
+		return nil, fmt.Errorf("ipc: dial %s: server: %w", path, err)
+	}
 	c, err := handshakeClient(uc, hello, deadline, cc)
 	if err != nil {
 		uc.Close()
@@ -143,7 +155,7 @@ func handshakeClient(uc *net.UnixConn, hello Hello, deadline time.Time, cfg Clie
 	}
 	c := &Client{cfg: cfg, hello: hello, segs: NewSegmentTable(), server: w.Server, id: w.Session,
 		token: make(chan struct{}, 1), pending: map[uint64]chan reply{}}
-	c.session = session{uc: uc, pair: pair, rx: cq, tx: sq, done: make(chan struct{}),
+	c.session = session{uc: uc, pair: pair, rx: cq, tx: sq, done: make(chan struct{}), freed: make(chan struct{}),
 		log: cfg.Logger.With("session", w.Session, "role", hello.Role.String())}
 	c.onFree = func() { c.segs.CloseAll() }
 	for c.segs.Len() < int(w.Segments) {
@@ -155,7 +167,10 @@ func handshakeClient(uc *net.UnixConn, hello Hello, deadline time.Time, cfg Clie
 	uc.SetReadDeadline(time.Time{})
 	sq.BeatProducer()
 	go c.watchSocket()
-	go c.heartbeat(w.BeatEvery, w.BeatExpire)
+	go c.heartbeat(w.BeatEvery, w.BeatExpire, func(err error) {
+		c.log.Warn("kvshim ipc: server missed its heartbeat; ending the session", "reason", err)
+		c.shutdown(err)
+	})
 	return c, nil
 }
 
@@ -246,6 +261,35 @@ func (c *Client) Resolve(loc Loc) ([]byte, error) {
 	}
 	return c.segs.ResolveWait(loc, c.cfg.SegmentWait)
 }
+
+// Use marks the session's mappings (rings and L1 segments) in use: they
+// stay mapped, even after the session ends, until done is called. Every job
+// that reads or writes L1 memory it resolved through this client holds a
+// use from before Resolve until its last access (a copy's completion, a
+// checksum, a seal); so a dead server or an expired heartbeat turns into
+// failed jobs, never a fault on unmapped memory. done is idempotent. Use
+// fails once the session has ended.
+func (c *Client) Use() (done func(), err error) {
+	if !c.acquire() {
+		return nil, c.errOrClosed()
+	}
+	var once sync.Once
+	return func() { once.Do(c.release) }, nil
+}
+
+// Live reports whether the session is still open on both sides: neither
+// this side nor the server has ended it (the server marks the shared ring
+// shut down before it releases anything the session holds). Call it while
+// holding a Use. A load that finds Live true after its copy has completed
+// read objects whose read holds were in place for the whole copy.
+func (c *Client) Live() bool {
+	return !c.closed.Load() && !c.rx.IsShutdown()
+}
+
+// Freed is closed once the session has ended and every Use is done: its
+// mappings are gone, so nothing this client resolved can be written any
+// more (see HelloDrained).
+func (c *Client) Freed() <-chan struct{} { return c.freed }
 
 // Done is closed when the session ends; Err says why.
 func (c *Client) Done() <-chan struct{} { return c.done }

@@ -91,18 +91,30 @@ type Hello struct {
 	Role     Role      // scheduler, worker or tool
 	PID      uint32    // sender's pid (informational; never a key)
 	Instance uuid.UUID // unique per connector instance; the session's Owner tag
+	Flags    HelloFlags
 }
+
+// HelloFlags are the client's statements about itself in a hello.
+type HelloFlags uint8
+
+// HelloDrained says that every earlier session of this Instance has ended
+// on the client's side and its mappings of L1 are gone, so no late write of
+// it can land in L1 any more: the server may reuse the staging slots it
+// fenced when those sessions ended (see server/doc.go, "Fencing").
+const HelloDrained HelloFlags = 1 << 0
+
+const helloFlagsKnown = HelloDrained
 
 const helloMagic uint32 = 0x4853564b // "KVSH"
 
 // HelloLen is the wire size of a version-1 hello.
 const HelloLen = 32
 
-// AppendHello encodes h: u32 magic | u32 version | u8 role | 3 pad | u32 pid | 16 instance.
+// AppendHello encodes h: u32 magic | u32 version | u8 role | u8 flags | 2 pad | u32 pid | 16 instance.
 func AppendHello(dst []byte, h Hello) []byte {
 	dst = putU32(dst, helloMagic)
 	dst = putU32(dst, h.Version)
-	dst = append(dst, byte(h.Role), 0, 0, 0)
+	dst = append(dst, byte(h.Role), byte(h.Flags), 0, 0)
 	dst = putU32(dst, h.PID)
 	return append(dst, h.Instance[:]...)
 }
@@ -123,7 +135,10 @@ func DecodeHello(b []byte) (Hello, error) {
 		return h, fmt.Errorf("%w: peer speaks version %d, this side speaks version %d", ErrVersion, h.Version, ProtocolVersion)
 	}
 	h.Role = Role(d.u8())
-	if pad := d.take(3); pad != nil && (pad[0]|pad[1]|pad[2]) != 0 {
+	if h.Flags = HelloFlags(d.u8()); h.Flags&^helloFlagsKnown != 0 {
+		d.fail("unknown flags %#x", h.Flags)
+	}
+	if pad := d.take(2); pad != nil && (pad[0]|pad[1]) != 0 {
 		d.fail("non-zero padding")
 	}
 	h.PID = d.u32()

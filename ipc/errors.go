@@ -21,6 +21,10 @@ var (
 	ErrPeerStalled = errors.New("ipc: peer stalled mid-record")
 	// ErrPeerGone: the peer closed the session, died, or missed heartbeats.
 	ErrPeerGone = errors.New("ipc: peer gone")
+	// ErrNoHeartbeat (with ErrPeerGone): the peer's heartbeat is older than
+	// the limit: it died, or it is stalled (SIGSTOP, a frozen cgroup, a
+	// debugger, heavy swapping) and may still resume.
+	ErrNoHeartbeat = errors.New("no heartbeat")
 	// ErrClosed: this side closed the object.
 	ErrClosed = errors.New("ipc: closed")
 	// ErrVersion: protocol version mismatch in the hello.

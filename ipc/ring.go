@@ -2,6 +2,7 @@ package ipc
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"sync/atomic"
 	"time"
@@ -231,10 +232,36 @@ func (r *Ring) Interrupt(err error) {
 	futexWakeAll(r.prodWait)
 }
 
+// Why a side shut a ring down: the shared closed word (0 while open), so
+// the peer can say why its session ended.
+const (
+	shutClosed    uint32 = 1 // closed, or the peer's socket went
+	shutHeartbeat uint32 = 2 // this side's heartbeat was older than the limit
+	shutMalformed uint32 = 3 // this side sent something malformed
+)
+
+func shutCode(err error) uint32 {
+	switch {
+	case errors.Is(err, ErrNoHeartbeat):
+		return shutHeartbeat
+	case errors.Is(err, ErrMalformed), errors.Is(err, ErrCorrupt), errors.Is(err, ErrPeerStalled):
+		return shutMalformed
+	}
+	return shutClosed
+}
+
+var shutText = map[uint32]string{
+	shutClosed:    "the peer ended the session",
+	shutHeartbeat: "the peer ended the session: no heartbeat from this side within its limit (was this process stalled?)",
+	shutMalformed: "the peer ended the session: it read malformed or stalled records from this side",
+}
+
 // Shutdown marks the ring closed in shared memory (the peer's waits end with
 // ErrPeerGone) and wakes both sides.
-func (r *Ring) Shutdown() {
-	r.closed.Store(1)
+func (r *Ring) Shutdown() { r.shutdown(shutClosed) }
+
+func (r *Ring) shutdown(code uint32) {
+	r.closed.CompareAndSwap(0, code)
 	futexWakeAll(r.consWait)
 	futexWakeAll(r.prodWait)
 }
@@ -246,8 +273,12 @@ func (r *Ring) interrupted() error {
 	if p := r.intr.Load(); p != nil {
 		return *p
 	}
-	if r.closed.Load() != 0 {
-		return fmt.Errorf("%w: ring shut down", ErrPeerGone)
+	if c := r.closed.Load(); c != 0 {
+		why, ok := shutText[c]
+		if !ok {
+			why = fmt.Sprintf("ring shut down (code %d)", c)
+		}
+		return fmt.Errorf("%w: %s", ErrPeerGone, why)
 	}
 	return nil
 }

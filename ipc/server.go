@@ -336,7 +336,7 @@ func (l *Listener) start(c *ServerConn) error {
 		return err
 	}
 	go c.watchSocket()
-	go c.heartbeat(l.cfg.HeartbeatInterval, l.cfg.HeartbeatTimeout)
+	go c.heartbeat(l.cfg.HeartbeatInterval, l.cfg.HeartbeatTimeout, c.closeWith)
 	c.log.Debug("kvshim ipc: session open", "uid", c.cred.Uid)
 	return nil
 }

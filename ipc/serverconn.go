@@ -55,6 +55,10 @@ func (c *ServerConn) closeWith(err error) {
 	switch {
 	case errors.Is(err, ErrClosed):
 		c.log.Debug("kvshim ipc: session closed", "reason", err)
+	case errors.Is(err, ErrNoHeartbeat):
+		// Dead, or stalled and perhaps about to resume: its staging
+		// slots are fenced (server/doc.go), which an operator should see.
+		c.log.Warn("kvshim ipc: session ended", "reason", err)
 	case errors.Is(err, ErrPeerGone):
 		// A client that closes (or exits) ends its session: routine.
 		c.log.Info("kvshim ipc: session ended", "reason", err)

@@ -25,6 +25,7 @@ type session struct {
 	refs     atomic.Int64
 	closed   atomic.Bool
 	done     chan struct{}
+	freed    chan struct{} // closed once the mappings are gone (nil: not tracked)
 	errp     atomic.Pointer[error]
 	closeMu  sync.Once
 	freeOnce sync.Once
@@ -53,6 +54,9 @@ func (s *session) free() {
 	if s.onFree != nil {
 		s.onFree()
 	}
+	if s.freed != nil {
+		close(s.freed)
+	}
 }
 
 // err returns why the session ended (nil while open).
@@ -77,7 +81,7 @@ func (s *session) shutdown(err error) {
 		if s.rx != nil {
 			s.rx.Interrupt(err)
 			s.tx.Interrupt(err)
-			s.tx.Shutdown()
+			s.tx.shutdown(shutCode(err))
 		}
 		if s.uc != nil {
 			s.uc.Close()
@@ -88,8 +92,9 @@ func (s *session) shutdown(err error) {
 }
 
 // heartbeat stores our beat in the ring we produce and checks the peer's in
-// the ring we consume, until done. A peer silent for expire ends the session.
-func (s *session) heartbeat(every, expire time.Duration) {
+// the ring we consume, until done. A peer silent for expire ends the session
+// through end (which logs, then calls shutdown).
+func (s *session) heartbeat(every, expire time.Duration, end func(error)) {
 	if every <= 0 {
 		return
 	}
@@ -109,7 +114,7 @@ func (s *session) heartbeat(every, expire time.Duration) {
 		s.release()
 		if expire > 0 && last != 0 {
 			if age := time.Duration(MonoNow() - last); age > expire {
-				s.shutdown(fmt.Errorf("%w: no heartbeat for %v (limit %v)", ErrPeerGone, age.Round(time.Millisecond), expire))
+				end(fmt.Errorf("%w: %w for %v (limit %v)", ErrPeerGone, ErrNoHeartbeat, age.Round(time.Millisecond), expire))
 				return
 			}
 		}

@@ -14,10 +14,11 @@ const (
 	stStaging                   // reserved for one writer, invisible to readers
 	stResident                  // published, readable, evictable when unheld
 	stTemporary                 // loaded for one lookup, freed when unheld
+	stFenced                    // a possibly-alive writer's slot: unused until it is known dead (fence.go)
 	numStates
 )
 
-var stateNames = [numStates]string{"free", "staging", "resident", "temporary"}
+var stateNames = [numStates]string{"free", "staging", "resident", "temporary", "fenced"}
 
 // object is one L1 object's metadata (80 bytes; the table adds a 16-byte
 // map slot per chunk hash, shared by all ranks). Indices, not pointers, so the arena is

@@ -40,7 +40,7 @@ func (st *Store) reap() {
 	for k, e := range st.staging {
 		if e.since < stageBefore {
 			delete(st.staging, k)
-			st.freeObject(e.idx)
+			st.releaseStaging(e.owner, e.idx)
 			st.cnt.ttlStaging++
 		}
 	}

@@ -87,7 +87,9 @@ func Serve(ln *ipc.Listener, st *Store) error {
 }
 
 func serveConn(c *ipc.ServerConn, st *Store) {
-	s, err := st.OpenSession(ipc.Tag(c.Hello().Instance))
+	hello, cred := c.Hello(), c.PeerCred()
+	s, err := st.OpenSessionWith(ipc.Tag(hello.Instance), SessionOptions{
+		Fence: true, PeerPID: int(cred.Pid), UID: cred.Uid, Drained: hello.Flags&ipc.HelloDrained != 0})
 	if err != nil {
 		c.Close()
 		return

@@ -55,7 +55,8 @@ type Store struct {
 	lru        lru
 	staging    map[stageKey]stageEntry
 	sessions   map[ipc.Tag]*Session
-	pinned     map[uint32]uint32 // object → pins (see Pin)
+	fences     map[*Session][]uint32 // ended sessions' fenced slots (fence.go)
+	pinned     map[uint32]uint32     // object → pins (see Pin)
 	cnt        counters
 	lastSegErr error // most recent segment source failure (see LastSegmentError)
 	seed64     uint64
@@ -86,6 +87,7 @@ type counters struct {
 	pins                             uint64 // holds owned by the store controller
 	cleared, clearedBytes            uint64
 	sessionsOpened, sessionsClosed   uint64
+	fencesExited, fencesDrained      uint64 // fenced sessions released by the writer's exit / its own word
 }
 
 // NewStore validates cfg and returns a store with no L1 mapped yet (it grows
@@ -105,6 +107,7 @@ func NewStore(cfg Config, o Options) (*Store, error) {
 		shardIdx:   map[ipc.Namespace]uint32{},
 		staging:    map[stageKey]stageEntry{},
 		sessions:   map[ipc.Tag]*Session{},
+		fences:     map[*Session][]uint32{},
 		now:        time.Now,
 		seed64:     rand.Uint64(), // a fresh seed per store
 		keyMask:    ^uint64(0),
@@ -150,15 +153,25 @@ func (st *Store) Close() error {
 // instance id from the hello; other sessions name its lookups by it.
 type Session struct {
 	id      ipc.Tag
+	opts    SessionOptions
 	closed  bool // guarded by Store.mu
 	lookups map[uint64]*lookup
+	fenced  []uint32 // staging the reaper took from a live writer (fence.go)
 }
 
 // ID is the session's instance id.
 func (s *Session) ID() ipc.Tag { return s.id }
 
-// OpenSession registers a session. Two live sessions cannot share an id.
+// OpenSession registers a session of an in-process caller, whose writes to
+// L1 end before its calls return (no fencing). Two live sessions cannot
+// share an id.
 func (st *Store) OpenSession(id ipc.Tag) (*Session, error) {
+	return st.OpenSessionWith(id, SessionOptions{})
+}
+
+// OpenSessionWith registers a session described by o. Two live sessions
+// cannot share an id.
+func (st *Store) OpenSessionWith(id ipc.Tag, o SessionOptions) (*Session, error) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.closed {
@@ -167,7 +180,10 @@ func (st *Store) OpenSession(id ipc.Tag) (*Session, error) {
 	if _, ok := st.sessions[id]; ok {
 		return nil, fmt.Errorf("%w: %x", ErrDuplicateSession, id)
 	}
-	s := &Session{id: id, lookups: map[uint64]*lookup{}}
+	if o.Drained {
+		st.unfenceDrained(id)
+	}
+	s := &Session{id: id, opts: o, lookups: map[uint64]*lookup{}}
 	st.sessions[id] = s
 	st.cnt.sessionsOpened++
 	return s, nil
@@ -193,9 +209,10 @@ func (st *Store) closeSessionLocked(s *Session) {
 	for k, e := range st.staging {
 		if e.owner == s {
 			delete(st.staging, k)
-			st.freeObject(e.idx)
+			st.releaseStaging(s, e.idx)
 		}
 	}
+	st.fenceClosed(s)
 	delete(st.sessions, s.id)
 	st.cnt.sessionsClosed++
 }

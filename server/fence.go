@@ -1,0 +1,81 @@
+package server
+
+import "github.com/kvshim/kvshim/ipc"
+
+// SessionOptions describe a session's peer.
+type SessionOptions struct {
+	// Fence: the peer writes L1 through its own mapping, from goroutines
+	// that may outlive its session (a process stalled past its heartbeat,
+	// a call that timed out), so its staging slots are fenced, not freed,
+	// when the session ends or the staging TTL reclaims them. False for
+	// in-process callers whose writes end before their calls return.
+	Fence bool
+	// PeerPID is the peer's pid (SO_PEERCRED; 0 if not visible here): the
+	// fence lifts when this process exits.
+	PeerPID int
+	// UID is the peer's uid (SO_PEERCRED).
+	UID uint32
+	// Drained: the peer said (ipc.HelloDrained) that every earlier session
+	// with this id has ended on its side with its mappings gone: their
+	// fenced slots are freed when this one opens.
+	Drained bool
+}
+
+// releaseStaging gives back a staging object that its writer s no longer
+// owns (session end, staging TTL): freed at once when s's writes cannot
+// outlive its calls, else fenced until s is known to be done writing.
+func (st *Store) releaseStaging(s *Session, i uint32) {
+	if !s.opts.Fence {
+		st.freeObject(i)
+		return
+	}
+	st.setState(i, stFenced)
+	s.fenced = append(s.fenced, i)
+}
+
+// fenceClosed parks a closed session's fenced slots until its writer has
+// exited (watched with a pidfd) or says it has drained (HelloDrained).
+func (st *Store) fenceClosed(s *Session) {
+	if len(s.fenced) == 0 {
+		return
+	}
+	st.fences[s] = s.fenced
+	s.fenced = nil
+	go func() {
+		exited := ipc.WatchExit(s.opts.PeerPID, st.stop)
+		if exited == nil {
+			return // this process, or pid unknown: only the writer's word lifts the fence
+		}
+		select {
+		case <-exited:
+			st.mu.Lock()
+			if st.unfence(s) {
+				st.cnt.fencesExited++
+			}
+			st.mu.Unlock()
+		case <-st.stop:
+		}
+	}()
+}
+
+// unfenceDrained frees the fenced slots of every ended session named id.
+func (st *Store) unfenceDrained(id ipc.Tag) {
+	for s := range st.fences {
+		if s.id == id && st.unfence(s) {
+			st.cnt.fencesDrained++
+		}
+	}
+}
+
+// unfence frees s's fenced slots; false if it had none (already freed).
+func (st *Store) unfence(s *Session) bool {
+	objs, ok := st.fences[s]
+	if !ok || st.closed {
+		return false
+	}
+	delete(st.fences, s)
+	for _, i := range objs {
+		st.freeObject(i)
+	}
+	return true
+}
