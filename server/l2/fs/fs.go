@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/binary"
@@ -10,8 +11,10 @@ import (
 	"hash/crc32"
 	"io"
 	iofs "io/fs"
+	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -30,11 +33,28 @@ const (
 	suffix      = ".kv"
 )
 
+// Default permissions: the server's uid only, like its socket.
+const (
+	DefaultFileMode os.FileMode = 0o600
+	DefaultDirMode  os.FileMode = 0o700
+)
+
+// The accepted "file_mode" and "dir_mode" values. No other-user bit is ever
+// accepted; group bits are for a group of uids sharing base_path.
+var (
+	fileModes = []os.FileMode{0o600, 0o640}
+	dirModes  = []os.FileMode{0o700, 0o750, 0o770}
+)
+
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // ErrCorrupt marks an object that failed verification (it is deleted and
 // reported as a miss).
 var ErrCorrupt = errors.New("fs: corrupt object")
+
+// errInvalid marks a file that cannot be a stored object (no trailer, bad
+// magic, a length that disagrees with the file size, not a regular file).
+var errInvalid = errors.New("not a valid object")
 
 func init() { l2.Register(Type, New) }
 
@@ -53,26 +73,29 @@ type Backend struct {
 type Config struct {
 	BasePath string
 	Fsync    bool
+	// DirMode is the mode of every directory the adapter creates (base_path
+	// and its missing parents included) and FileMode that of every object
+	// file; both are set exactly, whatever the umask. Zero means the
+	// defaults, 0700 and 0600. Accepted: DirMode 0700, 0750 or 0770,
+	// FileMode 0600 or 0640, with group bits in both or in neither.
 	DirMode  os.FileMode
 	FileMode os.FileMode
 	// SweepTmpAge > 0 removes, once in the background after Open,
 	// temporary files of crashed writers older than this.
 	SweepTmpAge time.Duration
+	// Logger gets Open's warning about a base_path more open than DirMode;
+	// nil means slog.Default().
+	Logger *slog.Logger
 }
 
 // New is the l2 factory for type "fs".
-func New(cfg *l2.Config, _ l2.Env) (l2.Backend, error) {
-	c := Config{DirMode: 0o755, FileMode: 0o644}
+func New(cfg *l2.Config, env l2.Env) (l2.Backend, error) {
+	c := Config{Logger: env.Logger}
 	ex := cfg.Extras()
 	ex.String("base_path", &c.BasePath)
 	ex.Bool("fsync", &c.Fsync)
-	var dm, fm int
-	if ex.Int("dir_mode", &dm, 0o700, 0o777) {
-		c.DirMode = os.FileMode(dm)
-	}
-	if ex.Int("file_mode", &fm, 0o400, 0o777) {
-		c.FileMode = os.FileMode(fm)
-	}
+	modeKey(cfg, ex, "dir_mode", &c.DirMode)
+	modeKey(cfg, ex, "file_mode", &c.FileMode)
 	var sweep int
 	if ex.Int("sweep_tmp_older_than_s", &sweep, 0, 1<<30) {
 		c.SweepTmpAge = time.Duration(sweep) * time.Second
@@ -86,16 +109,105 @@ func New(cfg *l2.Config, _ l2.Env) (l2.Backend, error) {
 	return Open(c)
 }
 
+// modeKey reads a mode key: an octal string such as "0640" (a JSON number
+// is refused: 640 would be read as decimal). The value is checked by the
+// same rules as Open's.
+func modeKey(cfg *l2.Config, ex *l2.Extras, key string, dst *os.FileMode) {
+	const want = `want an octal string such as "0640"`
+	if raw, ok := cfg.Extra[key]; ok {
+		if t := bytes.TrimSpace(raw); len(t) == 0 || t[0] != '"' {
+			ex.Fail(key, "%s, got %s", want, t)
+			return
+		}
+	}
+	var s string
+	if !ex.String(key, &s) {
+		return
+	}
+	m, err := strconv.ParseUint(strings.TrimPrefix(s, "0"), 8, 12)
+	if err != nil || len(s) < 3 || len(s) > 4 || (len(s) == 4 && s[0] != '0') {
+		ex.Fail(key, "%q: %s", s, want)
+		return
+	}
+	if why := modeProblem(key, os.FileMode(m)); why != "" {
+		ex.Fail(key, "%s", why)
+		return
+	}
+	*dst = os.FileMode(m)
+}
+
+// modeProblem says what is wrong with m as the value of "file_mode" or
+// "dir_mode" ("" when nothing is).
+func modeProblem(key string, m os.FileMode) string {
+	ok := fileModes
+	if key == "dir_mode" {
+		ok = dirModes
+	}
+	switch {
+	case slices.Contains(ok, m):
+		return ""
+	case m&0o007 != 0:
+		return fmt.Sprintf("%04o gives every user of the host access to the KV data: other-user bits must be 0 (use %s)", uint32(m), modeList(ok))
+	default:
+		return fmt.Sprintf("%04o: want one of %s", uint32(m), modeList(ok))
+	}
+}
+
+func modeList(ms []os.FileMode) string {
+	var b strings.Builder
+	for i, m := range ms {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "%04o", uint32(m))
+	}
+	return b.String()
+}
+
+// check applies the mode rules (the Go API gets the same ones as the JSON
+// keys).
+func (c *Config) check() error {
+	for _, m := range []struct {
+		key  string
+		mode os.FileMode
+	}{{"file_mode", c.FileMode}, {"dir_mode", c.DirMode}} {
+		if why := modeProblem(m.key, m.mode); why != "" {
+			return fmt.Errorf("%w: key %q: %s", l2.ErrBadConfig, m.key, why)
+		}
+	}
+	if (c.FileMode&0o070 != 0) != (c.DirMode&0o070 != 0) {
+		return fmt.Errorf("%w: key \"dir_mode\": file_mode %04o and dir_mode %04o disagree: give the group access in both (0640 with 0750 or 0770) or in neither",
+			l2.ErrBadConfig, uint32(c.FileMode), uint32(c.DirMode))
+	}
+	return nil
+}
+
 // Open creates the base directory if needed and returns the backend.
+// Directories it creates get c.DirMode exactly; an existing base_path is
+// never chmod-ed, only warned about when it is more open than c.DirMode.
 func Open(c Config) (*Backend, error) {
 	if c.DirMode == 0 {
-		c.DirMode = 0o755
+		c.DirMode = DefaultDirMode
 	}
 	if c.FileMode == 0 {
-		c.FileMode = 0o644
+		c.FileMode = DefaultFileMode
 	}
-	if err := os.MkdirAll(c.BasePath, c.DirMode); err != nil {
+	if err := c.check(); err != nil {
+		return nil, err
+	}
+	created, err := mkdirs(c.BasePath, c.DirMode)
+	if err != nil {
 		return nil, fmt.Errorf("fs: base_path: %w", err)
+	}
+	if !created {
+		if st, err := os.Stat(c.BasePath); err == nil && st.Mode().Perm()&^c.DirMode != 0 {
+			log := c.Logger
+			if log == nil {
+				log = slog.Default()
+			}
+			log.Warn("fs L2: base_path is more open than dir_mode; kvshim leaves an existing directory's mode alone: chmod it (files written before 0600 was the default may be readable through it)",
+				"base_path", c.BasePath, "mode", fmt.Sprintf("%04o", uint32(st.Mode().Perm())), "dir_mode", fmt.Sprintf("%04o", uint32(c.DirMode)))
+		}
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	b := &Backend{base: c.BasePath, fsync: c.Fsync, dirMode: c.DirMode, fileMode: c.FileMode,
@@ -109,6 +221,51 @@ func Open(c Config) (*Backend, error) {
 		close(b.swept)
 	}
 	return b, nil
+}
+
+// mkdirs creates dir and its missing parents, each with mode exactly
+// (whatever the umask; a setgid bit inherited from the parent is kept), and
+// leaves existing directories alone. created reports whether dir itself was
+// made here.
+func mkdirs(dir string, mode os.FileMode) (created bool, err error) {
+	created, err = mkdir1(dir, mode)
+	if !errors.Is(err, os.ErrNotExist) {
+		return created, err
+	}
+	if parent := filepath.Dir(dir); parent != dir {
+		if _, err := mkdirs(parent, mode); err != nil {
+			return false, err
+		}
+	}
+	return mkdir1(dir, mode)
+}
+
+func mkdir1(dir string, mode os.FileMode) (bool, error) {
+	err := os.Mkdir(dir, mode)
+	if errors.Is(err, os.ErrExist) {
+		st, serr := os.Stat(dir)
+		switch {
+		case serr != nil:
+			return false, serr
+		case !st.IsDir():
+			return false, &os.PathError{Op: "mkdir", Path: dir, Err: unix.ENOTDIR}
+		}
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	// The umask may have taken bits away: set the mode. Until then the
+	// directory is at most as open as mode.
+	st, err := os.Lstat(dir)
+	if err != nil {
+		return true, err
+	}
+	want := mode | st.Mode()&os.ModeSetgid
+	if st.Mode()&(os.ModePerm|os.ModeSetgid|os.ModeSetuid|os.ModeSticky) != want {
+		err = os.Chmod(dir, want)
+	}
+	return true, err
 }
 
 // SweepTmp removes temporary files (".tmp.*") older than age, left by
@@ -160,8 +317,23 @@ func (b *Backend) Store(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.
 
 func (b *Backend) store(k l2.Key, payload []byte) error {
 	final := b.Path(k)
-	if _, err := os.Stat(final); err == nil {
-		return nil
+	// An intact object of this size is the same object (content-addressed
+	// keys): skip. A file that cannot be it (empty, truncated, bad
+	// trailer, another size) is replaced, so the key heals. The payload
+	// is not read here: loads verify it.
+	replace := false
+	if st, err := os.Stat(final); err == nil {
+		if st.Mode().IsRegular() && st.Size() == int64(len(payload))+trailerSize {
+			f, _, _, _, err := openObject(final)
+			if err == nil {
+				_ = f.Close()
+				return nil
+			}
+			if !errors.Is(err, errInvalid) {
+				return fmt.Errorf("fs: store %s: %w", k, err)
+			}
+		}
+		replace = true
 	}
 	dir := filepath.Dir(final)
 	var rnd [8]byte
@@ -169,18 +341,23 @@ func (b *Backend) store(k l2.Key, payload []byte) error {
 	tmp := filepath.Join(dir, ".tmp."+k.String()+"."+b.pid+"."+hex.EncodeToString(rnd[:]))
 	f, err := os.OpenFile(tmp, os.O_CREATE|os.O_EXCL|os.O_WRONLY, b.fileMode)
 	if errors.Is(err, os.ErrNotExist) {
-		if err = os.MkdirAll(dir, b.dirMode); err == nil {
+		if _, err = mkdirs(dir, b.dirMode); err == nil {
 			f, err = os.OpenFile(tmp, os.O_CREATE|os.O_EXCL|os.O_WRONLY, b.fileMode)
 		}
 	}
 	if err != nil {
 		return fmt.Errorf("fs: store %s: %w", k, err)
 	}
+	// The umask may have taken bits away at create: set the mode on the
+	// open file (the file is never more open than fileMode meanwhile).
+	err = f.Chmod(b.fileMode)
 	var tr [trailerSize]byte
 	binary.LittleEndian.PutUint32(tr[0:], magic)
 	binary.LittleEndian.PutUint32(tr[4:], crc32.Checksum(payload, castagnoli))
 	binary.LittleEndian.PutUint64(tr[8:], uint64(len(payload)))
-	_, err = f.Write(payload)
+	if err == nil {
+		_, err = f.Write(payload)
+	}
 	if err == nil {
 		_, err = f.Write(tr[:])
 	}
@@ -191,7 +368,7 @@ func (b *Backend) store(k l2.Key, payload []byte) error {
 		err = cerr
 	}
 	if err == nil {
-		err = publish(tmp, final)
+		err = publish(tmp, final, replace)
 	}
 	_ = os.Remove(tmp)
 	if err != nil {
@@ -204,8 +381,12 @@ func (b *Backend) store(k l2.Key, payload []byte) error {
 }
 
 // publish links tmp to final; an existing final is success (same key, same
-// bytes). Without hard-link support it renames.
-func publish(tmp, final string) error {
+// bytes). Without hard-link support it renames. With replace (final holds
+// a file that is not a valid object) it renames over final atomically.
+func publish(tmp, final string, replace bool) error {
+	if replace {
+		return os.Rename(tmp, final)
+	}
 	err := os.Link(tmp, final)
 	if err == nil || errors.Is(err, os.ErrExist) {
 		return nil
@@ -223,18 +404,60 @@ func syncDir(dir string) {
 	}
 }
 
-// Exists implements l2.Backend.
+// openObject opens an object file and checks what every stored object
+// has, without reading the payload: a regular file of at least trailerSize
+// bytes whose trailer carries the magic and the length size-trailerSize.
+// It returns the open file, its FileInfo, the payload length and the
+// payload's crc32c from the trailer. A file that cannot be an object is an
+// error wrapping errInvalid (st is then set); f is nil on any error.
+func openObject(path string) (f *os.File, st os.FileInfo, n int64, crc uint32, err error) {
+	if f, err = os.Open(path); err != nil {
+		return nil, nil, 0, 0, err
+	}
+	defer func() {
+		if err != nil {
+			_ = f.Close()
+			f = nil
+		}
+	}()
+	if st, err = f.Stat(); err != nil {
+		return nil, nil, 0, 0, err
+	}
+	size := st.Size()
+	if !st.Mode().IsRegular() {
+		return nil, st, 0, 0, fmt.Errorf("%w: not a regular file (%v)", errInvalid, st.Mode().Type())
+	}
+	if size < trailerSize {
+		return nil, st, 0, 0, fmt.Errorf("%w: file of %d bytes has no trailer", errInvalid, size)
+	}
+	var tr [trailerSize]byte
+	if _, err := f.ReadAt(tr[:], size-trailerSize); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, st, 0, 0, fmt.Errorf("%w: read trailer: %v", errInvalid, err)
+		}
+		return nil, st, 0, 0, fmt.Errorf("read trailer: %w", err)
+	}
+	m, ln := binary.LittleEndian.Uint32(tr[0:]), binary.LittleEndian.Uint64(tr[8:])
+	if m != magic || ln != uint64(size-trailerSize) {
+		return nil, st, 0, 0, fmt.Errorf("%w: bad trailer (magic %#x, length %d, file %d)", errInvalid, m, ln, size)
+	}
+	return f, st, int64(ln), binary.LittleEndian.Uint32(tr[4:]), nil
+}
+
+// Exists implements l2.Backend: a file that cannot be an object (see
+// openObject) is a miss, as Load would find it.
 func (b *Backend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
 	for i, k := range keys {
 		if err := ctx.Err(); err != nil {
 			r.FailAll(len(keys), err)
 			return
 		}
-		st, err := os.Stat(b.Path(k))
+		f, _, n, _, err := openObject(b.Path(k))
 		switch {
-		case err == nil && st.Size() >= trailerSize:
-			r.Report(i, l2.Result{Status: l2.StatusOK, Bytes: int(st.Size() - trailerSize)})
-		case err == nil || errors.Is(err, os.ErrNotExist):
+		case err == nil:
+			_ = f.Close()
+			r.Report(i, l2.Result{Status: l2.StatusOK, Bytes: int(n)})
+		case errors.Is(err, os.ErrNotExist) || errors.Is(err, errInvalid):
 			r.Report(i, l2.Result{Status: l2.StatusMiss})
 		default:
 			r.Fail(i, fmt.Errorf("fs: exists %s: %w", k, err))
@@ -255,44 +478,39 @@ func (b *Backend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.R
 
 func (b *Backend) load(k l2.Key, dst []byte) l2.Result {
 	path := b.Path(k)
-	f, err := os.Open(path)
-	if errors.Is(err, os.ErrNotExist) {
+	f, st, n, crc, err := openObject(path)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
 		return l2.Result{Status: l2.StatusMiss}
-	}
-	if err != nil {
+	case errors.Is(err, errInvalid):
+		discard(path, st)
+		return l2.Result{Status: l2.StatusMiss, Err: fmt.Errorf("%w: %s: %v", ErrCorrupt, k, err)}
+	case err != nil:
 		return l2.Result{Status: l2.StatusFailed, Err: fmt.Errorf("fs: load %s: %w", k, err)}
 	}
 	defer f.Close()
 	corrupt := func(why string, args ...any) l2.Result {
-		_ = os.Remove(path)
+		discard(path, st)
 		return l2.Result{Status: l2.StatusMiss, Err: fmt.Errorf("%w: %s: %s", ErrCorrupt, k, fmt.Sprintf(why, args...))}
 	}
-	st, err := f.Stat()
-	if err != nil {
-		return l2.Result{Status: l2.StatusFailed, Err: fmt.Errorf("fs: load %s: %w", k, err)}
-	}
-	size := st.Size()
-	if size < trailerSize {
-		return corrupt("file of %d bytes has no trailer", size)
-	}
-	var tr [trailerSize]byte
-	if _, err := f.ReadAt(tr[:], size-trailerSize); err != nil {
-		return corrupt("read trailer: %v", err)
-	}
-	n := binary.LittleEndian.Uint64(tr[8:])
-	if binary.LittleEndian.Uint32(tr[0:]) != magic || n != uint64(size-trailerSize) {
-		return corrupt("bad trailer (magic %#x, length %d, file %d)", binary.LittleEndian.Uint32(tr[0:]), n, size)
-	}
-	if n != uint64(len(dst)) {
+	if n != int64(len(dst)) {
 		return l2.Result{Status: l2.StatusFailed, Err: fmt.Errorf("fs: load %s: object %d bytes, buffer %d: %w", k, n, len(dst), l2.ErrBufferSize)}
 	}
 	if _, err := f.ReadAt(dst, 0); err != nil && !(err == io.EOF && n == 0) {
 		return corrupt("read payload: %v", err)
 	}
-	if crc32.Checksum(dst, castagnoli) != binary.LittleEndian.Uint32(tr[4:]) {
+	if crc32.Checksum(dst, castagnoli) != crc {
 		return corrupt("crc32c mismatch")
 	}
 	return l2.Result{Status: l2.StatusOK, Bytes: len(dst)}
+}
+
+// discard removes a file found not to be a valid object, unless path names
+// another file by now (a store replaced it meanwhile).
+func discard(path string, st os.FileInfo) {
+	if cur, err := os.Stat(path); err == nil && st != nil && os.SameFile(st, cur) {
+		_ = os.Remove(path)
+	}
 }
 
 // Delete implements l2.Backend.
