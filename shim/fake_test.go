@@ -28,7 +28,12 @@ import (
 // memory the fake driver treats as device memory.
 const kvDeviceEnv = "KVSHIM_TEST_KV_DEVICE"
 
-func TestMain(m *testing.M) { os.Exit(fakecuda.Main(m)) }
+func TestMain(m *testing.M) {
+	if role := os.Getenv(chaosRoleEnv); role != "" {
+		os.Exit(chaosChild(role))
+	}
+	os.Exit(fakecuda.Main(m))
+}
 
 func TestWorkerOnFakeCUDA(t *testing.T) {
 	fakecuda.SkipWithoutCompiler(t)

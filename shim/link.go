@@ -29,6 +29,7 @@ type link struct {
 
 	mu      sync.Mutex
 	c       *ipc.Client
+	ended   []*ipc.Client // earlier clients whose mappings may still be in use
 	lastTry time.Time
 	lastErr error
 }
@@ -51,8 +52,7 @@ func (l *link) client() (*ipc.Client, error) {
 		select {
 		case <-l.c.Done():
 			l.lastErr = l.c.Err()
-			l.c.Close()
-			l.c = nil
+			l.dropLocked()
 		default:
 			return l.c, nil
 		}
@@ -61,13 +61,42 @@ func (l *link) client() (*ipc.Client, error) {
 		return nil, fmt.Errorf("%w: %s: %v", ErrUnavailable, l.path, l.lastErr)
 	}
 	l.lastTry = time.Now()
-	c, err := ipc.Dial(l.path, l.hello, l.timeout)
+	c, err := ipc.Dial(l.path, l.helloLocked(), l.timeout)
 	if err != nil {
 		l.lastErr = err
 		return nil, fmt.Errorf("%w: %s: %v", ErrUnavailable, l.path, err)
 	}
 	l.c, l.lastErr = c, nil
 	return c, nil
+}
+
+// helloLocked is the hello of the next dial: it says HelloDrained once
+// every earlier client has ended with its mappings gone (no job of ours can
+// write into the L1 slots the server fenced when those sessions ended).
+func (l *link) helloLocked() ipc.Hello {
+	live := l.ended[:0]
+	for _, c := range l.ended {
+		select {
+		case <-c.Freed():
+		default:
+			live = append(live, c)
+		}
+	}
+	clear(l.ended[len(live):])
+	l.ended = live
+	h := l.hello
+	if len(l.ended) == 0 {
+		h.Flags |= ipc.HelloDrained
+	}
+	return h
+}
+
+// dropLocked ends the current client; its mappings stay until its jobs are
+// done with them (ipc.Client.Use).
+func (l *link) dropLocked() {
+	l.c.Close()
+	l.ended = append(l.ended, l.c)
+	l.c = nil
 }
 
 // call runs fn with a live client and the call timeout. A transport failure
@@ -78,14 +107,20 @@ func (l *link) call(fn func(ctx context.Context, c *ipc.Client) error) error {
 	if err != nil {
 		return err
 	}
+	return l.callOn(c, fn)
+}
+
+// callOn runs fn on c, which must be the client whose session a request
+// belongs to (a COMMIT of what an ALLOC of c staged, a RELEASE of c's
+// holds): on another session it would name other objects or none.
+func (l *link) callOn(c *ipc.Client, fn func(ctx context.Context, c *ipc.Client) error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), l.timeout)
 	defer cancel()
-	err = fn(ctx, c)
+	err := fn(ctx, c)
 	if err != nil && !errors.Is(err, ipc.ErrRemote) {
 		l.mu.Lock()
 		if l.c == c {
-			l.c.Close()
-			l.c = nil
+			l.dropLocked()
 			l.lastErr = err
 			l.lastTry = time.Time{} // a broken session may mean a restarted server: redial at once
 		}
@@ -101,7 +136,6 @@ func (l *link) close() error {
 	if l.c == nil {
 		return nil
 	}
-	err := l.c.Close()
-	l.c = nil
-	return err
+	l.dropLocked()
+	return nil
 }

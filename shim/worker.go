@@ -56,6 +56,9 @@ type WorkerStats struct {
 	// CopySpans counts copy descriptors submitted (saves and loads): with
 	// bytes, how well the KV layout coalesces (a GPU's cost is per span).
 	CopySpans uint64
+	// KeyMismatches counts retrieved objects whose header names another
+	// key (bytes stored under the wrong name): load errors, never loaded.
+	KeyMismatches uint64
 }
 
 // NewWorker checks cfg; Register must follow before any step.
@@ -159,18 +162,25 @@ func (w *Worker) load(ld *LoadSpec) {
 		w.loadFailed(ld, 0, cb, err)
 		return
 	}
-	// Holds are dropped once the copy has read the objects (or failed), and
-	// kept if it may still be reading them.
+	// The objects stay mapped while this job reads them (Use), and their
+	// holds are dropped on the same session once the copy has read them
+	// (or failed); both are kept if the copy may still be reading.
+	release, err := client.Use()
+	if err != nil {
+		w.loadFailed(ld, 0, cb, err) // the session ended: its holds are gone
+		return
+	}
 	stuck := false
 	defer func() {
 		if stuck {
 			return
 		}
-		_ = w.link.call(func(ctx context.Context, c *ipc.Client) error {
+		_ = w.link.callOn(client, func(ctx context.Context, c *ipc.Client) error {
 			return c.Release(ctx, &ipc.ReleaseReq{Owner: rr.Owner, LookupID: rr.LookupID, Rank: rr.Rank})
 		})
+		release()
 	}()
-	objs, good, why := w.verified(l, client, resp)
+	objs, good, why := w.verified(l, client, resp, ld.Hashes)
 	var spans []layout.Span
 	for i := 0; i < good; i++ {
 		if spans, err = l.AppendPlan(spans, ld.Blocks[i*cb:(i+1)*cb], addrOf(objs[i]), layout.Load); err != nil {
@@ -189,6 +199,12 @@ func (w *Worker) load(ld *LoadSpec) {
 		w.loadFailed(ld, 0, cb, err)
 		return
 	}
+	if !client.Live() {
+		// The server ended the session during the copy and released its
+		// holds: the objects may have been evicted and rewritten under it.
+		w.loadFailed(ld, 0, cb, fmt.Errorf("%w during the copy: %v", ErrUnavailable, client.Err()))
+		return
+	}
 	w.count(func(s *WorkerStats) {
 		s.LoadedChunks += uint64(good)
 		s.LoadedBytes += spansBytes(spans)
@@ -198,7 +214,7 @@ func (w *Worker) load(ld *LoadSpec) {
 // verified resolves the retrieved objects and checks their headers and
 // checksums, in parallel; good is the length of the prefix that passed and
 // why the reason the next chunk did not.
-func (w *Worker) verified(l *layout.Layout, c *ipc.Client, resp *ipc.RetrieveResp) (objs [][]byte, good int, why error) {
+func (w *Worker) verified(l *layout.Layout, c *ipc.Client, resp *ipc.RetrieveResp, hashes []Hash) (objs [][]byte, good int, why error) {
 	n := len(resp.Status)
 	objs = make([][]byte, n)
 	errs := make([]error, n)
@@ -209,7 +225,7 @@ func (w *Worker) verified(l *layout.Layout, c *ipc.Client, resp *ipc.RetrieveRes
 		}
 		obj, err := w.resolve(c, resp.Locs[i])
 		if err == nil {
-			err = l.VerifyObject(obj)
+			err = w.verifyLoaded(l, obj, hashes, i)
 		}
 		objs[i], errs[i] = obj, err
 	})
@@ -305,6 +321,19 @@ func (w *Worker) save(sv *SaveSpec) {
 		w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(sv.Hashes)) })
 		return
 	}
+	// The staged slots stay mapped while this job writes them (Use); a
+	// copy that may still be running keeps them mapped for good.
+	release, err := client.Use()
+	if err != nil {
+		w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(sv.Hashes)) })
+		return
+	}
+	stuck := false
+	defer func() {
+		if !stuck {
+			release()
+		}
+	}()
 	var spans []layout.Span
 	var objs [][]byte
 	var hashes []ipc.Hash
@@ -318,7 +347,7 @@ func (w *Worker) save(sv *SaveSpec) {
 			spans, err = l.AppendPlan(spans, sv.Blocks[i*cb:(i+1)*cb], addrOf(obj), layout.Save)
 		}
 		if err != nil {
-			w.abort(tag, req.Hashes[i:i+1])
+			w.abort(client, tag, req.Hashes[i:i+1])
 			continue
 		}
 		objs, hashes = append(objs, obj), append(hashes, req.Hashes[i])
@@ -329,29 +358,39 @@ func (w *Worker) save(sv *SaveSpec) {
 	err = w.copy(eng, spans, cuda.Save)
 	if err == nil { // checksums: ~4 ms per 32 MiB chunk and core
 		errs := make([]error, len(objs))
-		inParallel(len(objs), func(i int) { errs[i] = l.SealObject(objs[i]) })
+		inParallel(len(objs), func(i int) { errs[i] = l.SealObject(objs[i], w.objectKey(Hash(hashes[i]))) })
 		err = errors.Join(errs...)
 	}
-	if err == nil {
-		err = w.link.call(func(ctx context.Context, c *ipc.Client) error {
-			_, err := c.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: hashes})
+	saved := 0
+	switch {
+	case err == nil:
+		// COMMIT on the session that staged the objects: a later session
+		// of this writer tag may stage the same keys for another copy.
+		err = w.link.callOn(client, func(ctx context.Context, c *ipc.Client) error {
+			resp, err := c.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: hashes})
+			if err == nil {
+				for _, st := range resp.Status {
+					if st == ipc.StatusOK {
+						saved++
+					}
+				}
+			}
 			return err
 		})
-	} else if !errors.Is(err, errCopyStuck) {
-		w.abort(tag, hashes)
+	case errors.Is(err, errCopyStuck):
+		stuck = true
+	default:
+		w.abort(client, tag, hashes)
 	}
 	w.count(func(s *WorkerStats) {
-		if err != nil {
-			s.FailedSaves += uint64(len(hashes))
-		} else {
-			s.SavedChunks += uint64(len(hashes))
-			s.SavedBytes += uint64(len(hashes)) * size
-		}
+		s.SavedChunks += uint64(saved)
+		s.SavedBytes += uint64(saved) * size
+		s.FailedSaves += uint64(len(hashes) - saved)
 	})
 }
 
-func (w *Worker) abort(tag ipc.Tag, hashes []ipc.Hash) {
-	_ = w.link.call(func(ctx context.Context, c *ipc.Client) error {
+func (w *Worker) abort(client *ipc.Client, tag ipc.Tag, hashes []ipc.Hash) {
+	_ = w.link.callOn(client, func(ctx context.Context, c *ipc.Client) error {
 		_, err := c.Abort(ctx, &ipc.CommitReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: hashes})
 		return err
 	})
