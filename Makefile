@@ -7,7 +7,7 @@ LIB     := $(OUT)/libkvshim.so
 VERSION := $(shell cat VERSION)+$(shell git rev-parse --short HEAD 2>/dev/null || echo nogit)
 SOURCES := $(shell find . -path ./$(OUT) -prune -o \( -name '*.go' -o -name '*.c' -o -name '*.h' \) -print) go.mod go.sum
 
-.PHONY: all lib ctest test demo wheel bench-ipc bench-server bench-copy bench-l2 bench-keys gpu-check gpu-check-dry clean
+.PHONY: all lib ctest test chaos demo wheel bench-ipc bench-server bench-copy bench-l2 bench-keys gpu-check gpu-check-dry clean
 
 all: lib
 
@@ -29,6 +29,11 @@ ctest: $(LIB)
 # go test -race, the C ABI test and pytest.
 test:
 	build/test.sh
+
+# The fault tests at the issue's counts (make test runs a few rounds of
+# each): a writer frozen past its heartbeat, the server SIGKILLed mid-copy.
+chaos:
+	KVSHIM_CHAOS_ROUNDS=$${KVSHIM_CHAOS_ROUNDS:-100} $(GO) test -count=1 -timeout 30m -run 'Chaos' -v ./shim
 
 # The main job on the embedded default: store and restore a model-shaped KV
 # cache and verify it byte for byte.

@@ -1,8 +1,12 @@
 package ipc
 
 import (
+	"bufio"
+	"errors"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
@@ -31,4 +35,43 @@ func TestWatchExit(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("exit not seen")
 	}
+}
+
+// A socket answered by another user's process is refused before the hello
+// (the process could feed the client any bytes), unless that uid is listed.
+func TestClientRefusesServerOfOtherUID(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("needs root to run the server as another uid")
+	}
+	dir, err := os.MkdirTemp("", "kvshim-uid-") // t.TempDir's parent is private
+	assert.NilError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	assert.NilError(t, os.Chmod(dir, 0o777))
+	sock := filepath.Join(dir, "other", "kvshim.sock")
+	// The test binary sits in a private build directory: run a copy.
+	bin := filepath.Join(dir, "ipc.test")
+	self, err := os.ReadFile(os.Args[0])
+	assert.NilError(t, err)
+	assert.NilError(t, os.WriteFile(bin, self, 0o755))
+	srv := child(t, "listen", "KVSHIM_SOCK="+sock)
+	srv.Path, srv.Args[0] = bin, bin
+	srv.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	stdin, err := srv.StdinPipe()
+	assert.NilError(t, err)
+	out, err := srv.StdoutPipe()
+	assert.NilError(t, err)
+	srv.Stderr = os.Stderr
+	assert.NilError(t, srv.Start())
+	t.Cleanup(func() { stdin.Close(); srv.Wait() })
+	line, err := bufio.NewReader(out).ReadString('\n')
+	assert.NilError(t, err)
+	assert.Equal(t, line, "ready\n")
+
+	_, err = Dial(sock, Hello{Role: RoleTool}, 2*time.Second)
+	assert.Assert(t, errors.Is(err, ErrPermission), "%v", err)
+	assert.ErrorContains(t, err, "uid 65534")
+
+	c, err := DialConfig(sock, Hello{Role: RoleTool}, 2*time.Second, &ClientConfig{ServerUIDs: []uint32{65534}})
+	assert.NilError(t, err)
+	c.Close()
 }

@@ -84,6 +84,22 @@ func runChild(role string) error {
 	case "dial":
 		_, err := Dial(os.Getenv("KVSHIM_SOCK"), Hello{Role: RoleTool}, 5*time.Second)
 		return err
+	case "listen": // serve handshakes on KVSHIM_SOCK (any uid) until stdin closes
+		ln, err := Listen(os.Getenv("KVSHIM_SOCK"), &ServerConfig{AllowUIDs: []uint32{0}})
+		if err != nil {
+			return err
+		}
+		go func() {
+			for {
+				if _, err := ln.Accept(); err != nil {
+					return
+				}
+			}
+		}()
+		fmt.Println("ready")
+		b := make([]byte, 1)
+		os.Stdin.Read(b)
+		return ln.Close()
 	}
 	return fmt.Errorf("unknown role %q", role)
 }
