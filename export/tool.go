@@ -14,6 +14,7 @@ import (
 	"unsafe"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/shim"
 )
 
 // Role "tool": a plain session with a server, for health checks and the
@@ -32,7 +33,7 @@ func init() {
 		}
 		c, err := ipc.Dial(socket, ipc.Hello{Version: ipc.ProtocolVersion, Role: ipc.RoleTool, PID: uint32(os.Getpid()), Instance: inst}, timeout)
 		if err != nil {
-			return fmt.Errorf("connect to %s: %w", socket, err)
+			return fmt.Errorf("%w: connect to %s: %w", shim.ErrUnavailable, socket, err) // KVSHIM_EIO
 		}
 		in.state = &toolState{c: c, timeout: timeout}
 		in.closers = append(in.closers, c.Close)

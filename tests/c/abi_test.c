@@ -52,6 +52,8 @@ static void test_open_errors(void) {
         "chunk not a multiple of block");
   CHECK(kvshim_open("{\"role\":\"skeleton\",\"bogus\":1}", &h) == KVSHIM_EINVAL, "unknown key");
   CHECK(strstr(last_error(0), "bogus") != NULL, "message names the key: %s", last_error(0));
+  CHECK(kvshim_open("{\"role\":\"tool\",\"server\":\"/nonexistent/kvshim.sock\"}", &h) == KVSHIM_EIO,
+        "no server: %s", last_error(0));
   CHECK(h == 0, "out must not be written on failure");
 }
 
