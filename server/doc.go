@@ -47,6 +47,21 @@
 // RELEASE, session close and the hold TTL release holds; a lookup whose
 // answer was read and that holds nothing is forgotten.
 //
+// Lookup limits. A session may have --max-lookups-per-session live lookups
+// (default 4096) whose hold tables total --max-lookup-cells-per-session
+// cells, chunks × readers (default 1Mi); a LOOKUP past either is refused
+// with ErrLookupLimit (StatusBadRequest naming the limit: the client's
+// miss) and counted in kvshim_lookups_rejected_total{limit}. A live lookup
+// holds its 32-byte hash per chunk, a 4-byte hold slot per cell, a FREE
+// mark per chunk (1 byte, once FREEd while pending), 24 bytes per reader
+// and under 512 bytes of struct, map entry and fill task: at most 61 bytes
+// a cell plus 512 a lookup, so one session's lookups hold at most 64 MiB
+// with the defaults (measured: 36 bytes a chunk at one reader, 2.25 MiB
+// for a 65,536-chunk lookup, 36 MiB at the cell limit). Session close
+// frees all of it. Not counted: an L2 prefetch holds about 350 bytes per
+// missing cell while it runs, up to --l2-prefetch-timeout, even after its
+// lookup is gone; and the Go runtime returns freed heap to the OS lazily.
+//
 // L2. With Config.L2Adapters (--l2-adapter JSON, repeatable) the store
 // opens the adapters (package l2, types fs, redis, mooncake_store) and
 // wires package tier's controllers (l2tier.go):
@@ -63,4 +78,29 @@
 // L1 segments are registered with every adapter (RegisterL1Segment) in the
 // background. Close stops the controllers and closes the adapters before
 // the segments go.
+//
+// Fencing. A client writes L1 through its own mapping, from copy and seal
+// goroutines that can outlive its session: a process frozen past its
+// heartbeat (SIGSTOP, a frozen cgroup, a debugger, swapping) or a call that
+// timed out. Freeing its staging slots when the session ends would let a
+// thawed writer overwrite the objects another writer commits there later.
+// So a session opened with SessionOptions.Fence (every ipc session) parks
+// its staging slots, at close and when the staging TTL takes them, in
+// state "fenced": out of the table (others may stage the same keys) and out
+// of the allocator, until the writer is known to be done:
+//
+//	staging ──session end / staging TTL──► fenced ──writer exited (pidfd)──────────► free
+//	                                          └──same instance says HelloDrained──► free
+//
+// The writer's exit is watched with a pidfd opened when the fence is set (a
+// recycled pid can only delay the release). A writer that lives on (or the
+// embedded server's in-process worker, whose pid is ours) lifts its fence
+// itself: its link redials with ipc.HelloDrained only once every earlier
+// client has ended and its mappings are gone (ipc.Client.Use counts the
+// jobs using them). Its late COMMIT cannot publish anything: COMMIT goes to
+// the session that staged, and staging is owned by a session. Readers need
+// no fence: the server marks the shared ring shut down before it releases a
+// session's holds, and a load that finds its session ended after its copy
+// (ipc.Client.Live) is a load error. The bound: a stalled writer keeps at
+// most what it had staged (kvshim_l1_objects{state="fenced"}).
 package server
