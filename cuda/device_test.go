@@ -154,8 +154,8 @@ func TestDevicePlans(t *testing.T) {
 				assert.NilError(t, err)
 				run(t, h, sh, Save)
 				o := objs[uint64(c)*size : uint64(c+1)*size]
-				assert.NilError(t, ld.SealObject(o))
-				assert.NilError(t, ld.VerifyObject(o))
+				assert.NilError(t, ld.SealObject(o, layout.ObjectKey{}))
+				assert.NilError(t, ld.VerifyObject(o, layout.ObjectKey{}))
 				assert.Assert(t, bytes.Equal(o[layout.HeaderSize:], ref[uint64(c)*size+layout.HeaderSize:uint64(c+1)*size]))
 			}
 			zero, za := pinnedTB(t, e, g.bytes)

@@ -75,8 +75,8 @@ func TestHostPlansRoundTrip(t *testing.T) {
 				assert.NilError(t, err)
 				assert.NilError(t, j.Wait(10*time.Second))
 				o := objs[uint64(c)*size : uint64(c+1)*size]
-				assert.NilError(t, l.SealObject(o))
-				assert.NilError(t, l.VerifyObject(o))
+				assert.NilError(t, l.SealObject(o, layout.ObjectKey{}))
+				assert.NilError(t, l.VerifyObject(o, layout.ObjectKey{}))
 			}
 			clear(kv)
 			for c, blocks := range chunks {

@@ -1,6 +1,7 @@
 package layout
 
 import (
+	"encoding/binary"
 	"errors"
 	"testing"
 )
@@ -244,4 +245,63 @@ func checkPlan(t *testing.T, l *Layout, gen []genTensor, ids []int64, save, load
 			}
 		}
 	}
+}
+
+// FuzzVerifyObject: the object checks never panic on any bytes; an object
+// they accept is exactly what SealObject writes for its payload under the
+// key it was checked against (so no other key, layout or size passes), and
+// any error is corruption.
+func FuzzVerifyObject(f *testing.F) {
+	l, err := New([]TensorDesc{mla("l0", 0x1000)}, tBS)
+	if err != nil {
+		f.Fatal(err)
+	}
+	key := ObjectKey{Namespace: [16]byte{0xA1}, Rank: 1, Hash: [32]byte{7}}
+	size, _ := l.ObjectSize(tBS)
+	good := make([]byte, size)
+	for i := range good {
+		good[i] = byte(i)
+	}
+	if err := l.SealObject(good, key); err != nil {
+		f.Fatal(err)
+	}
+	f.Add(good, false)
+	f.Add(good[:HeaderSize], true)
+	other := append([]byte(nil), good...)
+	other[HeaderSize] ^= 1
+	if err := l.SealObject(other, ObjectKey{Namespace: key.Namespace, Rank: 2, Hash: key.Hash}); err != nil {
+		f.Fatal(err)
+	}
+	f.Add(other, false)
+	f.Fuzz(func(t *testing.T, obj []byte, headerOnly bool) {
+		check := l.VerifyObject
+		if headerOnly {
+			check = l.CheckHeader
+		}
+		err := check(obj, key)
+		if err != nil {
+			if !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("%v does not wrap ErrCorrupt", err)
+			}
+			return
+		}
+		if uint64(len(obj)) != size {
+			t.Fatalf("accepted an object of %d bytes, want %d", len(obj), size)
+		}
+		want := append([]byte(nil), obj...)
+		n := len(obj)
+		if headerOnly {
+			// The payload CRC is not checked: the header must be what
+			// SealObject writes for a payload with that CRC.
+			n = HeaderSize
+			h := Header{PayloadSize: size - HeaderSize, ChunkTokens: tBS, Fingerprint: l.Fingerprint(), Key: key,
+				PayloadCRC: binary.LittleEndian.Uint32(obj[20:])}
+			h.Encode(want)
+		} else if err := l.SealObject(want, key); err != nil {
+			t.Fatal(err)
+		}
+		if string(obj[:n]) != string(want[:n]) {
+			t.Fatalf("accepted header\n%x\nbut SealObject writes\n%x", obj[:HeaderSize], want[:HeaderSize])
+		}
+	})
 }

@@ -4,79 +4,53 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
-	"hash/crc32"
 	"math/bits"
+
+	"github.com/kvshim/kvshim/objfmt"
 )
 
-// Object format. A chunk object is a 64-byte header followed by the payload:
-//
-//	off  size  field
-//	  0     4  magic "KVSO"
-//	  4     2  format version (FormatVersion)
-//	  6     2  header size (64)
-//	  8     8  payload size in bytes
-//	 16     4  chunk tokens
-//	 20     4  payload CRC-32C (Castagnoli)
-//	 24    32  layout fingerprint (SHA-256)
-//	 56     4  reserved, zero
-//	 60     4  header CRC-32C over bytes 0..59
+// Object format: a chunk object is an objfmt header (HeaderSize bytes:
+// magic, format version, sizes, payload CRC-32C, layout fingerprint, the
+// object's key and a header CRC; the byte table is in package objfmt)
+// followed by the payload in this layout's natural per-block order.
 const (
-	HeaderSize    = 64
-	FormatVersion = 1
-	magic         = "KVSO"
+	HeaderSize    = objfmt.HeaderSize
+	FormatVersion = objfmt.Version
 )
 
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+// ObjectKey is the key an object is stored under and names in its header:
+// (namespace fingerprint, rank, chunk hash).
+type ObjectKey = objfmt.Key
 
 // Header is the decoded object header.
-type Header struct {
-	Version     uint16
-	PayloadSize uint64
-	ChunkTokens uint32
-	PayloadCRC  uint32
-	Fingerprint [32]byte
-}
+type Header = objfmt.Header
 
-// Encode writes h into dst[:HeaderSize] and seals it with the header CRC.
-func (h *Header) Encode(dst []byte) {
-	_ = dst[HeaderSize-1]
-	copy(dst[0:4], magic)
-	binary.LittleEndian.PutUint16(dst[4:], h.Version)
-	binary.LittleEndian.PutUint16(dst[6:], HeaderSize)
-	binary.LittleEndian.PutUint64(dst[8:], h.PayloadSize)
-	binary.LittleEndian.PutUint32(dst[16:], h.ChunkTokens)
-	binary.LittleEndian.PutUint32(dst[20:], h.PayloadCRC)
-	copy(dst[24:56], h.Fingerprint[:])
-	binary.LittleEndian.PutUint32(dst[56:], 0)
-	binary.LittleEndian.PutUint32(dst[60:], crc32.Checksum(dst[:60], castagnoli))
-}
+// ErrKeyMismatch reports an intact object whose header names another key
+// (namespace, rank or chunk hash) than the one it was read under: bytes
+// stored or copied under the wrong name. Errors that wrap it also match
+// ErrCorrupt.
+var ErrKeyMismatch = objfmt.ErrKeyMismatch
 
 // DecodeHeader parses and checks a header (magic, version, size, header
 // CRC). Errors wrap ErrCorrupt.
 func DecodeHeader(src []byte) (Header, error) {
-	var h Header
-	if len(src) < HeaderSize {
-		return h, corruptErr("object of %d bytes is shorter than its header", len(src))
-	}
-	if string(src[0:4]) != magic {
-		return h, corruptErr("bad magic %q", src[0:4])
-	}
-	if got, want := binary.LittleEndian.Uint32(src[60:]), crc32.Checksum(src[:60], castagnoli); got != want {
-		return h, corruptErr("header checksum %#08x, want %#08x", got, want)
-	}
-	h.Version = binary.LittleEndian.Uint16(src[4:])
-	if h.Version != FormatVersion {
-		return h, corruptErr("format version %d, want %d", h.Version, FormatVersion)
-	}
-	if hs := binary.LittleEndian.Uint16(src[6:]); hs != HeaderSize {
-		return h, corruptErr("header size %d, want %d", hs, HeaderSize)
-	}
-	h.PayloadSize = binary.LittleEndian.Uint64(src[8:])
-	h.ChunkTokens = binary.LittleEndian.Uint32(src[16:])
-	h.PayloadCRC = binary.LittleEndian.Uint32(src[20:])
-	copy(h.Fingerprint[:], src[24:56])
-	return h, nil
+	h, err := objfmt.Decode(src)
+	return h, wrapCorrupt(err)
 }
+
+// wrapCorrupt makes an objfmt error match this package's ErrCorrupt too
+// (and still objfmt's sentinels, ErrKeyMismatch included).
+func wrapCorrupt(err error) error {
+	if err == nil {
+		return nil
+	}
+	return corruptError{err}
+}
+
+type corruptError struct{ err error }
+
+func (e corruptError) Error() string   { return "layout: " + e.err.Error() }
+func (e corruptError) Unwrap() []error { return []error{ErrCorrupt, e.err} }
 
 // PayloadSize is the payload bytes of a chunk of chunkTokens tokens.
 func (l *Layout) PayloadSize(chunkTokens int) (uint64, error) {
@@ -110,46 +84,45 @@ func (l *Layout) Fingerprint() [32]byte { return l.fp }
 func (l *Layout) FingerprintHex() string { return hex.EncodeToString(l.fp[:]) }
 
 // SealObject fills obj's header for a payload already in obj[HeaderSize:]:
-// payload CRC, size, chunk tokens, fingerprint. obj must be exactly
-// ObjectSize(ChunkTokens()) bytes.
-func (l *Layout) SealObject(obj []byte) error {
+// payload CRC, size, chunk tokens, fingerprint and the object's key. obj
+// must be exactly ObjectSize(ChunkTokens()) bytes.
+func (l *Layout) SealObject(obj []byte, key ObjectKey) error {
 	want, _ := l.ObjectSize(l.chunkTokens)
 	if uint64(len(obj)) != want {
 		return geomErr(l.tensors[0].name, "object", "%d bytes, want %d", len(obj), want)
 	}
-	h := Header{Version: FormatVersion, PayloadSize: want - HeaderSize, ChunkTokens: uint32(l.chunkTokens),
-		PayloadCRC: crc32.Checksum(obj[HeaderSize:], castagnoli), Fingerprint: l.fp}
-	h.Encode(obj)
-	return nil
+	return objfmt.Seal(obj, Header{ChunkTokens: uint32(l.chunkTokens), Fingerprint: l.fp, Key: key})
 }
 
-// VerifyObject checks obj's header against this layout (CheckHeader) and
-// the payload's checksum. Any mismatch wraps ErrCorrupt. The checksum reads
-// the whole payload on the CPU (CRC-32C, several GB/s per core).
-func (l *Layout) VerifyObject(obj []byte) error {
-	h, err := l.checkHeader(obj)
+// VerifyObject checks obj's header against this layout and key
+// (CheckHeader) and the payload's checksum. Any mismatch wraps ErrCorrupt;
+// a header that names another key wraps ErrKeyMismatch too. The checksum
+// reads the whole payload on the CPU (CRC-32C, several GB/s per core).
+func (l *Layout) VerifyObject(obj []byte, key ObjectKey) error {
+	h, err := l.checkHeader(obj, key)
 	if err != nil {
 		return err
 	}
-	if got := crc32.Checksum(obj[HeaderSize:], castagnoli); got != h.PayloadCRC {
-		return corruptErr("payload checksum %#08x, want %#08x", got, h.PayloadCRC)
-	}
-	return nil
+	return wrapCorrupt(h.CheckPayload(obj))
 }
 
 // CheckHeader checks obj's header only: magic, version, header checksum,
-// fingerprint, chunk tokens and size against this layout. It reads 64
-// bytes, so it suits a restore path whose payloads were verified when they
-// entered L1. Mismatches wrap ErrCorrupt.
-func (l *Layout) CheckHeader(obj []byte) error {
-	_, err := l.checkHeader(obj)
+// the key it names against key (ErrKeyMismatch), fingerprint, chunk tokens
+// and size against this layout. It reads HeaderSize bytes, so it suits a
+// restore path whose payloads were verified when they entered L1.
+// Mismatches wrap ErrCorrupt.
+func (l *Layout) CheckHeader(obj []byte, key ObjectKey) error {
+	_, err := l.checkHeader(obj, key)
 	return err
 }
 
-func (l *Layout) checkHeader(obj []byte) (Header, error) {
+func (l *Layout) checkHeader(obj []byte, key ObjectKey) (Header, error) {
 	h, err := DecodeHeader(obj)
 	if err != nil {
 		return h, err
+	}
+	if err := h.CheckKey(key); err != nil {
+		return h, wrapCorrupt(err)
 	}
 	want, _ := l.PayloadSize(l.chunkTokens)
 	switch {

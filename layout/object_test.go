@@ -2,6 +2,7 @@ package layout
 
 import (
 	"encoding/binary"
+	"errors"
 	"hash/crc32"
 	"testing"
 
@@ -56,74 +57,104 @@ func TestFingerprint(t *testing.T) {
 	assert.Assert(t, mustNew(t, 4, d).Fingerprint() != differ["one layer"].Fingerprint())
 
 	// Pinned: a change here changes every deployment's namespace. Bump
-	// FormatVersion instead of editing this value by accident.
+	// FormatVersion instead of editing this value by accident. (Format
+	// version 2, the header that names its key, changed it.)
 	assert.Equal(t, nhd.FingerprintHex(), goldenFingerprint)
 }
 
-const goldenFingerprint = "2045f8595d504800fe6525273c5c9f116b1f36bdab80000b3563921b060f5380"
+const goldenFingerprint = "e4062e9ae1e9f458fee3d480e945103d9bcf4e595331b92bd7203684af881ebc"
 
 func TestObjectRoundTrip(t *testing.T) {
 	l := mustNew(t, 4, faNHD("l0", 0x1000), faNHD("l1", 0x9000))
 	size, err := l.ObjectSize(4)
 	assert.NilError(t, err)
 	assert.Equal(t, size, uint64(HeaderSize+256))
+	assert.Equal(t, HeaderSize%64, 0) // payloads stay aligned
 	o := make([]byte, size)
 	for i := range o[HeaderSize:] {
 		o[HeaderSize+i] = byte(i * 7)
 	}
-	assert.NilError(t, l.SealObject(o))
-	assert.NilError(t, l.VerifyObject(o))
+	key := ObjectKey{Namespace: [16]byte{0xA1, 2}, Rank: 1, Hash: [32]byte{9, 8, 7}}
+	assert.NilError(t, l.SealObject(o, key))
+	assert.NilError(t, l.VerifyObject(o, key))
 	h, err := DecodeHeader(o)
 	assert.NilError(t, err)
 	assert.Equal(t, h.PayloadSize, uint64(256))
 	assert.Equal(t, h.ChunkTokens, uint32(4))
 	assert.Equal(t, h.Fingerprint, l.Fingerprint())
+	assert.Equal(t, h.Key, key)
 
 	other := mustNew(t, 4, faHND("l0", 0x1000), faHND("l1", 0x9000))
 	corrupt := map[string]func(b []byte) (*Layout, []byte){
 		"payload bit":    func(b []byte) (*Layout, []byte) { b[HeaderSize+100] ^= 1; return l, b },
 		"header bit":     func(b []byte) (*Layout, []byte) { b[9] ^= 1; return l, b },
+		"key bit":        func(b []byte) (*Layout, []byte) { b[80] ^= 1; return l, b },
 		"magic":          func(b []byte) (*Layout, []byte) { b[0] = 'X'; return l, b },
 		"short":          func(b []byte) (*Layout, []byte) { return l, b[:40] },
+		"header only":    func(b []byte) (*Layout, []byte) { return l, b[:HeaderSize] },
 		"truncated":      func(b []byte) (*Layout, []byte) { return l, b[:len(b)-1] },
 		"other layout":   func(b []byte) (*Layout, []byte) { return other, b },
 		"other chunk":    func(b []byte) (*Layout, []byte) { return mustNew(t, 8, faNHD("l0", 0x1000), faNHD("l1", 0x9000)), b },
 		"version resign": func(b []byte) (*Layout, []byte) { resign(b, func(h []byte) { h[4] = 9 }); return l, b },
+		"version 1":      func(b []byte) (*Layout, []byte) { resign(b, func(h []byte) { h[4] = 1 }); return l, b },
 		"size resign":    func(b []byte) (*Layout, []byte) { resign(b, func(h []byte) { h[8]++ }); return l, b },
-		"hsize resign":   func(b []byte) (*Layout, []byte) { resign(b, func(h []byte) { h[6] = 32 }); return l, b },
+		"hsize resign":   func(b []byte) (*Layout, []byte) { resign(b, func(h []byte) { h[6] = 64 }); return l, b },
+		"tokens resign":  func(b []byte) (*Layout, []byte) { resign(b, func(h []byte) { h[16] = 8 }); return l, b },
+		"fp resign":      func(b []byte) (*Layout, []byte) { resign(b, func(h []byte) { h[30] ^= 1 }); return l, b },
 	}
 	for name, f := range corrupt {
 		t.Run(name, func(t *testing.T) {
 			b := append([]byte(nil), o...)
 			lay, b := f(b)
-			assert.ErrorIs(t, lay.VerifyObject(b), ErrCorrupt)
+			err := lay.VerifyObject(b, key)
+			assert.ErrorIs(t, err, ErrCorrupt)
+			assert.Assert(t, !errors.Is(err, ErrKeyMismatch), "%v", err)
 			if name == "payload bit" {
-				assert.NilError(t, lay.CheckHeader(b)) // header-only check misses it
+				assert.NilError(t, lay.CheckHeader(b, key)) // header-only check misses it
 			} else {
-				assert.ErrorIs(t, lay.CheckHeader(b), ErrCorrupt)
+				assert.ErrorIs(t, lay.CheckHeader(b, key), ErrCorrupt)
 			}
 		})
 	}
-	assert.NilError(t, l.CheckHeader(o))
-	assert.ErrorIs(t, l.SealObject(o[:10]), ErrGeometry)
+	assert.NilError(t, l.CheckHeader(o, key))
+	assert.ErrorIs(t, l.SealObject(o[:10], key), ErrGeometry)
 	_, err = l.ObjectSize(3)
 	assert.Check(t, is.ErrorContains(err, "chunk_tokens"))
+}
+
+// An intact object read under another key (namespace, rank or chunk hash)
+// is a key mismatch, which is also corruption, for both checks.
+func TestObjectKeyMismatch(t *testing.T) {
+	l := mustNew(t, 4, faNHD("l0", 0x1000), faNHD("l1", 0x9000))
+	size, err := l.ObjectSize(4)
+	assert.NilError(t, err)
+	o := make([]byte, size)
+	key := ObjectKey{Namespace: [16]byte{0xA1}, Rank: 2, Hash: [32]byte{1, 2, 3}}
+	assert.NilError(t, l.SealObject(o, key))
+	otherNS, otherRank, otherHash := key, key, key
+	otherNS.Namespace[15] = 1
+	otherRank.Rank = 0
+	otherHash.Hash[31] = 1
+	for name, want := range map[string]ObjectKey{"namespace": otherNS, "rank": otherRank, "hash": otherHash} {
+		t.Run(name, func(t *testing.T) {
+			for _, err := range []error{l.VerifyObject(o, want), l.CheckHeader(o, want)} {
+				assert.ErrorIs(t, err, ErrKeyMismatch)
+				assert.ErrorIs(t, err, ErrCorrupt)
+				assert.ErrorContains(t, err, name)
+			}
+		})
+	}
+	// Resealing under the right key makes it verify: the key is all that differed.
+	assert.NilError(t, l.SealObject(o, otherHash))
+	assert.NilError(t, l.VerifyObject(o, otherHash))
+	assert.ErrorIs(t, l.VerifyObject(o, key), ErrKeyMismatch)
 }
 
 // resign edits header bytes and recomputes the header CRC, so only the
 // semantic checks can catch the change.
 func resign(b []byte, edit func([]byte)) {
 	edit(b)
-	var h Header
-	h.Version = binary.LittleEndian.Uint16(b[4:])
-	h.PayloadSize = binary.LittleEndian.Uint64(b[8:])
-	h.ChunkTokens = binary.LittleEndian.Uint32(b[16:])
-	h.PayloadCRC = binary.LittleEndian.Uint32(b[20:])
-	copy(h.Fingerprint[:], b[24:56])
-	hs := b[6]
-	h.Encode(b)
-	b[6] = hs
-	binary.LittleEndian.PutUint32(b[60:], crcOf(b[:60]))
+	binary.LittleEndian.PutUint32(b[HeaderSize-4:], crcOf(b[:HeaderSize-4]))
 }
 
 func crcOf(b []byte) uint32 { return crc32.Checksum(b, crc32.MakeTable(crc32.Castagnoli)) }

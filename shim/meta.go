@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/layout"
 )
 
 // StepMeta is what the scheduler side hands to every worker for one engine
@@ -29,12 +31,17 @@ type StepMeta struct {
 // LoadSpec restores chunks [Start, End) of lookup (Owner, Lookup) into
 // Blocks: ChunkBlocks ids per chunk, in token order; -1 marks a block the
 // request already has (vLLM's own prefix cache), which is not written.
+// Hashes are the chunk hashes of chunks [Start, End): every retrieved
+// object's header must name (namespace, rank, hash) before a byte of it
+// reaches the KV cache. A load without them loads nothing (every chunk is a
+// load error).
 type LoadSpec struct {
 	Req    string  `json:"req"`
 	Owner  Tag     `json:"owner"`
 	Lookup uint64  `json:"lookup"`
 	Start  uint32  `json:"start"`
 	End    uint32  `json:"end"`
+	Hashes []Hash  `json:"hashes,omitempty"`
 	Blocks []int64 `json:"blocks"`
 }
 
@@ -105,6 +112,9 @@ func DecodeStepMeta(b []byte, chunkBlocks int, numBlocks int64) (*StepMeta, erro
 		if err := checkBlocks("load", l.Req, l.Blocks, int(l.End-l.Start), true); err != nil {
 			return nil, err
 		}
+		if len(l.Hashes) != 0 && len(l.Hashes) != int(l.End-l.Start) {
+			return nil, fmt.Errorf("%w: load of %q: %d chunk hashes for chunks [%d, %d)", ErrBadMeta, l.Req, len(l.Hashes), l.Start, l.End)
+		}
 	}
 	for _, s := range m.Saves {
 		if err := checkBlocks("save", s.Req, s.Blocks, len(s.Hashes), false); err != nil {
@@ -112,4 +122,30 @@ func DecodeStepMeta(b []byte, chunkBlocks int, numBlocks int64) (*StepMeta, erro
 		}
 	}
 	return &m, nil
+}
+
+// ErrNoChunkHash: a load names no chunk hash for a chunk, so the object's
+// key cannot be checked; the chunk is not loaded.
+var ErrNoChunkHash = errors.New("no chunk hash to check the object's key against")
+
+// objectKey is the key of chunk hash h of this worker's rank: what its
+// objects' headers name.
+func (w *Worker) objectKey(h Hash) layout.ObjectKey {
+	return layout.ObjectKey{Namespace: w.ns, Rank: w.kvRank, Hash: h}
+}
+
+// verifyLoaded checks retrieved object obj, chunk i of a load's hashes,
+// against the layout and the key it was asked for (the whole object,
+// payload checksum included). A header that names another key is counted
+// (KeyMismatches) and logged: bytes stored under the wrong name.
+func (w *Worker) verifyLoaded(l *layout.Layout, obj []byte, hashes []Hash, i int) error {
+	if i >= len(hashes) {
+		return ErrNoChunkHash
+	}
+	err := l.VerifyObject(obj, w.objectKey(hashes[i]))
+	if errors.Is(err, layout.ErrKeyMismatch) {
+		w.count(func(s *WorkerStats) { s.KeyMismatches++ })
+		slog.Error("kvshim: retrieved object names another key; not loaded", "rank", w.kvRank, "chunk_hash", hex.EncodeToString(hashes[i][:]), "err", err)
+	}
+	return err
 }

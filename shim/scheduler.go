@@ -272,8 +272,14 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 			return c.Free(ctx, &ipc.FreeReq{LookupID: r.lookupID, Start: uint32(last), End: ^uint32(0)})
 		})
 	}
+	// The chunk hashes go with the load: the workers check each object's
+	// header names its key before a byte of it reaches the KV cache.
+	hs := make([]Hash, 0, last-first)
+	for _, h := range r.hashes[first:last] {
+		hs = append(hs, Hash(h))
+	}
 	s.loads = append(s.loads, LoadSpec{Req: req, Owner: Tag(s.cfg.Instance), Lookup: r.lookupID,
-		Start: uint32(first), End: uint32(last), Blocks: ids})
+		Start: uint32(first), End: uint32(last), Hashes: hs, Blocks: ids})
 	// vLLM itself keeps the blocks of a request whose load is in flight
 	// (WAITING_FOR_REMOTE_KVS) until the workers report it received.
 	r.loadPlaned, r.holdsFreed = true, true

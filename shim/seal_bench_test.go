@@ -41,13 +41,13 @@ func BenchmarkSealChunks(b *testing.B) {
 	b.Run("sequential", func(b *testing.B) {
 		for b.Loop() {
 			for _, o := range objs {
-				assert.NilError(b, l.SealObject(o))
+				assert.NilError(b, l.SealObject(o, layout.ObjectKey{}))
 			}
 		}
 	})
 	b.Run("parallel", func(b *testing.B) {
 		for b.Loop() {
-			inParallel(len(objs), func(i int) { assert.NilError(b, l.SealObject(objs[i])) })
+			inParallel(len(objs), func(i int) { assert.NilError(b, l.SealObject(objs[i], layout.ObjectKey{})) })
 		}
 	})
 }

@@ -170,10 +170,10 @@ func checkSaved(c *config, l *layout.Layout, kind cacheKind, ids [][]int64, src 
 		if !bytes.Equal(o[layout.HeaderSize:], ref[layout.HeaderSize:]) {
 			return fmt.Errorf("chunk %d: device-saved object differs from the host reference", i)
 		}
-		if err := l.SealObject(o); err != nil {
+		if err := l.SealObject(o, benchKey(i)); err != nil {
 			return err
 		}
-		if err := l.VerifyObject(o); err != nil {
+		if err := l.VerifyObject(o, benchKey(i)); err != nil {
 			return err
 		}
 	}

@@ -161,14 +161,14 @@ func hostBench(c *config, res map[string]any) error {
 		}
 		t := time.Now()
 		for i := range ids {
-			if err := l.SealObject(objs[uint64(i)*objSize : uint64(i+1)*objSize]); err != nil {
+			if err := l.SealObject(objs[uint64(i)*objSize:uint64(i+1)*objSize], benchKey(i)); err != nil {
 				return err
 			}
 		}
 		sealNs := float64(time.Since(t).Nanoseconds()) / float64(len(ids))
 		t = time.Now()
 		for i := range ids {
-			if err := l.VerifyObject(objs[uint64(i)*objSize : uint64(i+1)*objSize]); err != nil {
+			if err := l.VerifyObject(objs[uint64(i)*objSize:uint64(i+1)*objSize], benchKey(i)); err != nil {
 				return err
 			}
 		}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/binary"
 	"math/rand"
 
 	"github.com/kvshim/kvshim/layout"
@@ -83,4 +84,12 @@ func itoa(n int) string {
 		s = string(rune('0'+n%10)) + s
 	}
 	return s
+}
+
+// benchKey is the object key of chunk i in the benchmark (objects name
+// their key; any fixed namespace will do here).
+func benchKey(i int) layout.ObjectKey {
+	k := layout.ObjectKey{Namespace: [16]byte{'b', 'e', 'n', 'c', 'h'}}
+	binary.LittleEndian.PutUint64(k.Hash[:], uint64(i))
+	return k
 }

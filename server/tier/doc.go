@@ -37,6 +37,20 @@
 // semantics), and the staging buffers of loads still running are freed
 // only when their keys report, never under a running load.
 //
+// Object check: bytes arriving from L2 are checked before they can be
+// served. Each loaded object's header (package objfmt: magic, format
+// version, header checksum) must name the key the fill asked for
+// (namespace, rank, chunk hash), its size must match and its payload
+// checksum must verify. An object that fails (a file copied over another
+// key's, a stale writer's bytes, a format version 1 object, a corrupt
+// payload) is a failed load of that chunk, counted
+// (kvshim_l2_prefetch_chunks_total{result="rejected"}, and
+// kvshim_l2_prefetch_key_mismatches_total when it names another key),
+// logged, and deleted through the adapter once the fill's holds are
+// released, so the next store of that key writes the right bytes. The
+// layout fingerprint and chunk tokens are the worker's to check (the
+// server never knows the layout).
+//
 // Partial failure: a load that fails or misses for chunk k frees its
 // staging; the store's fill (Done) then answers at most k chunks even when
 // later chunks loaded (they are dropped, or stay resident in retain mode

@@ -12,6 +12,7 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
@@ -96,11 +97,17 @@ func hashes(seed string, n int) []ipc.Hash {
 	return out
 }
 
-// pattern is the content of object (hash, rank).
-func pattern(h ipc.Hash, rank uint32) []byte {
+// pattern is the content of object (ns1, rank, hash): an object header
+// that names its key, then a payload derived from the key.
+func pattern(h ipc.Hash, rank uint32) []byte { return patternIn(ns1, h, rank) }
+
+func patternIn(ns ipc.Namespace, h ipc.Hash, rank uint32) []byte {
 	b := make([]byte, objSize)
 	for i := range b {
-		b[i] = h[i%32] ^ byte(rank) ^ byte(i>>8)
+		b[i] = h[i%32] ^ byte(rank) ^ byte(i>>8) ^ ns[0]
+	}
+	if err := objfmt.Seal(b, objfmt.Header{ChunkTokens: 16, Key: objfmt.Key{Namespace: ns, Rank: rank, Hash: h}}); err != nil {
+		panic(err)
 	}
 	return b
 }

@@ -2,6 +2,7 @@ package tier
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -63,6 +65,8 @@ type PrefetchController struct {
 	l1Full                                 atomic.Int64
 	waited                                 atomic.Int64
 	chunksOK, chunksMiss, chunksFailed     []atomic.Int64 // per adapter
+	chunksRejected, keyMismatches          []atomic.Int64 // per adapter: objects that failed the check
+	badDeleted, badDeleteFailed            []atomic.Int64 // per adapter: deletes of rejected objects
 	bytesLoaded                            []atomic.Int64
 }
 
@@ -83,7 +87,9 @@ func NewPrefetchController(l1 L1, adapters []*l2.Adapter, cfg PrefetchConfig, re
 	n := len(adapters)
 	pc := &PrefetchController{adapters: adapters, cfg: cfg, log: log,
 		chunksOK: make([]atomic.Int64, n), chunksMiss: make([]atomic.Int64, n),
-		chunksFailed: make([]atomic.Int64, n), bytesLoaded: make([]atomic.Int64, n)}
+		chunksFailed: make([]atomic.Int64, n), bytesLoaded: make([]atomic.Int64, n),
+		chunksRejected: make([]atomic.Int64, n), keyMismatches: make([]atomic.Int64, n),
+		badDeleted: make([]atomic.Int64, n), badDeleteFailed: make([]atomic.Int64, n)}
 	pc.ad = &admission{l1: l1, budget: cfg.Budget, acceptedG: &pc.acceptedG, waitingG: &pc.waitingG}
 	pc.ctx, pc.cancel = context.WithCancel(context.Background())
 	pc.budgetG.Store(int64(cfg.Budget))
@@ -102,11 +108,17 @@ func NewPrefetchController(l1 L1, adapters []*l2.Adapter, cfg PrefetchConfig, re
 	c.add("kvshim_l2_prefetch_budget_bytes", "Admission budget: L1 prefetch bytes + accepted bytes stay below it.", true, &pc.budgetG)
 	for i, a := range adapters {
 		const ch = "kvshim_l2_prefetch_chunks_total"
-		const chHelp = "Objects loaded from L2 into L1, by adapter and result."
+		const chHelp = "Objects loaded from L2 into L1, by adapter and result: ok, miss, failed (the adapter's error), rejected (read, but the object header is corrupt, names another key or the payload checksum differs: never served, deleted from L2)."
 		c.add(ch, chHelp, false, &pc.chunksOK[i], "adapter", a.Name(), "result", "ok")
 		c.add(ch, chHelp, false, &pc.chunksMiss[i], "adapter", a.Name(), "result", "miss")
 		c.add(ch, chHelp, false, &pc.chunksFailed[i], "adapter", a.Name(), "result", "failed")
-		c.add("kvshim_l2_prefetch_bytes_total", "Bytes loaded from L2 into L1.", false, &pc.bytesLoaded[i], "adapter", a.Name())
+		c.add(ch, chHelp, false, &pc.chunksRejected[i], "adapter", a.Name(), "result", "rejected")
+		c.add("kvshim_l2_prefetch_key_mismatches_total", "Objects read from L2 whose header names another key (namespace, rank or chunk hash) than the one loaded: bytes stored under the wrong name (also counted as rejected).", false, &pc.keyMismatches[i], "adapter", a.Name())
+		const del = "kvshim_l2_prefetch_rejected_deletes_total"
+		const delHelp = "Deletes of rejected L2 objects, by result (failed: e.g. held by another lookup; a later fill retries)."
+		c.add(del, delHelp, false, &pc.badDeleted[i], "adapter", a.Name(), "result", "ok")
+		c.add(del, delHelp, false, &pc.badDeleteFailed[i], "adapter", a.Name(), "result", "failed")
+		c.add("kvshim_l2_prefetch_bytes_total", "Bytes loaded from L2 into L1 (objects that passed the check).", false, &pc.bytesLoaded[i], "adapter", a.Name())
 	}
 	pc.metrics = c
 	if err := register(reg, c); err != nil {
@@ -125,6 +137,9 @@ func (pc *PrefetchController) Export(fn func(name, labels string, value float64,
 type PrefetchStats struct {
 	Inflight, Loaded, NoL2, Rejected, L1Full, Timeouts, Waited int64
 	ChunksOK, ChunksMiss, ChunksFailed                         []int64
+	// Per adapter: objects read but rejected by the object check (corrupt,
+	// or another key's: KeyMismatches), and the deletes of those objects.
+	ChunksRejected, KeyMismatches, RejectedDeleted, RejectedDeleteFailed []int64
 }
 
 // Stats returns the counters now.
@@ -135,6 +150,10 @@ func (pc *PrefetchController) Stats() PrefetchStats {
 		s.ChunksOK = append(s.ChunksOK, pc.chunksOK[i].Load())
 		s.ChunksMiss = append(s.ChunksMiss, pc.chunksMiss[i].Load())
 		s.ChunksFailed = append(s.ChunksFailed, pc.chunksFailed[i].Load())
+		s.ChunksRejected = append(s.ChunksRejected, pc.chunksRejected[i].Load())
+		s.KeyMismatches = append(s.KeyMismatches, pc.keyMismatches[i].Load())
+		s.RejectedDeleted = append(s.RejectedDeleted, pc.badDeleted[i].Load())
+		s.RejectedDeleteFailed = append(s.RejectedDeleteFailed, pc.badDeleteFailed[i].Load())
 	}
 	return s
 }
@@ -296,6 +315,10 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 		pc.cfg.BeforeLoad(lk)
 	}
 	var loads sync.WaitGroup
+	// bad[a]: keys whose objects adapter a returned but the check
+	// rejected; each adapter's events goroutine appends to its own slice,
+	// read once loads are all done.
+	bad := make([][]l2.Key, len(pc.adapters))
 	for a := range pc.adapters {
 		var idx []int
 		for i := range plan {
@@ -317,8 +340,18 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 			defer loads.Done()
 			for ev := range t.Events() {
 				cl := &plan[idx[ev.Index]]
+				ok := ev.OK()
 				switch ev.Status {
 				case l2.StatusOK:
+					// Bytes from a disk or a network: check the header names
+					// the key asked for and the payload checksum before the
+					// object can be served.
+					if err := checkObject(cl.mem, cl.key); err != nil {
+						ok = false
+						pc.reject(a, cl.key, err)
+						bad[a] = append(bad[a], cl.key)
+						break
+					}
 					pc.chunksOK[a].Add(1)
 					pc.bytesLoaded[a].Add(int64(ev.Bytes))
 				case l2.StatusMiss:
@@ -327,7 +360,7 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 					pc.chunksFailed[a].Add(1)
 					pc.log.Debug("tier: L2 load failed", "adapter", pc.adapters[a].Name(), "key", ev.Key, "err", ev.Err)
 				}
-				_ = f.Commit(cl.rank, cl.chunk, ev.OK())
+				_ = f.Commit(cl.rank, cl.chunk, ok)
 			}
 		}()
 	}
@@ -350,17 +383,73 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 		case <-allDone:
 		case <-time.After(drainTimeout):
 			pc.log.Warn("tier: L2 loads still running after the deadline; their staging stays reserved")
-			go func() { <-allDone; pc.finish(f, results, plan) }()
+			go func() { <-allDone; pc.finish(f, results, plan, bad) }()
 			return
 		}
 	}
-	pc.finish(f, results, plan)
+	pc.finish(f, results, plan, bad)
 }
 
-func (pc *PrefetchController) finish(f Fill, results [][]l2.Result, plan []cell) {
+func (pc *PrefetchController) finish(f Fill, results [][]l2.Result, plan []cell, bad [][]l2.Key) {
 	f.Done()
 	pc.release(results, plan, 0, false)
 	pc.ad.kick()
+	pc.deleteRejected(bad) // after release: the adapter refuses to delete held keys
+}
+
+// checkObject verifies an object loaded from L2 for key: header (magic,
+// format version, header checksum), the key it names, its size and the
+// payload checksum. The server does not know the KV layout; the layout
+// fingerprint and chunk tokens are the worker's to check.
+func checkObject(obj []byte, key l2.Key) error {
+	_, err := objfmt.Verify(obj, objfmt.Key{Namespace: key.Namespace, Rank: key.Rank, Hash: key.Hash})
+	return err
+}
+
+// reject counts and logs an L2 object that failed checkObject.
+func (pc *PrefetchController) reject(a int, key l2.Key, err error) {
+	pc.chunksRejected[a].Add(1)
+	what := "corrupt"
+	if errors.Is(err, objfmt.ErrKeyMismatch) {
+		pc.keyMismatches[a].Add(1)
+		what = "key mismatch"
+	}
+	pc.log.Warn("tier: L2 object rejected ("+what+"): not served, deleting it", "adapter", pc.adapters[a].Name(), "key", key, "err", err)
+}
+
+// deleteRejected deletes the objects checkObject rejected, so a later
+// store can write the right bytes under their keys (stores skip keys that
+// exist). A delete that fails (another lookup holds the key, a backend
+// error) is counted and logged; the next fill that reads it retries.
+func (pc *PrefetchController) deleteRejected(bad [][]l2.Key) {
+	for a, keys := range bad {
+		if len(keys) == 0 {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), pc.cfg.Timeout)
+		t := pc.adapters[a].Delete(ctx, keys)
+		select {
+		case <-t.Done():
+		case <-ctx.Done():
+		}
+		cancel()
+		select {
+		case <-t.Done():
+		default:
+			pc.badDeleteFailed[a].Add(int64(len(keys)))
+			pc.log.Warn("tier: delete of rejected L2 objects timed out", "adapter", pc.adapters[a].Name(), "keys", len(keys))
+			continue
+		}
+		for i, r := range t.Results() {
+			switch r.Status {
+			case l2.StatusOK, l2.StatusMiss: // deleted, or gone already
+				pc.badDeleted[a].Add(1)
+			default:
+				pc.badDeleteFailed[a].Add(1)
+				pc.log.Warn("tier: delete of a rejected L2 object failed; a later fill retries", "adapter", pc.adapters[a].Name(), "key", keys[i], "err", r.Err)
+			}
+		}
+	}
 }
 
 // release drops the holds toRelease names.
