@@ -15,6 +15,12 @@
  *   - The caller owns every buffer; the library never keeps a pointer to
  *     caller memory after a call returns, except the KV cache memory it was
  *     registered with, which must outlive the handle.
+ *   - Lengths are trusted: a (pointer, length) pair must describe memory
+ *     the caller owns for the whole call. A length larger than the buffer
+ *     (e.g. n = 2^30 tokens for a 16-token array) makes the library read
+ *     past it, and a read of unmapped memory kills the process with the Go
+ *     runtime's "fatal error: fault", which no recover() can catch: the
+ *     same contract as memcpy's.
  *   - A panic inside the library is recovered and returned as
  *     KVSHIM_EPANIC; it never crashes the host process.
  *   - The Go runtime does not survive fork(): load the library after the
