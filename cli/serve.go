@@ -53,6 +53,8 @@ func parseServe(args []string, stderr io.Writer) (o serveOptions, code int, ok b
 	admissionWait := fs.Duration("l2-admission-wait", 0, "how long a prefetch waits for budget, a `duration` (0: 1s; negative: never waits)")
 	prefetchRetain := fs.Bool("l2-prefetch-retain", false, "objects loaded from L2 stay resident in L1 after the read")
 	storeInflight := fs.Float64("l2-store-max-inflight-gb", 0, "`GiB` of L1 pinned for L2 writes in flight (0: a quarter of L1)")
+	maxLookups := fs.Int("max-lookups-per-session", server.DefaultMaxLookupsPerSession, "the most live lookups (`N`) one client session may have; more are refused (the client sees a miss)")
+	maxCells := fs.Int("max-lookup-cells-per-session", server.DefaultMaxLookupCellsPerSession, "the most hold cells (`N` chunks × readers, each at most 37 bytes of server memory) one session's live lookups may have; more are refused (a miss)")
 	if code, ok := fs.parse(args, stderr); !ok {
 		return o, code, false
 	}
@@ -69,6 +71,7 @@ func parseServe(args []string, stderr io.Writer) (o serveOptions, code int, ok b
 	cfg.L2PrefetchBudgetGB, cfg.L2StoreMaxInflightGB = *prefetchBudget, *storeInflight
 	cfg.L2PrefetchTimeout, cfg.L2AdmissionWait = *prefetchTimeout, *admissionWait
 	cfg.L2PrefetchRetain = *prefetchRetain
+	cfg.MaxLookupsPerSession, cfg.MaxLookupCellsPerSession = *maxLookups, *maxCells
 	if p := strings.ToUpper(strings.TrimSpace(*policy)); contains(validEvictionPolicies, p) {
 		cfg.EvictionPolicy = p
 	} else {

@@ -53,7 +53,7 @@ func printSnapshot(w io.Writer, s *snapshot) {
 		fmtBytes(used), fmtBytes(capacity), pct(used, capacity),
 		fmtBytes(mapped), pct(mapped, capacity), fmtBytes(r.get("kvshim_l1_slab_bytes")), pct(r.get("kvshim_l1_slab_bytes"), capacity))
 	peak := ""
-	if v, ok := r.opt("kvshim_l1_used_bytes_max"); ok {
+	if v, ok := r.opt("kvshim_l1_used_max_bytes"); ok {
 		peak = fmt.Sprintf("; peak used %s (%s)", fmtBytes(v), pct(v, capacity))
 	}
 	line("", "%.0f segments, %.0f slabs, %.0f size classes%s",

@@ -84,7 +84,7 @@ func TestPrintSnapshotUnknown(t *testing.T) {
 	add("kvshim_l1_objects{state=resident}", 5)
 	add("kvshim_l1_object_bytes{state=resident}", 5<<20)
 	add("kvshim_server_op_seconds{op=alloc,quantile=0.5}", 12e-6)
-	add("kvshim_l1_used_bytes_max", 1<<29)
+	add("kvshim_l1_used_max_bytes", 1<<29)
 	add("kvshim_l1_pinned", 2)
 	add("kvshim_future_thing", 42)
 	var b bytes.Buffer

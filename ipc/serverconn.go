@@ -24,6 +24,7 @@ type ServerConn struct {
 	sendMu    sync.Mutex
 	announced map[uint32]bool // under sockMu
 	logged    atomic.Bool     // the end of the session was logged (once)
+	strays    logLimiter      // WARNs for unexpected socket messages
 }
 
 // Hello is what the client said in its hello.
@@ -69,18 +70,62 @@ func (c *ServerConn) closeWith(err error) {
 }
 
 // watchSocket blocks on the socket (0 CPU) and ends the session when the
-// client closes it or dies. Clients send nothing after the hello.
+// client closes it or dies. Clients send nothing after the hello; what
+// they send anyway is dropped, with a WARN line for the first message and
+// at most one per warnEvery after it (a client that floods the socket
+// cannot flood the log).
 func (c *ServerConn) watchSocket() {
 	buf := make([]byte, maxSockMsg)
 	for {
 		kind, _, fds, err := recvSock(c.uc, buf, time.Time{})
 		if err != nil {
+			if n := c.strays.flush(); n > 0 {
+				c.log.Warn("kvshim ipc: ignored more unexpected socket messages", "suppressed", n)
+			}
 			c.closeWith(fmt.Errorf("client socket: %w", err))
 			return
 		}
 		closeFds(fds)
-		c.log.Warn("kvshim ipc: ignoring unexpected socket message", "kind", kind)
+		if ok, n := c.strays.allow(time.Now()); ok {
+			c.log.Warn("kvshim ipc: ignoring unexpected socket message", "kind", kind, "suppressed", n)
+		}
 	}
+}
+
+// warnEvery is the least time between two WARN lines of one kind on one
+// session, after its first.
+const warnEvery = 10 * time.Second
+
+// logLimiter rate-limits one kind of log line: the first passes, then at
+// most one per warnEvery; the lines held back are counted and reported by
+// the next one that passes (or by flush). Safe for concurrent use.
+type logLimiter struct {
+	mu         sync.Mutex
+	last       time.Time // when a line last passed; zero: never
+	suppressed int
+}
+
+// allow reports whether a line may be logged at now and, when it may, how
+// many were held back since the last one.
+func (l *logLimiter) allow(now time.Time) (ok bool, suppressed int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.last.IsZero() && now.Sub(l.last) < warnEvery {
+		l.suppressed++
+		return false, 0
+	}
+	suppressed, l.last, l.suppressed = l.suppressed, now, 0
+	return true, suppressed
+}
+
+// flush returns (and forgets) the count of lines held back since the last
+// one logged, for a final line when the session ends.
+func (l *logLimiter) flush() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := l.suppressed
+	l.suppressed = 0
+	return n
 }
 
 // AnnounceSegment sends s (id, size, fd) to the client unless it was sent

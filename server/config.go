@@ -32,6 +32,8 @@ const GiB = 1 << 30
 //	--l2-admission-wait D    L2AdmissionWait    (0: 1 s; negative: never wait)
 //	--l2-prefetch-retain     L2PrefetchRetain   (loaded objects stay resident)
 //	--l2-store-max-inflight-gb F L2StoreMaxInflightGB (0: a quarter of L1)
+//	--max-lookups-per-session N  MaxLookupsPerSession (0: 4096)
+//	--max-lookup-cells-per-session N MaxLookupCellsPerSession (0: 1048576)
 //
 // Fields below the line have no flag; zero means "default".
 type Config struct {
@@ -52,6 +54,20 @@ type Config struct {
 	L2PrefetchRetain     bool
 	L2StoreMaxInflightGB float64
 
+	// Lookup limits: what one session's live lookups (registered, not
+	// yet forgotten) may make the server hold; a LOOKUP past either is
+	// refused with ErrLookupLimit (StatusBadRequest: the client's miss).
+	// MaxLookupsPerSession bounds their number (default 4096: a vLLM
+	// scheduler has one live lookup per waiting request it has looked up,
+	// a few thousand at most). MaxLookupCellsPerSession bounds their hold
+	// tables, chunks × readers summed over them (default 1Mi = MaxLookupCells,
+	// so any one valid lookup fits an idle session: e.g. 256 prompts of
+	// 128K tokens at TP 8, or 16 of the largest 65,536-chunk lookups at
+	// TP 1). A lookup costs at most 512 bytes plus 61 per cell, so the
+	// defaults bound a session's lookups to 64 MiB (doc.go).
+	MaxLookupsPerSession     int
+	MaxLookupCellsPerSession int
+
 	// SegmentSize is the size of one L1 shared segment (default 1 GiB, or
 	// the whole L1 when smaller). It bounds the largest object.
 	SegmentSize uint64
@@ -65,9 +81,6 @@ type Config struct {
 	ReapInterval time.Duration
 	// MaxWorldSize bounds LookupReq.WorldSize (default 1024).
 	MaxWorldSize uint32
-	// MaxLookupsPerSession bounds the live lookups of one session
-	// (default 65536).
-	MaxLookupsPerSession int
 }
 
 // Defaults.
@@ -79,7 +92,10 @@ const (
 	DefaultSegmentSize          = 1 * GiB
 	DefaultSlabSize             = 64 << 20
 	DefaultMaxWorldSize         = 1024
-	DefaultMaxLookupsPerSession = 1 << 16
+	DefaultMaxLookupsPerSession = 4096
+	// DefaultMaxLookupCellsPerSession is MaxLookupCells: the largest
+	// single lookup fits a session that holds nothing else.
+	DefaultMaxLookupCellsPerSession = MaxLookupCells
 	// MaxL1SizeGB bounds --l1-size-gb (64 TiB).
 	MaxL1SizeGB = 1 << 16
 )
@@ -129,6 +145,12 @@ func (c *Config) Validate() error {
 	}
 	if c.StagingTTL < 0 || c.ReapInterval < 0 {
 		add("staging TTL and reap interval must not be negative")
+	}
+	if c.MaxLookupsPerSession < 0 {
+		add("--max-lookups-per-session must not be negative, got %d", c.MaxLookupsPerSession)
+	}
+	if c.MaxLookupCellsPerSession < 0 {
+		add("--max-lookup-cells-per-session must not be negative, got %d", c.MaxLookupCellsPerSession)
 	}
 	errs = append(errs, c.validateL2()...)
 	if len(errs) > 0 {
@@ -222,6 +244,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.MaxLookupsPerSession == 0 {
 		c.MaxLookupsPerSession = DefaultMaxLookupsPerSession
+	}
+	if c.MaxLookupCellsPerSession == 0 {
+		c.MaxLookupCellsPerSession = DefaultMaxLookupCellsPerSession
 	}
 	return c
 }

@@ -11,6 +11,53 @@ import (
 // 4 bytes a cell).
 const MaxLookupCells = 1 << 20
 
+// ErrLookupLimit: a LOOKUP that would take its session past
+// Config.MaxLookupsPerSession or MaxLookupCellsPerSession. It is a bad
+// request (StatusBadRequest, which the client counts as a miss); the
+// message names the limit and its flag. Nothing was registered.
+var ErrLookupLimit = fmt.Errorf("%w: lookup limit", ErrBadRequest)
+
+// Lookup limits, the "limit" label of kvshim_lookups_rejected_total.
+const (
+	limitLookups = iota // MaxLookupsPerSession
+	limitCells          // MaxLookupCellsPerSession
+	numLookupLimits
+)
+
+var lookupLimitNames = [numLookupLimits]string{"lookups", "cells"}
+
+// lookupUsage is the accounting behind the lookup limits, guarded by
+// Store.mu. Session has no field for it, so it hangs off the store's
+// metrics; a session's entry exists while it has live lookups (dropLookup
+// deletes it with the session's last one, so a closed session leaves none).
+type lookupUsage struct {
+	cells    map[*Session]uint64 // hold-table cells of the session's live lookups
+	total    uint64              // cells of every live lookup
+	rejected [numLookupLimits]uint64
+}
+
+// cells is the size of lk's hold table (chunks × readers): the unit of
+// MaxLookupCellsPerSession.
+func (lk *lookup) cells() uint64 { return uint64(len(lk.hashes)) * uint64(lk.world) }
+
+// admit checks a new lookup of chunks × readers hold cells against s's
+// limits and counts a refusal.
+func (st *Store) admit(s *Session, chunks int, readers uint32) error {
+	u := &st.metrics.usage
+	if n := len(s.lookups); n >= st.cfg.MaxLookupsPerSession {
+		u.rejected[limitLookups]++
+		return fmt.Errorf("%w: the session has %d live lookups, the most it may have (--max-lookups-per-session %d); read or FREE finished ones first",
+			ErrLookupLimit, n, st.cfg.MaxLookupsPerSession)
+	}
+	cells := uint64(chunks) * uint64(readers)
+	if held, most := u.cells[s], uint64(st.cfg.MaxLookupCellsPerSession); held+cells > most {
+		u.rejected[limitCells]++
+		return fmt.Errorf("%w: %d chunks × %d readers would take the hold cells of the session's live lookups from %d to %d, over --max-lookup-cells-per-session %d",
+			ErrLookupLimit, chunks, readers, held, held+cells, most)
+	}
+	return nil
+}
+
 type lookupState uint8
 
 const (
@@ -83,14 +130,18 @@ func (st *Store) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
 	if _, dup := s.lookups[req.LookupID]; dup {
 		return nil, fmt.Errorf("%w: lookup id %d is in use", ErrBadRequest, req.LookupID)
 	}
-	if len(s.lookups) >= st.cfg.MaxLookupsPerSession {
-		return nil, fmt.Errorf("%w: session has %d live lookups", ErrBadRequest, len(s.lookups))
+	if err := st.admit(s, n, req.WorldSize); err != nil {
+		return nil, err
 	}
 	lk := &lookup{
 		owner: s, id: req.LookupID, ns: req.Namespace, world: req.WorldSize, mla: req.MLA,
 		hashes: req.Hashes, since: st.now().UnixNano(),
 	}
 	s.lookups[lk.id] = lk
+	if cells := lk.cells(); cells > 0 {
+		st.metrics.usage.cells[s] += cells
+		st.metrics.usage.total += cells
+	}
 	st.cnt.lookupsNow++
 	st.cnt.lookups++
 	p := st.extend(lk, 0)
@@ -354,4 +405,11 @@ func (st *Store) dropLookup(lk *lookup) {
 	}
 	delete(lk.owner.lookups, lk.id)
 	st.cnt.lookupsNow--
+	u := &st.metrics.usage
+	u.total -= lk.cells()
+	if left := u.cells[lk.owner] - lk.cells(); left > 0 {
+		u.cells[lk.owner] = left
+	} else {
+		delete(u.cells, lk.owner)
+	}
 }

@@ -31,10 +31,12 @@ var opNames = []string{opAlloc, opCommit, opAbort, opLookup, opLookupResult, opF
 type metrics struct {
 	reg     *prometheus.Registry
 	latency map[string]prometheus.Observer
+	usage   lookupUsage // lookup limits (lookup.go), guarded by Store.mu
 }
 
 func newMetrics(st *Store) *metrics {
-	m := &metrics{reg: prometheus.NewRegistry(), latency: map[string]prometheus.Observer{}}
+	m := &metrics{reg: prometheus.NewRegistry(), latency: map[string]prometheus.Observer{},
+		usage: lookupUsage{cells: map[*Session]uint64{}}}
 	hist := prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name:    "kvshim_server_op_seconds",
 		Help:    "Server-side latency of each operation (store lock included).",
@@ -43,6 +45,7 @@ func newMetrics(st *Store) *metrics {
 	for _, op := range opNames {
 		m.latency[op] = hist.WithLabelValues(op)
 	}
+	st.metrics = m // registering collects a snapshot, which reads m.usage
 	m.reg.MustRegister(hist, &collector{st: st})
 	return m
 }
@@ -84,7 +87,7 @@ func (st *Store) snapshot() []metric {
 		g("kvshim_l1_capacity_bytes", "L1 size limit.", a.Capacity),
 		g("kvshim_l1_mapped_bytes", "Bytes of L1 segments created so far.", a.Mapped),
 		g("kvshim_l1_used_bytes", "Bytes of L1 slots holding objects (4 KiB rounded); watermarks apply to it.", a.Used),
-		g("kvshim_l1_used_bytes_max", "High-water mark of kvshim_l1_used_bytes since start.", st.mem.maxUsed),
+		g("kvshim_l1_used_max_bytes", "High-water mark of kvshim_l1_used_bytes since start.", st.mem.maxUsed),
 		g("kvshim_l1_prefetch_bytes", "L1 slot bytes of prefetch staging and temporary objects (the prefetch budget counts them).", c.prefetchBytes),
 		g("kvshim_l1_pinned", "Holds owned by the L2 store controller (objects being written to L2).", c.pins),
 		g("kvshim_l1_slab_bytes", "Bytes of L1 carved into slabs.", a.Slab),
@@ -94,6 +97,7 @@ func (st *Store) snapshot() []metric {
 		g("kvshim_l1_holds", "Read holds outstanding.", c.holds),
 		g("kvshim_lookups_live", "Lookups registered and not yet forgotten.", c.lookupsNow),
 		g("kvshim_lookups_pending", "Lookups waiting for a fill.", c.pending),
+		g("kvshim_lookup_cells", "Hold-table cells (chunks × readers) of live lookups; each session's are bounded by --max-lookup-cells-per-session.", st.metrics.usage.total),
 		g("kvshim_sessions", "Connected sessions.", uint64(len(st.sessions))),
 		k("kvshim_lookups_total", "Lookups registered.", c.lookups),
 		k("kvshim_lookup_hit_chunks_total", "Chunks answered present on every rank.", c.hitChunks),
@@ -116,6 +120,10 @@ func (st *Store) snapshot() []metric {
 		out = append(out,
 			metric{name: "kvshim_l1_objects", help: "L1 objects by state.", label: "state=" + stateNames[s], value: float64(c.objects[s])},
 			metric{name: "kvshim_l1_object_bytes", help: "Requested bytes of L1 objects by state.", label: "state=" + stateNames[s], value: float64(c.objBytes[s])})
+	}
+	for l, v := range st.metrics.usage.rejected {
+		out = append(out, metric{name: "kvshim_lookups_rejected_total", counter: true, label: "limit=" + lookupLimitNames[l], value: float64(v),
+			help: "LOOKUPs refused (StatusBadRequest) because the session was at a limit: lookups = --max-lookups-per-session, cells = --max-lookup-cells-per-session."})
 	}
 	frag := func(kind string, v uint64) metric {
 		return metric{name: "kvshim_l1_fragmentation_bytes", label: "kind=" + kind, value: float64(v),

@@ -37,7 +37,7 @@ func TestPinSurvivesClearAndEviction(t *testing.T) {
 	c, err = st.Clear(s)
 	assert.NilError(t, err)
 	assert.Assert(t, c.Objects > 0)
-	assert.Assert(t, stat(t, st, "kvshim_l1_used_bytes_max") <= float64(1<<20))
+	assert.Assert(t, stat(t, st, "kvshim_l1_used_max_bytes") <= float64(1<<20))
 }
 
 func TestOnCommitPinsPublished(t *testing.T) {

@@ -70,8 +70,8 @@ func TestAdmissionNeverOversubscribes(t *testing.T) {
 			wg.Wait()
 			st := b.st.PrefetchController().Stats()
 			t.Logf("used max %.0f KiB (resident %.0f KiB, budget %d KiB); %+v",
-				b.stat(t, "kvshim_l1_used_bytes_max")/1024, base/1024, budget/1024, st)
-			assert.Assert(t, b.stat(t, "kvshim_l1_used_bytes_max") <= base+budget)
+				b.stat(t, "kvshim_l1_used_max_bytes")/1024, base/1024, budget/1024, st)
+			assert.Assert(t, b.stat(t, "kvshim_l1_used_max_bytes") <= base+budget)
 			assert.Equal(t, b.stat(t, "kvshim_l1_evictions_total"), 0.0)
 			assert.Equal(t, b.stat(t, "kvshim_l1_used_bytes"), base)
 			assert.Equal(t, st.Loaded+st.Rejected, int64(prompts))
@@ -125,7 +125,7 @@ func TestStorePinsSourceUntilWriteEnds(t *testing.T) {
 	sc := b.st.StoreController()
 	assert.Equal(t, sc.Stats().SkippedBusy, int64(16))
 	assert.Assert(t, b.stat(t, "kvshim_l1_evictions_total") >= 4)
-	assert.Assert(t, b.stat(t, "kvshim_l1_used_bytes_max") <= float64(1<<20))
+	assert.Assert(t, b.stat(t, "kvshim_l1_used_max_bytes") <= float64(1<<20))
 	id, n := b.lookup(t, 1, false, p) // still resident: an L1 hit
 	assert.Equal(t, n, uint32(4))
 	b.check(t, id, 1, false, p, n)
