@@ -82,17 +82,29 @@ func TestServeEndToEnd(t *testing.T) {
 	assert.NilError(t, err)
 	assert.Assert(t, len(st.Stats) > 10)
 
-	// A worker that dies mid-ALLOC leaves nothing behind.
-	w2 := dial(t, path, ipc.RoleWorker)
+	// A worker that goes mid-ALLOC while its process lives on (this one)
+	// could still write its slots: they are fenced, not freed, until the
+	// same instance comes back saying its earlier sessions have drained.
+	hello := ipc.Hello{Role: ipc.RoleWorker, Instance: uuid.New()}
+	w2, err := ipc.Dial(path, hello, 5*time.Second)
+	assert.NilError(t, err)
 	_, err = w2.Alloc(ctx, &ipc.AllocReq{Tag: tag, Namespace: ns1, Hashes: hashes("dies", 4), Sizes: sizes(4)})
 	assert.NilError(t, err)
 	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_objects{state=staging}"), 4.0)
 	w2.Close()
+	<-w2.Freed()
 	deadline := time.Now().Add(10 * time.Second)
 	for stat(t, srv.Store, "kvshim_l1_objects{state=staging}") != 0 {
-		assert.Assert(t, time.Now().Before(deadline), "staging of a dead session not freed")
+		assert.Assert(t, time.Now().Before(deadline), "staging of a closed session still staging")
 		time.Sleep(10 * time.Millisecond)
 	}
+	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_objects{state=fenced}"), 4.0)
+	assert.Equal(t, used(t, srv.Store), 7.0*objSize)
+	hello.Flags = ipc.HelloDrained
+	w3, err := ipc.Dial(path, hello, 5*time.Second)
+	assert.NilError(t, err)
+	defer w3.Close()
+	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_objects{state=fenced}"), 0.0)
 	assert.Equal(t, used(t, srv.Store), 3.0*objSize)
 	c, err := sched.Clear(ctx)
 	assert.NilError(t, err)
