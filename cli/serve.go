@@ -55,6 +55,7 @@ func parseServe(args []string, stderr io.Writer) (o serveOptions, code int, ok b
 	storeInflight := fs.Float64("l2-store-max-inflight-gb", 0, "`GiB` of L1 pinned for L2 writes in flight (0: a quarter of L1)")
 	maxLookups := fs.Int("max-lookups-per-session", server.DefaultMaxLookupsPerSession, "the most live lookups (`N`) one client session may have; more are refused (the client sees a miss)")
 	maxCells := fs.Int("max-lookup-cells-per-session", server.DefaultMaxLookupCellsPerSession, "the most hold cells (`N` chunks × readers, each at most 37 bytes of server memory) one session's live lookups may have; more are refused (a miss)")
+	maxSessions := fs.Int("max-sessions-per-uid", ipc.DefaultMaxSessionsPerUID, "the most live client sessions (`N`) of one uid; more are refused (each costs a 12 MiB ring pair)")
 	if code, ok := fs.parse(args, stderr); !ok {
 		return o, code, false
 	}
@@ -72,6 +73,7 @@ func parseServe(args []string, stderr io.Writer) (o serveOptions, code int, ok b
 	cfg.L2PrefetchTimeout, cfg.L2AdmissionWait = *prefetchTimeout, *admissionWait
 	cfg.L2PrefetchRetain = *prefetchRetain
 	cfg.MaxLookupsPerSession, cfg.MaxLookupCellsPerSession = *maxLookups, *maxCells
+	cfg.MaxSessionsPerUID = *maxSessions
 	if p := strings.ToUpper(strings.TrimSpace(*policy)); contains(validEvictionPolicies, p) {
 		cfg.EvictionPolicy = p
 	} else {

@@ -72,7 +72,8 @@ func TestServeBadFlags(t *testing.T) {
 	code, _, stderr = runCmd("serve", "--help")
 	assert.Equal(t, code, 0)
 	for _, f := range []string{"-socket", "-l1-size-gb", "-eviction-policy", "-l1-high-watermark", "-l1-low-watermark", "-hold-ttl", "-metrics-port", "-metrics-host", "-l2-adapter",
-		"-l2-store-policy", "-l2-prefetch-budget-gb", "-l2-prefetch-timeout", "-l2-admission-wait", "-l2-prefetch-retain", "-l2-store-max-inflight-gb"} {
+		"-l2-store-policy", "-l2-prefetch-budget-gb", "-l2-prefetch-timeout", "-l2-admission-wait", "-l2-prefetch-retain", "-l2-store-max-inflight-gb",
+		"-max-lookups-per-session", "-max-lookup-cells-per-session", "-max-sessions-per-uid"} {
 		assert.Check(t, is.Contains(stderr, f))
 	}
 }

@@ -37,4 +37,6 @@ var (
 	ErrRange = errors.New("ipc: location out of range")
 	// ErrRemote: the server answered a call with a non-OK frame status.
 	ErrRemote = errors.New("ipc: remote error")
+	// ErrLimit: a server limit (e.g. sessions per uid) refused the request.
+	ErrLimit = errors.New("ipc: over a server limit")
 )

@@ -75,3 +75,28 @@ func TestClientRefusesServerOfOtherUID(t *testing.T) {
 	assert.NilError(t, err)
 	c.Close()
 }
+
+// One uid's live sessions are bounded: past the limit a hello is refused
+// with a message naming it, and a session that ends makes room again.
+func TestSessionsPerUIDLimit(t *testing.T) {
+	ts := startServer(t, &ServerConfig{MaxSessionsPerUID: 2})
+	a, err := Dial(ts.path, Hello{Role: RoleTool}, 2*time.Second)
+	assert.NilError(t, err)
+	b, err := Dial(ts.path, Hello{Role: RoleTool}, 2*time.Second)
+	assert.NilError(t, err)
+	defer b.Close()
+	_, err = Dial(ts.path, Hello{Role: RoleTool}, 2*time.Second)
+	assert.Assert(t, errors.Is(err, ErrRefused), "%v", err)
+	assert.ErrorContains(t, err, "already has 2 sessions")
+	a.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		c, err := Dial(ts.path, Hello{Role: RoleTool}, 2*time.Second)
+		if err == nil {
+			c.Close()
+			break
+		}
+		assert.Assert(t, time.Now().Before(deadline), "no room after a session ended: %v", err)
+		time.Sleep(20 * time.Millisecond)
+	}
+}

@@ -24,8 +24,13 @@ type ServerConfig struct {
 	HeartbeatInterval time.Duration // default 500 ms; negative disables beats
 	HeartbeatTimeout  time.Duration // peer silent this long ends the session; default 10 s; negative disables
 	AllowUIDs         []uint32      // extra uids accepted besides our own
-	Instance          uuid.UUID     // server instance id (random if zero)
-	Logger            *slog.Logger  // default slog.Default()
+	// MaxSessionsPerUID bounds the live sessions of one uid (default
+	// 256): each costs a ring pair (SQ + CQ capacity of shared memory, 12
+	// MiB by default) and its server-side state, so a looping client cannot
+	// exhaust the server. A vLLM instance uses 1 + TP sessions.
+	MaxSessionsPerUID int
+	Instance          uuid.UUID    // server instance id (random if zero)
+	Logger            *slog.Logger // default slog.Default()
 }
 
 // Default sizes and timeouts.
@@ -36,6 +41,7 @@ const (
 	DefaultSendTimeout       = 5 * time.Second
 	DefaultHeartbeatInterval = 500 * time.Millisecond
 	DefaultHeartbeatTimeout  = 10 * time.Second
+	DefaultMaxSessionsPerUID = 256
 )
 
 func (c ServerConfig) withDefaults() ServerConfig {
@@ -55,6 +61,9 @@ func (c ServerConfig) withDefaults() ServerConfig {
 	c.HeartbeatTimeout = defDur(c.HeartbeatTimeout, DefaultHeartbeatTimeout)
 	if c.Instance == uuid.Nil {
 		c.Instance = uuid.New()
+	}
+	if c.MaxSessionsPerUID <= 0 {
+		c.MaxSessionsPerUID = DefaultMaxSessionsPerUID
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -87,6 +96,7 @@ type Listener struct {
 	mu      sync.Mutex
 	conns   map[*ServerConn]struct{}
 	shaking map[*net.UnixConn]struct{} // connections still in the handshake
+	perUID  map[uint32]int             // live (and handshaking) sessions by uid
 	next    atomic.Uint64
 }
 
@@ -129,7 +139,7 @@ func Listen(path string, cfg *ServerConfig) (*Listener, error) {
 		return nil, fmt.Errorf("ipc: listen: chmod socket: %w", err)
 	}
 	l := &Listener{ln: ln, path: path, cfg: c, segs: NewSegmentTable(),
-		ready: make(chan *ServerConn), quit: make(chan struct{}), conns: map[*ServerConn]struct{}{}, shaking: map[*net.UnixConn]struct{}{}}
+		ready: make(chan *ServerConn), quit: make(chan struct{}), conns: map[*ServerConn]struct{}{}, shaking: map[*net.UnixConn]struct{}{}, perUID: map[uint32]int{}}
 	l.wg.Add(1)
 	go l.acceptLoop()
 	return l, nil
@@ -273,6 +283,15 @@ func (l *Listener) handshake(uc *net.UnixConn) (*ServerConn, error) {
 	if kind != sockHello {
 		return nil, l.refuse(uc, refuseOther, fmt.Errorf("%w: expected hello, got message kind %d", ErrMalformed, kind))
 	}
+	if !l.takeSession(cred.Uid) {
+		return nil, l.refuse(uc, refuseOther, fmt.Errorf("%w: uid %d already has %d sessions (the server's limit per uid)", ErrLimit, cred.Uid, l.cfg.MaxSessionsPerUID))
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			l.dropSession(cred.Uid)
+		}
+	}()
 	hello, err := DecodeHello(body)
 	if err != nil {
 		code := refuseOther
@@ -300,6 +319,7 @@ func (l *Listener) handshake(uc *net.UnixConn) (*ServerConn, error) {
 			c := &ServerConn{hello: hello, cred: *cred, id: id, l: l, announced: map[uint32]bool{}}
 			c.session = session{uc: uc, pair: pair, rx: sq, tx: cq, done: make(chan struct{}),
 				log: l.cfg.Logger.With("session", id, "pid", hello.PID, "role", hello.Role.String(), "instance", hello.Instance.String())}
+			ok = true // start's failure path frees c, and onFree drops the count
 			return c, l.start(c)
 		}
 	}
@@ -312,6 +332,7 @@ func (l *Listener) start(c *ServerConn) error {
 		l.mu.Lock()
 		delete(l.conns, c)
 		l.mu.Unlock()
+		l.dropSession(c.cred.Uid)
 	}
 	c.tx.BeatProducer()
 	// Register, snapshot the segments, send welcome + snapshot, all under
@@ -339,4 +360,23 @@ func (l *Listener) start(c *ServerConn) error {
 	go c.heartbeat(l.cfg.HeartbeatInterval, l.cfg.HeartbeatTimeout, c.closeWith)
 	c.log.Debug("kvshim ipc: session open", "uid", c.cred.Uid)
 	return nil
+}
+
+// takeSession counts a new session of uid; false at the uid's limit.
+func (l *Listener) takeSession(uid uint32) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.perUID[uid] >= l.cfg.MaxSessionsPerUID {
+		return false
+	}
+	l.perUID[uid]++
+	return true
+}
+
+func (l *Listener) dropSession(uid uint32) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.perUID[uid]--; l.perUID[uid] <= 0 {
+		delete(l.perUID, uid)
+	}
 }

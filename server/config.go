@@ -67,6 +67,9 @@ type Config struct {
 	// defaults bound a session's lookups to 64 MiB (doc.go).
 	MaxLookupsPerSession     int
 	MaxLookupCellsPerSession int
+	// MaxSessionsPerUID bounds one uid's live sessions (default
+	// ipc.DefaultMaxSessionsPerUID); past it a hello is refused.
+	MaxSessionsPerUID int
 
 	// SegmentSize is the size of one L1 shared segment (default 1 GiB, or
 	// the whole L1 when smaller). It bounds the largest object.
@@ -148,6 +151,9 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxLookupsPerSession < 0 {
 		add("--max-lookups-per-session must not be negative, got %d", c.MaxLookupsPerSession)
+	}
+	if c.MaxSessionsPerUID < 0 {
+		add("--max-sessions-per-uid must not be negative, got %d", c.MaxSessionsPerUID)
 	}
 	if c.MaxLookupCellsPerSession < 0 {
 		add("--max-lookup-cells-per-session must not be negative, got %d", c.MaxLookupCellsPerSession)

@@ -182,7 +182,14 @@ func Start(cfg Config, ipcCfg *ipc.ServerConfig, o Options) (*Server, error) {
 	if cfg.Socket == "" {
 		return nil, fmt.Errorf("%w: --socket is required", ErrConfig)
 	}
-	ln, err := ipc.Listen(cfg.Socket, ipcCfg)
+	var ic ipc.ServerConfig
+	if ipcCfg != nil {
+		ic = *ipcCfg
+	}
+	if ic.MaxSessionsPerUID == 0 {
+		ic.MaxSessionsPerUID = cfg.MaxSessionsPerUID
+	}
+	ln, err := ipc.Listen(cfg.Socket, &ic)
 	if err != nil {
 		return nil, err
 	}
