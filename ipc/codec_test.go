@@ -2,6 +2,7 @@ package ipc
 
 import (
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"reflect"
 	"testing"
@@ -190,14 +191,14 @@ func TestCodecLimits(t *testing.T) {
 	_, err = DecodeHello(AppendHello(nil, Hello{Version: 7, Role: RoleWorker}))
 	assert.Assert(t, errors.Is(err, ErrVersion))
 	assert.ErrorContains(t, err, "version 7")
-	assert.ErrorContains(t, err, "version 1")
-	_, err = DecodeHello(AppendHello(nil, Hello{Version: 1, Role: 9, Instance: uuid.New()}))
+	assert.ErrorContains(t, err, fmt.Sprintf("version %d", ProtocolVersion))
+	_, err = DecodeHello(AppendHello(nil, Hello{Version: ProtocolVersion, Role: 9, Instance: uuid.New()}))
 	assert.ErrorContains(t, err, "role")
 	// Flags: known ones round-trip, unknown ones are refused.
-	h, err := DecodeHello(AppendHello(nil, Hello{Version: 1, Role: RoleWorker, Flags: HelloDrained}))
+	h, err := DecodeHello(AppendHello(nil, Hello{Version: ProtocolVersion, Role: RoleWorker, Flags: HelloDrained}))
 	assert.NilError(t, err)
 	assert.Equal(t, h.Flags, HelloDrained)
-	_, err = DecodeHello(AppendHello(nil, Hello{Version: 1, Role: RoleWorker, Flags: 0x80}))
+	_, err = DecodeHello(AppendHello(nil, Hello{Version: ProtocolVersion, Role: RoleWorker, Flags: 0x80}))
 	assert.ErrorContains(t, err, "unknown flags")
 	_, _, err = DecodeFrame(append([]byte{2}, make([]byte, 15)...))
 	assert.ErrorContains(t, err, "codec version 2")

@@ -287,10 +287,10 @@ func TestConnCallTimeout(t *testing.T) {
 
 func TestConnVersionMismatch(t *testing.T) {
 	ts := startServer(t, nil)
-	_, err := DialConfig(ts.path, Hello{Version: 2, Role: RoleWorker}, time.Second, &ClientConfig{Logger: quietLog})
+	_, err := DialConfig(ts.path, Hello{Version: 7, Role: RoleWorker}, time.Second, &ClientConfig{Logger: quietLog})
 	assert.Assert(t, errors.Is(err, ErrVersion) && errors.Is(err, ErrRefused), "%v", err)
-	assert.ErrorContains(t, err, "version 2")
-	assert.ErrorContains(t, err, "version 1")
+	assert.ErrorContains(t, err, "version 7")
+	assert.ErrorContains(t, err, fmt.Sprintf("version %d", ProtocolVersion))
 }
 
 // The uid check itself, with a fake credential (the tests run as one user).

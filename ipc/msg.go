@@ -7,7 +7,9 @@ package ipc
 // reuse them, only append.
 
 // ProtocolVersion is carried in the hello and checked by both sides.
-const ProtocolVersion uint32 = 1
+// Version 2: the hello carries flags (HelloDrained), the ring's closed word
+// a reason.
+const ProtocolVersion uint32 = 2
 
 // Op identifies a request type on the submission ring. Responses on the
 // completion ring carry the same Op.
