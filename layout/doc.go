@@ -32,9 +32,10 @@
 // buffer (vLLM 0.33's BLNHC, BLHNC, BHLNC) are copied as one cross-layer
 // tensor: one run per block for all layers (merge.go).
 //
-// An object is a 64-byte header (magic "KVSO", format version, payload size,
-// chunk tokens, payload CRC-32C, layout fingerprint, header CRC-32C) followed
-// by the payload above: tensors in registration order, within a tensor the
+// An object is a 128-byte header (package objfmt: magic "KVSO", format
+// version, payload size, chunk tokens, payload CRC-32C, layout fingerprint,
+// the object's own key — namespace, rank, chunk hash — and a header CRC-32C)
+// followed by the payload above: tensors in registration order, within a tensor the
 // runs in address order, within a run the chunk's blocks in token order.
 //
 // Plan(blockIDs, objectBase, dir) returns the spans (Src, Dst, Len) that
