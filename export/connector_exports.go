@@ -76,30 +76,14 @@ func goString(p *C.char, what string) (string, error) {
 	return C.GoString(p), nil
 }
 
-type extrasJSON struct {
-	CacheSalt string `json:"cache_salt"`
-	LoRA      string `json:"lora"`
-	MM        []struct {
-		Hash   string `json:"hash"`
-		Offset int    `json:"offset"`
-		Length int    `json:"length"`
-	} `json:"mm"`
-}
-
+// parseExtras decodes a request's extras JSON (see shim.DecodeExtras: the
+// LoRA is an object {name, path}, never a joined string); NULL is none.
+// Malformed extras fail with shim.ErrBadExtras naming the field.
 func parseExtras(p *C.char) (shim.Extras, error) {
-	var ex shim.Extras
 	if p == nil {
-		return ex, nil
+		return shim.Extras{}, nil
 	}
-	var ej extrasJSON
-	if err := decodeStrict([]byte(C.GoString(p)), &ej); err != nil {
-		return ex, err
-	}
-	ex.CacheSalt, ex.LoRA = ej.CacheSalt, ej.LoRA
-	for _, m := range ej.MM {
-		ex.MM = append(ex.MM, shim.MMInput{Hash: []byte(m.Hash), Offset: m.Offset, Length: m.Length})
-	}
-	return ex, ex.Validate()
+	return shim.DecodeExtras([]byte(C.GoString(p)))
 }
 
 //export kvshim_sched_match

@@ -18,7 +18,7 @@ func BenchmarkChunkHashes128K(b *testing.B) {
 // BenchmarkChunkHashes128KExtras: the same with a salt, a LoRA and 16 images
 // spread over the prompt.
 func BenchmarkChunkHashes128KExtras(b *testing.B) {
-	ex := Extras{CacheSalt: "tenant-a", LoRA: "adapter"}
+	ex := Extras{CacheSalt: "tenant-a", LoRA: &LoRA{Name: "adapter", Path: "/adapters/adapter"}}
 	for i := range 16 {
 		ex.MM = append(ex.MM, MMInput{Hash: []byte("0123456789abcdef0123456789abcdef"), Offset: 1000 + i*8000, Length: 576})
 	}

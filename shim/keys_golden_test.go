@@ -14,9 +14,11 @@ import (
 	"github.com/kvshim/kvshim/ipc"
 )
 
-// The golden file pins the v1 key encoding. Its inputs are plain data so
-// another implementation (the Python side, a future server) can check itself
-// against it. Regenerate only on a deliberate, versioned encoding change:
+// The golden file pins the key encoding (namespace v1, root v2, chunk v1; see
+// keys_hash.go). Its inputs are plain data so another implementation (the
+// Python side, a future server) can check itself against it
+// (testdata/keys_golden_check.py does). Regenerate only on a deliberate,
+// versioned encoding change:
 //
 //	go test ./shim -run Golden -update-golden
 var update = flag.Bool("update-golden", false, "rewrite testdata/keys_golden.json with the current outputs")
@@ -41,18 +43,25 @@ type goldenMM struct {
 	Length int    `json:"length"`
 }
 
+// goldenLoRA is a LoRA adapter: present (even with both fields empty) or
+// absent (null).
+type goldenLoRA struct {
+	Name string `json:"name"`
+	Path string `json:"path"`
+}
+
 type goldenChunks struct {
 	Name string `json:"name"`
 	// Namespace is hex; tokens are token[i] = uint32(i*2654435761 + seed).
-	Namespace string     `json:"namespace"`
-	NumTokens int        `json:"num_tokens"`
-	Seed      uint32     `json:"seed"`
-	ChunkSize int        `json:"chunk_size"`
-	CacheSalt string     `json:"cache_salt,omitempty"`
-	LoRA      string     `json:"lora,omitempty"`
-	MM        []goldenMM `json:"mm,omitempty"`
-	Root      string     `json:"root"`
-	Hashes    []string   `json:"hashes"`
+	Namespace string      `json:"namespace"`
+	NumTokens int         `json:"num_tokens"`
+	Seed      uint32      `json:"seed"`
+	ChunkSize int         `json:"chunk_size"`
+	CacheSalt string      `json:"cache_salt,omitempty"`
+	LoRA      *goldenLoRA `json:"lora,omitempty"`
+	MM        []goldenMM  `json:"mm,omitempty"`
+	Root      string      `json:"root"`
+	Hashes    []string    `json:"hashes"`
 }
 
 func hexHashes(hs []ipc.Hash) []string {
@@ -80,7 +89,7 @@ func TestGolden(t *testing.T) {
 			g.Namespaces[i].Namespace = got
 			continue
 		}
-		assert.Check(t, is.Equal(got, c.Namespace), "namespace %q: the v1 encoding changed", c.Name)
+		assert.Check(t, is.Equal(got, c.Namespace), "namespace %q: the namespace encoding changed", c.Name)
 	}
 	for i, c := range g.Chunks {
 		var ns ipc.Namespace
@@ -88,7 +97,10 @@ func TestGolden(t *testing.T) {
 		assert.NilError(t, err, c.Name)
 		assert.Assert(t, is.Len(b, len(ns)), c.Name)
 		copy(ns[:], b)
-		ex := Extras{CacheSalt: c.CacheSalt, LoRA: c.LoRA}
+		ex := Extras{CacheSalt: c.CacheSalt}
+		if c.LoRA != nil {
+			ex.LoRA = &LoRA{Name: c.LoRA.Name, Path: c.LoRA.Path}
+		}
 		for _, m := range c.MM {
 			ex.MM = append(ex.MM, MMInput{Hash: []byte(m.Hash), Offset: m.Offset, Length: m.Length})
 		}
@@ -101,8 +113,8 @@ func TestGolden(t *testing.T) {
 			g.Chunks[i].Hashes = hexHashes(hs)
 			continue
 		}
-		assert.Check(t, is.Equal(hex.EncodeToString(root[:]), c.Root), "%q root: the v1 encoding changed", c.Name)
-		assert.Check(t, is.DeepEqual(hexHashes(hs), c.Hashes), "%q hashes: the v1 encoding changed", c.Name)
+		assert.Check(t, is.Equal(hex.EncodeToString(root[:]), c.Root), "%q root: the key encoding changed", c.Name)
+		assert.Check(t, is.DeepEqual(hexHashes(hs), c.Hashes), "%q hashes: the key encoding changed", c.Name)
 	}
 	if *update {
 		out, err := json.MarshalIndent(&g, "", "  ")

@@ -13,16 +13,23 @@ import (
 	"github.com/kvshim/kvshim/ipc"
 )
 
-// Wire format v1 of chunk keys (see doc.go). Every byte written below is part
-// of every stored key: change nothing without bumping these tags and the
-// golden vectors in testdata/.
+// Wire format of chunk keys. Every byte written below is part of every stored
+// key: change nothing without bumping these tags and the golden vectors in
+// testdata/. appendRootMsg and appendMMSection are the encodings of the
+// per-request inputs; keys_fuzz_test.go checks that they are injective.
 //
 // The tags differ in their first bytes after "kvshim.", so a root message can
 // never be parsed as a chunk message or a namespace message. The chunk tag is
 // 15 bytes so that a 256-token chunk message (15+32+4+1024+4 = 1079 bytes)
 // plus SHA-256 padding fills exactly 17 blocks.
+//
+// Root v2 (root v1 hashed a single LoRA string, which the connector built as
+// "name:path", so ("a:b", "c") and ("a", "b:c") shared keys): the LoRA is a
+// (name, path) pair behind a presence byte. Chunk messages are unchanged, but
+// every chain starts at a root, so every v2 key differs from every v1 key:
+// data stored under v1 keys is never hit again (a miss, never wrong bytes).
 const (
-	rootTag  = "kvshim.root.v1"
+	rootTag  = "kvshim.root.v2"
 	chunkTag = "kvshim.chunk.v1"
 )
 
@@ -65,16 +72,61 @@ func (h *chunkHasher) digest() (out ipc.Hash) {
 	return out
 }
 
-// root = H(rootTag ‖ ns ‖ lp(salt) ‖ lp(lora)).
-func (h *chunkHasher) root(ns ipc.Namespace, ex *Extras) ipc.Hash {
-	b := append(h.buf[:0], rootTag...)
+// appendRootMsg appends the root message of namespace ns and ex to b:
+//
+//	rootTag ‖ ns ‖ lp(cache_salt) ‖ 0x00                         no LoRA
+//	rootTag ‖ ns ‖ lp(cache_salt) ‖ 0x01 ‖ lp(name) ‖ lp(path)   LoRA
+//
+// ns is fixed-size (16 bytes) and lp(x) = u32le len(x) ‖ x, so reading left
+// to right every field's end is known before the next one starts, and the
+// presence byte says whether a LoRA follows: two different (ns, salt, LoRA)
+// never give the same message. ex.MM does not enter the root.
+func appendRootMsg(b []byte, ns ipc.Namespace, ex *Extras) []byte {
+	b = append(b, rootTag...)
 	b = append(b, ns[:]...)
 	b = appendField(b, ex.CacheSalt)
-	b = appendField(b, ex.LoRA)
-	h.buf = b
+	if ex.LoRA == nil {
+		return append(b, 0)
+	}
+	b = append(b, 1)
+	b = appendField(b, ex.LoRA.Name)
+	return appendField(b, ex.LoRA.Path)
+}
+
+// root = H(appendRootMsg(ns, ex)).
+func (h *chunkHasher) root(ns ipc.Namespace, ex *Extras) ipc.Hash {
+	h.buf = appendRootMsg(h.buf[:0], ns, ex)
 	h.h.Reset()
-	h.h.Write(b)
+	h.h.Write(h.buf)
 	return h.digest()
+}
+
+// appendMMSection appends the multimodal section of the chunk of tokens
+// [start, end) to b:
+//
+//	u32le k ‖ k × (lp(hash) ‖ u64le offset ‖ u64le length)
+//
+// over the inputs of mm whose [offset, offset+length) overlaps the chunk, in
+// mm's order (the caller passes canonical order, see sortedMM). The count
+// comes first and every input is length-prefixed or fixed-size, so the
+// section encodes exactly that list; no inputs is k = 0. mm must be sorted by
+// offset: the scan stops at the first input that starts at or after end.
+func appendMMSection(b []byte, mm []MMInput, start, end int) []byte {
+	countAt := len(b)
+	b = binary.LittleEndian.AppendUint32(b, 0)
+	k := uint32(0)
+	for j := 0; j < len(mm) && mm[j].Offset < end; j++ {
+		if mm[j].Offset+mm[j].Length <= start {
+			continue
+		}
+		b = binary.LittleEndian.AppendUint32(b, uint32(len(mm[j].Hash)))
+		b = append(b, mm[j].Hash...)
+		b = binary.LittleEndian.AppendUint64(b, uint64(mm[j].Offset))
+		b = binary.LittleEndian.AppendUint64(b, uint64(mm[j].Length))
+		k++
+	}
+	binary.LittleEndian.PutUint32(b[countAt:], k)
+	return b
 }
 
 func compareMM(a, b MMInput) int {
@@ -96,9 +148,9 @@ func (h *chunkHasher) sortedMM(mm []MMInput) []MMInput {
 // dst, starting from prev (the hash of chunk first-1, or the root). Inputs
 // are validated by the caller.
 //
-// Chunk message: chunkTag ‖ prev ‖ u32 n ‖ n × u32le token ‖ u32 k ‖
-// k × (lp(mm hash) ‖ u64le offset ‖ u64le length), where the k inputs are
-// those whose [offset, offset+length) overlaps the chunk, in canonical order.
+// Chunk message: chunkTag ‖ prev ‖ u32le n ‖ n × u32le token ‖ the
+// appendMMSection of the chunk, where n = chunkSize: prev is fixed-size and
+// the token count comes before the tokens, so the message is unambiguous.
 func (h *chunkHasher) chain(dst []ipc.Hash, prev ipc.Hash, first int, tokens []uint32, chunkSize int, mm []MMInput) []ipc.Hash {
 	n := len(tokens) / chunkSize
 	if first >= n {
@@ -130,20 +182,7 @@ func (h *chunkHasher) chain(dst []ipc.Hash, prev ipc.Hash, first int, tokens []u
 		for lo < len(mm) && mm[lo].Offset+mm[lo].Length <= start {
 			lo++
 		}
-		countAt := len(b)
-		b = binary.LittleEndian.AppendUint32(b, 0)
-		k := uint32(0)
-		for j := lo; j < len(mm) && mm[j].Offset < end; j++ {
-			if mm[j].Offset+mm[j].Length <= start {
-				continue
-			}
-			b = binary.LittleEndian.AppendUint32(b, uint32(len(mm[j].Hash)))
-			b = append(b, mm[j].Hash...)
-			b = binary.LittleEndian.AppendUint64(b, uint64(mm[j].Offset))
-			b = binary.LittleEndian.AppendUint64(b, uint64(mm[j].Length))
-			k++
-		}
-		binary.LittleEndian.PutUint32(b[countAt:], k)
+		b = appendMMSection(b, mm[lo:], start, end)
 		h.h.Write(b)
 		h.buf = b
 

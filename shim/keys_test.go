@@ -6,9 +6,11 @@ import (
 	"encoding/binary"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
@@ -16,19 +18,25 @@ import (
 	"github.com/kvshim/kvshim/ipc"
 )
 
-// refChunkHashes is a deliberately naive second implementation of the v1
-// encoding in doc.go (fresh buffers, full mm scan per chunk) that the fast
-// path is checked against.
+// refChunkHashes is a deliberately naive second implementation of the key
+// encoding (root v2, chunk v1; see keys_hash.go) with fresh buffers and a full
+// mm scan per chunk, that the fast path is checked against.
 func refChunkHashes(ns ipc.Namespace, tokens []uint32, chunkSize int, ex Extras) []ipc.Hash {
 	lp := func(b *bytes.Buffer, s []byte) {
 		binary.Write(b, binary.LittleEndian, uint32(len(s)))
 		b.Write(s)
 	}
 	var root bytes.Buffer
-	root.WriteString("kvshim.root.v1")
+	root.WriteString("kvshim.root.v2")
 	root.Write(ns[:])
 	lp(&root, []byte(ex.CacheSalt))
-	lp(&root, []byte(ex.LoRA))
+	if ex.LoRA == nil {
+		root.WriteByte(0)
+	} else {
+		root.WriteByte(1)
+		lp(&root, []byte(ex.LoRA.Name))
+		lp(&root, []byte(ex.LoRA.Path))
+	}
 	prev := ipc.Hash(sha256.Sum256(root.Bytes()))
 
 	mm := slices.Clone(ex.MM)
@@ -90,7 +98,8 @@ func TestChunkHashesMatchReference(t *testing.T) {
 		{name: "one chunk", n: 256, chunk: 256, wantCount: 1},
 		{name: "tail dropped", n: 1000, chunk: 256, wantCount: 3},
 		{name: "chunk 1", n: 7, chunk: 1, wantCount: 7},
-		{name: "salt and lora", n: 768, chunk: 256, ex: Extras{CacheSalt: "s", LoRA: "l"}, wantCount: 3},
+		{name: "salt and lora", n: 768, chunk: 256, ex: Extras{CacheSalt: "s", LoRA: &LoRA{Name: "l", Path: "/p"}}, wantCount: 3},
+		{name: "empty lora", n: 768, chunk: 256, ex: Extras{LoRA: &LoRA{}}, wantCount: 3},
 		{name: "mm unsorted, nested, spanning", n: 2048, chunk: 128, wantCount: 16, ex: Extras{MM: []MMInput{
 			img("b", 900, 600), img("a", 100, 50), img("c", 950, 10), img("d", 127, 2), img("e", 5000, 9),
 		}}},
@@ -131,13 +140,24 @@ func TestChunkHashesSeparation(t *testing.T) {
 		assert.Check(t, a[0] != b[0])
 	})
 	t.Run("lora", func(t *testing.T) {
-		allDiffer(t, mustHashes(t, tokens, 256, Extras{LoRA: "sql"}))
+		allDiffer(t, mustHashes(t, tokens, 256, Extras{LoRA: &LoRA{Name: "sql", Path: "/a/sql"}}))
+		// A LoRA with an empty name and path is still a LoRA.
+		allDiffer(t, mustHashes(t, tokens, 256, Extras{LoRA: &LoRA{}}))
+	})
+	t.Run("lora name and path do not shift", func(t *testing.T) {
+		// Issue 11 item 8: keyed as "name:path", these two shared KV.
+		a := mustHashes(t, tokens, 256, Extras{LoRA: &LoRA{Name: "a:b", Path: "c"}})
+		b := mustHashes(t, tokens, 256, Extras{LoRA: &LoRA{Name: "a", Path: "b:c"}})
+		c := mustHashes(t, tokens, 256, Extras{LoRA: &LoRA{Name: "a:b", Path: "c"}})
+		assert.Check(t, a[0] != b[0])
+		assert.DeepEqual(t, a, c)
 	})
 	t.Run("salt and lora do not swap", func(t *testing.T) {
 		a := mustHashes(t, tokens, 256, Extras{CacheSalt: "x"})
-		b := mustHashes(t, tokens, 256, Extras{LoRA: "x"})
-		c := mustHashes(t, tokens, 256, Extras{CacheSalt: "x", LoRA: "x"})
-		assert.Check(t, a[0] != b[0] && a[0] != c[0] && b[0] != c[0])
+		b := mustHashes(t, tokens, 256, Extras{LoRA: &LoRA{Name: "x"}})
+		c := mustHashes(t, tokens, 256, Extras{CacheSalt: "x", LoRA: &LoRA{Name: "x"}})
+		d := mustHashes(t, tokens, 256, Extras{LoRA: &LoRA{Path: "x"}})
+		assert.Check(t, a[0] != b[0] && a[0] != c[0] && b[0] != c[0] && d[0] != a[0] && d[0] != b[0])
 	})
 	t.Run("namespace", func(t *testing.T) {
 		other := testNS
@@ -218,7 +238,7 @@ func TestChunkHashesPrefixAndTail(t *testing.T) {
 }
 
 func TestExtendChunkHashes(t *testing.T) {
-	ex := Extras{LoRA: "a", MM: []MMInput{{Hash: []byte("i"), Offset: 40, Length: 100}}}
+	ex := Extras{LoRA: &LoRA{Name: "a", Path: "/a"}, MM: []MMInput{{Hash: []byte("i"), Offset: 40, Length: 100}}}
 	tokens := testTokens(1000, 9)
 	want := mustHashes(t, tokens, 64, ex)
 
@@ -255,7 +275,8 @@ func TestChunkHashesErrors(t *testing.T) {
 		{name: "negative chunk", chunk: -256, want: ErrBadChunkSize},
 		{name: "huge chunk", chunk: MaxChunkSize + 1, want: ErrBadChunkSize},
 		{name: "long salt", chunk: 16, ex: Extras{CacheSalt: long}, want: ErrBadExtras},
-		{name: "long lora", chunk: 16, ex: Extras{LoRA: long}, want: ErrBadExtras},
+		{name: "long lora name", chunk: 16, ex: Extras{LoRA: &LoRA{Name: long}}, want: ErrBadExtras},
+		{name: "long lora path", chunk: 16, ex: Extras{LoRA: &LoRA{Path: long}}, want: ErrBadExtras},
 		{name: "empty mm hash", chunk: 16, ex: Extras{MM: []MMInput{{Offset: 0, Length: 1}}}, want: ErrBadExtras},
 		{name: "long mm hash", chunk: 16, ex: Extras{MM: []MMInput{{Hash: []byte(long), Length: 1}}}, want: ErrBadExtras},
 		{name: "negative offset", chunk: 16, ex: Extras{MM: []MMInput{{Hash: []byte("h"), Offset: -1, Length: 1}}}, want: ErrBadExtras},
@@ -278,7 +299,7 @@ func TestChunkHashesErrors(t *testing.T) {
 }
 
 func TestRootHash(t *testing.T) {
-	ex := Extras{CacheSalt: "s", LoRA: "l"}
+	ex := Extras{CacheSalt: "s", LoRA: &LoRA{Name: "l", Path: "p"}}
 	root, err := RootHash(testNS, ex)
 	assert.NilError(t, err)
 	// Chunk 0 chains from the root: extending "nothing" from a root-seeded
@@ -288,7 +309,7 @@ func TestRootHash(t *testing.T) {
 	defer putHasher(h)
 	assert.DeepEqual(t, h.chain(nil, root, 0, tokens, 16, nil), mustHashes(t, tokens, 16, ex))
 	// MM never enters the root.
-	root2, err := RootHash(testNS, Extras{CacheSalt: "s", LoRA: "l", MM: []MMInput{{Hash: []byte("i"), Length: 1}}})
+	root2, err := RootHash(testNS, Extras{CacheSalt: "s", LoRA: &LoRA{Name: "l", Path: "p"}, MM: []MMInput{{Hash: []byte("i"), Length: 1}}})
 	assert.NilError(t, err)
 	assert.Equal(t, root, root2)
 }
@@ -343,5 +364,108 @@ func TestNumFullChunks(t *testing.T) {
 		{0, 256, 0}, {255, 256, 0}, {256, 256, 1}, {1000, 256, 3}, {10, 0, 0}, {10, -1, 0}, {-5, 4, 0},
 	} {
 		assert.Check(t, is.Equal(NumFullChunks(tc.n, tc.c), tc.want), "%+v", tc)
+	}
+}
+
+// TestExtrasEncodingDistinct: pairs of extras that a naive key (joined
+// strings, no presence flags, no length prefixes) would confuse encode, and
+// hash, differently; pairs that are the same inputs encode the same.
+func TestExtrasEncodingDistinct(t *testing.T) {
+	lora := func(name, path string) *LoRA { return &LoRA{Name: name, Path: path} }
+	img := func(h string, off, n int) MMInput { return MMInput{Hash: []byte(h), Offset: off, Length: n} }
+	other := testNS
+	other[15] ^= 0x80
+	tests := []struct {
+		name   string
+		nsB    *ipc.Namespace // nil: testNS
+		a, b   Extras
+		wantEq bool
+	}{
+		// Issue 11 item 8: LoRARequest("a:b", 3, "c") vs LoRARequest("a", 4, "b:c").
+		{name: "lora name:path shift", a: Extras{LoRA: lora("a:b", "c")}, b: Extras{LoRA: lora("a", "b:c")}},
+		{name: "lora name/path swap", a: Extras{LoRA: lora("a", "b")}, b: Extras{LoRA: lora("b", "a")}},
+		{name: "lora all in name vs all in path", a: Extras{LoRA: lora("x", "")}, b: Extras{LoRA: lora("", "x")}},
+		{name: "salt x, no lora vs lora x, no salt", a: Extras{CacheSalt: "x"}, b: Extras{LoRA: lora("x", "")}},
+		{name: "salt x, no lora vs lora path x, no salt", a: Extras{CacheSalt: "x"}, b: Extras{LoRA: lora("", "x")}},
+		{name: "salt x vs salt x and lora x", a: Extras{CacheSalt: "x"}, b: Extras{CacheSalt: "x", LoRA: lora("x", "")}},
+		{name: "no lora vs empty lora", a: Extras{}, b: Extras{LoRA: lora("", "")}},
+		{name: "salt holding a fake lora", a: Extras{CacheSalt: "s\x01\x00\x00\x00\x00\x00\x00\x00\x00"}, b: Extras{CacheSalt: "s", LoRA: lora("", "")}},
+		{name: "name holding a fake length prefix", a: Extras{LoRA: lora("\x01\x00\x00\x00a", "")}, b: Extras{LoRA: lora("", "a")}},
+		{name: "salt with NUL", a: Extras{CacheSalt: "a\x00"}, b: Extras{CacheSalt: "a"}},
+		{name: "namespace", nsB: &other, a: Extras{CacheSalt: "x"}, b: Extras{CacheSalt: "x"}},
+		{name: "mm hash vs hash+position bytes", a: Extras{MM: []MMInput{img("ab", 1, 2)}}, b: Extras{MM: []MMInput{img("a", 1, 2)}}},
+		{name: "one mm input vs two", a: Extras{MM: []MMInput{img("a", 1, 2)}}, b: Extras{MM: []MMInput{img("a", 1, 2), img("a", 1, 2)}}},
+		{name: "mm length", a: Extras{MM: []MMInput{img("a", 1, 2)}}, b: Extras{MM: []MMInput{img("a", 1, 3)}}},
+		{name: "mm offset", a: Extras{MM: []MMInput{img("a", 1, 2)}}, b: Extras{MM: []MMInput{img("a", 2, 2)}}},
+		{name: "mm swapped hashes", a: Extras{MM: []MMInput{img("a", 1, 2), img("b", 9, 2)}}, b: Extras{MM: []MMInput{img("b", 1, 2), img("a", 9, 2)}}},
+		{name: "same lora", a: Extras{LoRA: lora("a:b", "c")}, b: Extras{LoRA: lora("a:b", "c")}, wantEq: true},
+		{name: "mm order", a: Extras{MM: []MMInput{img("a", 1, 2), img("b", 9, 2)}}, b: Extras{MM: []MMInput{img("b", 9, 2), img("a", 1, 2)}}, wantEq: true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			nsB := testNS
+			if tc.nsB != nil {
+				nsB = *tc.nsB
+			}
+			assert.Equal(t, cmp.Equal(canonical(testNS, tc.a), canonical(nsB, tc.b)), tc.wantEq, "test table")
+			checkPair(t, testNS, tc.a, nsB, tc.b) // encodings and hashes differ exactly when the inputs do
+		})
+	}
+}
+
+func TestDecodeExtras(t *testing.T) {
+	ok := []struct {
+		in   string
+		want Extras
+	}{
+		{`{}`, Extras{}},
+		{`{"cache_salt": null, "lora": null, "mm": null}`, Extras{}},
+		{`{"cache_salt": "s"}`, Extras{CacheSalt: "s"}},
+		{`{"lora": {"name": "a:b", "path": "c"}}`, Extras{LoRA: &LoRA{Name: "a:b", Path: "c"}}},
+		{`{"lora": {"name": "", "path": ""}}`, Extras{LoRA: &LoRA{}}},
+		{`{"lora": {"path": "p\u0000", "name": "n"}, "cache_salt": "\u00e9"}`, Extras{CacheSalt: "é", LoRA: &LoRA{Name: "n", Path: "p\x00"}}},
+		{`{"mm": [{"hash": "h", "offset": 3, "length": 4}, {"length": 1, "offset": 0, "hash": "g"}]}`,
+			Extras{MM: []MMInput{{Hash: []byte("h"), Offset: 3, Length: 4}, {Hash: []byte("g"), Length: 1}}}},
+		{` {"mm": []} `, Extras{}},
+	}
+	for _, tc := range ok {
+		got, err := DecodeExtras([]byte(tc.in))
+		assert.NilError(t, err, tc.in)
+		assert.DeepEqual(t, got, tc.want, cmpopts.EquateEmpty())
+	}
+
+	bad := []struct{ in, want string }{
+		{``, "extras: not JSON"},
+		{`null`, "extras: want an object, got null"},
+		{`[]`, "extras: want an object, got an array"},
+		{`{} {}`, "extras: not JSON"},
+		{`{"salt": "x"}`, `extras: unknown field "salt"`},
+		{`{"cache_salt": 5}`, "cache_salt: want a string, got the number 5"},
+		{`{"cache_salt": ["x"]}`, "cache_salt: want a string, got an array"},
+		// The old connector's joined string is refused, not hashed.
+		{`{"lora": "a:b:c"}`, "lora: want an object {name, path}, got a string"},
+		{`{"lora": ["a", "b"]}`, "lora: want an object {name, path}, got an array"},
+		{`{"lora": {"name": "a"}}`, "lora.path is missing"},
+		{`{"lora": {"path": "a", "name": null}}`, "lora.name is missing"},
+		{`{"lora": {"name": 1, "path": "p"}}`, "lora.name: want a string, got the number 1"},
+		{`{"lora": {"name": "n", "path": false}}`, "lora.path: want a string, got a boolean"},
+		{`{"lora": {"name": "n", "path": "p", "id": 3}}`, `lora: unknown field "id"`},
+		{`{"mm": {}}`, "mm: want an array, got an object"},
+		{`{"mm": [null]}`, "mm[0]: want an object {hash, offset, length}, got null"},
+		{`{"mm": [{"hash": "h", "offset": 0, "length": 1}, "x"]}`, "mm[1]: want an object {hash, offset, length}, got a string"},
+		{`{"mm": [{"hash": 7, "offset": 0, "length": 1}]}`, "mm[0].hash: want a string, got the number 7"},
+		{`{"mm": [{"hash": "h", "offset": 1.5, "length": 1}]}`, "mm[0].offset: want an integer, got the number 1.5"},
+		{`{"mm": [{"hash": "h", "offset": "1", "length": 1}]}`, "mm[0].offset: want an integer, got a string"},
+		{`{"mm": [{"hash": "h", "offset": 0}]}`, "mm[0].length is missing"},
+		{`{"mm": [{"hash": "h", "offset": 0, "length": 1, "pos": 2}]}`, `mm[0]: unknown field "pos"`},
+		{`{"mm": [{"hash": "", "offset": 0, "length": 1}]}`, "mm[0].hash is empty"},
+		{`{"mm": [{"hash": "h", "offset": -1, "length": 1}]}`, "mm[0].offset -1 out of range"},
+		{`{"cache_salt": "` + strings.Repeat("s", MaxFieldLen+1) + `"}`, "cache_salt is 4097 bytes"},
+		{`{"lora": {"name": "n", "path": "` + strings.Repeat("p", MaxFieldLen+1) + `"}}`, "lora.path is 4097 bytes"},
+	}
+	for _, tc := range bad {
+		_, err := DecodeExtras([]byte(tc.in))
+		assert.ErrorIs(t, err, ErrBadExtras, tc.in)
+		assert.ErrorContains(t, err, tc.want, tc.in)
 	}
 }

@@ -72,7 +72,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	withExtras := shim.Extras{CacheSalt: "tenant-a", LoRA: "adapter"}
+	withExtras := shim.Extras{CacheSalt: "tenant-a", LoRA: &shim.LoRA{Name: "adapter", Path: "/adapters/adapter"}}
 	for i := range 16 {
 		withExtras.MM = append(withExtras.MM, shim.MMInput{Hash: []byte("0123456789abcdef0123456789abcdef"), Offset: 1000 + i*8000, Length: 576})
 	}

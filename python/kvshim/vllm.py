@@ -380,13 +380,22 @@ def _snake(name: str) -> str:
 
 
 def _extras(request: Request) -> bytes | None:
-    """The request's inputs that change its KV besides the tokens."""
+    """The request's inputs that change its KV besides the tokens, as the JSON
+    of shim.DecodeExtras. Every input keeps its structure (never a joined
+    string: "a:b" + "c" and "a" + "b:c" must stay two adapters); Go hashes
+    each field length-prefixed.
+
+    The LoRA is {"name", "path"}: vLLM's own prefix-cache identity of an
+    adapter (kv_cache_utils._gen_lora_extra_hash_keys keys ("lora", name,
+    path)). lora_int_id is left out as vLLM leaves it out: it is a slot in this
+    process's LoRA manager, not the weights, and differs across restarts and
+    engines for the same adapter (see shim.LoRA)."""
     ex: dict[str, Any] = {}
     if getattr(request, "cache_salt", None):
         ex["cache_salt"] = request.cache_salt
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        ex["lora"] = f"{lora.lora_name}:{getattr(lora, 'lora_path', '')}"
+        ex["lora"] = {"name": lora.lora_name, "path": getattr(lora, "lora_path", "")}
     mm = []
     for f in getattr(request, "mm_features", None) or ():
         pos = f.mm_position

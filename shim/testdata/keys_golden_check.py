@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Independent reference of kvshim key encoding v1 (shim/doc.go), checked
-against keys_golden.json. Standard library only:
+"""Independent reference of kvshim's key encoding (namespace v1, root v2,
+chunk v1; shim/keys_hash.go), checked against keys_golden.json. Standard
+library only:
 
     python3 shim/testdata/keys_golden_check.py
 """
@@ -24,11 +25,17 @@ def namespace(s: dict) -> bytes:
     return hashlib.sha256(msg).digest()[:16]
 
 
-def root_hash(ns: bytes, salt: str, lora: str) -> bytes:
-    return hashlib.sha256(b"kvshim.root.v1" + ns + lp(salt.encode()) + lp(lora.encode())).digest()
+def root_hash(ns: bytes, salt: str, lora: dict | None) -> bytes:
+    """lora: None (no adapter) or {"name": ..., "path": ...}."""
+    msg = b"kvshim.root.v2" + ns + lp(salt.encode())
+    if lora is None:
+        msg += b"\x00"
+    else:
+        msg += b"\x01" + lp(lora["name"].encode()) + lp(lora["path"].encode())
+    return hashlib.sha256(msg).digest()
 
 
-def chunk_hashes(ns, tokens, chunk, salt="", lora="", mm=()):
+def chunk_hashes(ns, tokens, chunk, salt="", lora=None, mm=()):
     """mm: iterable of (hash_bytes, offset, length)."""
     prev = root_hash(ns, salt, lora)
     mm = sorted((o, n, h) for h, o, n in mm)
@@ -55,9 +62,9 @@ def main() -> int:
         ns = bytes.fromhex(c["namespace"])
         toks = [(i * 2654435761 + c["seed"]) % 2**32 for i in range(c["num_tokens"])]
         mm = [(m["hash"].encode(), m["offset"], m["length"]) for m in c.get("mm", [])]
-        if root_hash(ns, c.get("cache_salt", ""), c.get("lora", "")).hex() != c["root"]:
+        if root_hash(ns, c.get("cache_salt", ""), c.get("lora")).hex() != c["root"]:
             print("root mismatch:", c["name"]); bad += 1
-        got = [h.hex() for h in chunk_hashes(ns, toks, c["chunk_size"], c.get("cache_salt", ""), c.get("lora", ""), mm)]
+        got = [h.hex() for h in chunk_hashes(ns, toks, c["chunk_size"], c.get("cache_salt", ""), c.get("lora"), mm)]
         if got != c["hashes"]:
             print("hash mismatch:", c["name"]); bad += 1
     print("ok" if not bad else f"{bad} mismatches")

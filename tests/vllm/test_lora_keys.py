@@ -1,0 +1,124 @@
+"""LoRA adapters never share KV through kvshim (issue 11, item 8).
+
+The connector once keyed an adapter as f"{lora_name}:{lora_path}", so
+LoRARequest("a:b", 3, "c") and LoRARequest("a", 4, "b:c") were one adapter to
+kvshim: the second was answered the first one's chunks and vLLM loaded the
+other adapter's KV. Now the adapter travels as {"name", "path"} and Go hashes
+each field length-prefixed.
+
+Same rig as test_connector.py: vLLM's real Scheduler builds the SCHEDULER-role
+KVShimConnector (embedded server in this process), harness.ModelRunner drives
+a WORKER-role connector on CPU tensors, requests are real vLLM Requests with
+vLLM's real LoRARequest. No lora_config: the scheduler passes lora_request
+through untouched, and the fake model's KV does not depend on the adapter, so
+only kvshim's keys keep the adapters apart. vLLM's own prefix cache is off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import pytest
+
+from harness import (
+    CHUNK,
+    ModelRunner,
+    SchedulerHarness,
+    kvshim_config,
+    make_kv_cache_config,
+    new_req_data,
+    prompt,
+    run_until_scheduled,
+    server_stats,
+    store,
+    wait_stat,
+)
+from kvshim.errors import InvalidArgumentError
+from kvshim.vllm import _extras
+from vllm.lora.request import LoRARequest
+
+
+@pytest.fixture
+def kv(tiny_model_dir):
+    made: list[SchedulerHarness] = []
+
+    def make():
+        cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False)
+        kvc = make_kv_cache_config(num_blocks=128)
+        h = SchedulerHarness(cfg, kvc)
+        h.runners = [ModelRunner(cfg, kvc)]
+        made.append(h)
+        return h, h.runners[0]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def test_lora_name_and_path_never_share_kv(kv):
+    h, r = kv()
+    p = prompt(11, 3 * CHUNK + 5)  # 3 full chunks + a tail
+    store(h, r, p, max_tokens=1, lora_request=LoRARequest("a:b", 3, "c"))
+    wait_stat(h, "kvshim_l1_commits_total", 3)
+
+    hits = 0
+    for lora, want in [
+        (LoRARequest("a", 4, "b:c"), 0),  # the issue's collision: "a:b:c" both ways
+        (LoRARequest("a:b", 3, "c:"), 0),
+        (LoRARequest("a", 3, "c"), 0),
+        (None, 0),  # the base model
+        (LoRARequest("a:b", 3, "c"), 3 * CHUNK),  # the same adapter again: a hit
+        # Same name and path under another per-process id: the same weights,
+        # so the same KV (vLLM's prefix cache does not key the id either).
+        (LoRARequest("a:b", 7, "c"), 3 * CHUNK),
+    ]:
+        b = h.add_request(h.make_request(p, max_tokens=1, lora_request=lora))
+        s = run_until_scheduled(h, b)
+        assert new_req_data(s, b.request_id).num_computed_tokens == want, lora
+        hits += want // CHUNK
+        h.settle()
+    assert server_stats(h.connector)["kvshim_lookup_hit_chunks_total"] == hits
+    # each of the 4 missing adapters stored its own 3 chunks
+    wait_stat(h, "kvshim_l1_commits_total", 3 + 4 * 3)
+    h.assert_no_leaks()
+
+
+class _Req:
+    """Only the attributes _extras reads."""
+
+    def __init__(self, lora_request=None, cache_salt=None, mm_features=None):
+        self.lora_request, self.cache_salt, self.mm_features = lora_request, cache_salt, mm_features
+
+
+def test_extras_json_keeps_the_lora_structure():
+    assert _extras(_Req()) is None
+    got = json.loads(_extras(_Req(LoRARequest("a:b", 3, "c"), cache_salt="s")))
+    assert got == {"cache_salt": "s", "lora": {"name": "a:b", "path": "c"}}
+    assert json.loads(_extras(_Req(LoRARequest("a", 4, "b:c")))) == {"lora": {"name": "a", "path": "b:c"}}
+    # a NUL or a quote inside a field survives the trip to Go
+    got = json.loads(_extras(_Req(LoRARequest('n"\x00', 1, "p"))))
+    assert got["lora"] == {"name": 'n"\x00', "path": "p"}
+
+
+@pytest.mark.parametrize(
+    "extras, field",
+    [
+        (b'{"lora": "a:b:c"}', "lora: want an object {name, path}, got a string"),  # the old joined key
+        (b'{"lora": {"name": 1, "path": "p"}}', "lora.name: want a string, got the number 1"),
+        (b'{"lora": {"name": "a"}}', "lora.path is missing"),
+        (b'{"lora": {"name": "a", "path": "p", "id": 3}}', 'lora: unknown field "id"'),
+        (b'{"cache_salt": ["x"]}', "cache_salt: want a string, got an array"),
+        (b'{"mm": [{"hash": "h", "offset": "0", "length": 1}]}', "mm[0].offset: want an integer, got a string"),
+    ],
+)
+def test_malformed_extras_are_refused_naming_the_field(kv, extras, field):
+    """Through the C ABI the connector calls: EINVAL and a message that names
+    the field, never a silent key."""
+    h, _ = kv()
+    c = h.connector
+    toks = (ctypes.c_uint32 * 4)(1, 2, 3, 4)
+    out = ctypes.c_int64()
+    with pytest.raises(InvalidArgumentError, match="bad hash extras") as ei:
+        c._h.check(c._lib.kvshim_sched_match(c._h.value, b"bad", toks, 4, extras, 0, ctypes.byref(out)))
+    assert field in str(ei.value)
