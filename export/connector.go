@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/shim"
 )
@@ -38,7 +39,7 @@ type namespaceJSON struct {
 	Model     string `json:"model"`
 	DType     string `json:"dtype"`
 	Layout    string `json:"layout"`
-	Format    uint32 `json:"object_format"`
+	Format    uint32 `json:"object_format"` // optional: this build's layout.FormatVersion
 	WorldSize int    `json:"world_size"`
 	TPSize    int    `json:"tp_size"`
 	ChunkSize int    `json:"chunk_size"`
@@ -46,9 +47,15 @@ type namespaceJSON struct {
 	MLA       bool   `json:"mla"`
 }
 
-func (n namespaceJSON) spec() shim.NamespaceSpec {
-	return shim.NamespaceSpec{Model: n.Model, DType: n.DType, LayoutFingerprint: n.Layout, ObjectFormat: n.Format,
-		WorldSize: n.WorldSize, TPSize: n.TPSize, ChunkSize: n.ChunkSize, KVGroup: n.KVGroup, MLA: n.MLA}
+// spec is the namespace spec. The object format is the one this build
+// reads and writes (it belongs in the namespace, so objects of another
+// format miss): a caller may state it, but only to be told it differs.
+func (n namespaceJSON) spec() (shim.NamespaceSpec, error) {
+	if n.Format != 0 && n.Format != layout.FormatVersion {
+		return shim.NamespaceSpec{}, fmt.Errorf("object_format %d: this library reads and writes format %d: %w", n.Format, layout.FormatVersion, errInvalid)
+	}
+	return shim.NamespaceSpec{Model: n.Model, DType: n.DType, LayoutFingerprint: n.Layout, ObjectFormat: layout.FormatVersion,
+		WorldSize: n.WorldSize, TPSize: n.TPSize, ChunkSize: n.ChunkSize, KVGroup: n.KVGroup, MLA: n.MLA}, nil
 }
 
 func decodeStrict(raw []byte, v any) error {
@@ -175,6 +182,10 @@ func openScheduler(in *instance, raw []byte) error {
 	if err != nil {
 		return err
 	}
+	ns, err := cfg.Namespace.spec()
+	if err != nil {
+		return err
+	}
 	if cfg.Server == "" || cfg.Server == "embedded" {
 		release, err := acquireEmbedded(socket, cfg)
 		if err != nil {
@@ -182,7 +193,7 @@ func openScheduler(in *instance, raw []byte) error {
 		}
 		in.closers = append(in.closers, release)
 	}
-	s, err := shim.NewScheduler(shim.SchedulerConfig{Socket: socket, Namespace: cfg.Namespace.spec(), BlockSize: cfg.BlockSize,
+	s, err := shim.NewScheduler(shim.SchedulerConfig{Socket: socket, Namespace: ns, BlockSize: cfg.BlockSize,
 		Timeout: timeout, Instance: inst})
 	if err != nil {
 		return fmt.Errorf("%v: %w", err, errInvalid)
@@ -197,7 +208,11 @@ func openWorker(in *instance, raw []byte) error {
 	if err != nil {
 		return err
 	}
-	w, err := shim.NewWorker(shim.WorkerConfig{Socket: socket, Namespace: cfg.Namespace.spec(), Rank: cfg.Rank,
+	ns, err := cfg.Namespace.spec()
+	if err != nil {
+		return err
+	}
+	w, err := shim.NewWorker(shim.WorkerConfig{Socket: socket, Namespace: ns, Rank: cfg.Rank,
 		Timeout: timeout, Instance: inst})
 	if err != nil {
 		return fmt.Errorf("%v: %w", err, errInvalid)

@@ -138,8 +138,10 @@ int kvshim_ping(kvshim_handle h, const void *body, size_t n, void *buf, size_t c
 /* ---- Scheduler role: the vLLM scheduler-side connector. ----
  *
  * kvshim_sched_match answers get_num_new_matched_tokens for request req_id
- * with prompt tokens[0:n_tokens] and extras_json ({"cache_salt", "lora",
- * "mm": [{"hash", "offset", "length"}]}, or NULL). *out is the number of
+ * with prompt tokens[0:n_tokens] and extras_json ({"cache_salt": str,
+ * "lora": {"name": str, "path": str}, "mm": [{"hash": str, "offset": int,
+ * "length": int}]}, each optional, or NULL; malformed extras are
+ * KVSHIM_EINVAL naming the field). *out is the number of
  * tokens beyond num_computed that can be loaded asynchronously, or -1 while
  * the lookup is pending (ask again next step). A dead or slow server is a
  * miss (0), never an error. */

@@ -24,7 +24,8 @@
 // salted or LoRA request differs from the unsalted one. A multimodal input is
 // mixed into exactly the chunks its placeholder range overlaps:
 //
-//	root = H("kvshim.root.v1" ‖ ns ‖ lp(cache_salt) ‖ lp(lora))
+//	root = H("kvshim.root.v2" ‖ ns ‖ lp(cache_salt) ‖ 0)                           no LoRA
+//	root = H("kvshim.root.v2" ‖ ns ‖ lp(cache_salt) ‖ 1 ‖ lp(lora name) ‖ lp(lora path))
 //
 //	        chunk 0            chunk 1            chunk 2        tail
 //	tokens [t0 … t255]        [t256 … t511]      [t512 … t767]  [t768 …]
@@ -36,6 +37,8 @@
 //	C = "kvshim.chunk.v1", n = u32 token count, tokens = u32 little-endian,
 //	lp(x) = u32 length ‖ x, mm(A) = lp(hash) ‖ u64 offset ‖ u64 length.
 //
-// The encoding is pinned by golden vectors in testdata/: a change to any byte
+// Every field is fixed-size or length-prefixed and the LoRA's presence is a
+// byte, so no two inputs hash the same bytes (FuzzExtrasInjective); an empty
+// salt is no salt, as in vLLM. The encoding is pinned by golden vectors in testdata/: a change to any byte
 // of it changes every key of every deployment and must bump the version tags.
 package shim

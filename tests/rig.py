@@ -33,7 +33,7 @@ class Rig:
     def __init__(self, engine: str, tensors: list[tuple[Any, dict[str, Any]]], l2: list[dict] | None = None,
                  mla: bool = False) -> None:
         self.lib = native.library()
-        ns = {"model": "t", "dtype": "float16", "layout": "x", "object_format": 1, "world_size": 1, "chunk_size": CHUNK, "mla": mla}
+        ns = {"model": "t", "dtype": "float16", "layout": "x", "world_size": 1, "chunk_size": CHUNK, "mla": mla}
         common = {"server": "embedded", "engine_id": engine, "namespace": ns, "timeout_ms": 3000}
         self.sched = native.Handle(json.dumps({**common, "role": "scheduler", "block_size": BLOCK, "l1_size_gb": 0.0625,
                                                "l2_adapters": [json.dumps(a) for a in l2 or []]}))

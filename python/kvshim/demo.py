@@ -163,7 +163,7 @@ def main(argv: list[str]) -> int:
     max_blocks = max(len(p) for p in prompts) // BLOCK_TOKENS + 1
     cache = PagedCache(2 * max_blocks)
     namespace = {"model": "meta-llama/Meta-Llama-3-8B@demo", "dtype": "bfloat16", "layout": "paged LBNHC 32x(B,8,16,256)",
-                 "object_format": 1, "world_size": 1, "tp_size": 1, "chunk_size": args.chunk_tokens, "kv_group": 0, "mla": False}
+                 "world_size": 1, "tp_size": 1, "chunk_size": args.chunk_tokens, "kv_group": 0, "mla": False}
     engine_id = f"demo-{uuid.uuid4().hex[:12]}"
     common = {"server": "embedded", "engine_id": engine_id, "namespace": namespace, "timeout_ms": 10_000}
     sched_cfg = {**common, "role": "scheduler", "block_size": BLOCK_TOKENS, "l1_size_gb": args.l1_size_gb}

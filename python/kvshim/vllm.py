@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvshim import native
+from kvshim.errors import KVShimError
 
 if TYPE_CHECKING:
     import torch
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-OBJECT_FORMAT = 1  # layout.FormatVersion: the stored object's header and order
 
 # kv_connector_extra_config keys: name -> (default, meaning).
 CONFIG_KEYS: dict[str, tuple[Any, str]] = {
@@ -126,7 +125,6 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
         "model": model,
         "dtype": dtype,
         "layout": json.dumps(layout, sort_keys=True),
-        "object_format": OBJECT_FORMAT,
         "world_size": pc.world_size,
         "tp_size": pc.tensor_parallel_size,
         "chunk_size": int(cfg["kvshim.chunk_size"]),
@@ -211,6 +209,7 @@ class KVShimConnector(KVConnectorBase_V1):
         self._bound: KVShimMetadata | None = None
         self._load_errors: set[int] = set()
         self._reported: dict[str, int] = {}  # worker counters already in a stats report
+        self._match_errors = 0
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -231,9 +230,18 @@ class KVShimConnector(KVConnectorBase_V1):
         if tokens is None:
             tokens = self._tokens[rid] = _u32(request.prompt_token_ids or [])
         out = ctypes.c_int64()
-        self._h.check(self._lib.kvshim_sched_match(
-            self._h.value, rid.encode(), _ptr(tokens, ctypes.c_uint32), len(tokens),
-            _extras(request), num_computed_tokens, ctypes.byref(out)))
+        try:
+            self._h.check(self._lib.kvshim_sched_match(
+                self._h.value, rid.encode(), _ptr(tokens, ctypes.c_uint32), len(tokens),
+                _extras(request), num_computed_tokens, ctypes.byref(out)))
+        except KVShimError as e:
+            # A request kvshim cannot key (a LoRA path past the length limit,
+            # a malformed input) is computed by vLLM: a miss, never a dead
+            # scheduler. Logged at most a few times, then sparsely.
+            self._match_errors += 1
+            if self._match_errors <= 10 or self._match_errors % 1000 == 0:
+                logger.warning("kvshim: request %s is a miss (%d so far): %s", rid, self._match_errors, e)
+            return 0, False
         if out.value < 0:
             return None, False  # pending: vLLM asks again next step
         return out.value, out.value > 0

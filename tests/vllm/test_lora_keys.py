@@ -122,3 +122,14 @@ def test_malformed_extras_are_refused_naming_the_field(kv, extras, field):
     with pytest.raises(InvalidArgumentError, match="bad hash extras") as ei:
         c._h.check(c._lib.kvshim_sched_match(c._h.value, b"bad", toks, 4, extras, 0, ctypes.byref(out)))
     assert field in str(ei.value)
+
+
+def test_a_request_kvshim_cannot_key_is_a_miss_not_a_crash(kv, caplog):
+    """A LoRA path past Go's field limit makes the match fail: the scheduler
+    connector answers a miss (vLLM computes the prompt) and logs why,
+    instead of raising out of get_num_new_matched_tokens."""
+    h, _ = kv()
+    req = h.make_request(prompt(12, 3 * CHUNK), max_tokens=1, lora_request=LoRARequest("big", 5, "p" * 5000))
+    with caplog.at_level("WARNING", logger="kvshim.vllm"):
+        assert h.connector.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert "is a miss" in caplog.text and "lora" in caplog.text
