@@ -10,9 +10,10 @@ import (
 )
 
 // Object format: a chunk object is an objfmt header (HeaderSize bytes:
-// magic, format version, sizes, payload CRC-32C, layout fingerprint, the
-// object's key and a header CRC; the byte table is in package objfmt)
-// followed by the payload in this layout's natural per-block order.
+// magic, format version, sizes, layout fingerprint, the object's key, a
+// header CRC and the payload CRC slot; the byte table, and where payload
+// CRCs are set and checked, are in package objfmt) followed by the payload
+// in this layout's natural per-block order.
 const (
 	HeaderSize    = objfmt.HeaderSize
 	FormatVersion = objfmt.Version
@@ -84,20 +85,43 @@ func (l *Layout) Fingerprint() [32]byte { return l.fp }
 func (l *Layout) FingerprintHex() string { return hex.EncodeToString(l.fp[:]) }
 
 // SealObject fills obj's header for a payload already in obj[HeaderSize:]:
-// payload CRC, size, chunk tokens, fingerprint and the object's key. obj
-// must be exactly ObjectSize(ChunkTokens()) bytes.
+// size, chunk tokens, fingerprint, the object's key and the payload CRC
+// (a pass over the payload: CRC-32C, GB/s per core). obj must be exactly
+// ObjectSize(ChunkTokens()) bytes.
 func (l *Layout) SealObject(obj []byte, key ObjectKey) error {
-	want, _ := l.ObjectSize(l.chunkTokens)
-	if uint64(len(obj)) != want {
+	if err := l.checkObjectSize(obj); err != nil {
+		return err
+	}
+	return objfmt.Seal(obj, l.header(key))
+}
+
+// SealHeader is SealObject without the payload pass: it writes the
+// HeaderSize header bytes and leaves the payload CRC slot empty (the L2
+// store sets it later, objfmt.SetPayloadCRC). It reads no payload byte.
+func (l *Layout) SealHeader(obj []byte, key ObjectKey) error {
+	if err := l.checkObjectSize(obj); err != nil {
+		return err
+	}
+	return objfmt.SealHeader(obj, l.header(key))
+}
+
+func (l *Layout) header(key ObjectKey) Header {
+	return Header{ChunkTokens: uint32(l.chunkTokens), Fingerprint: l.fp, Key: key}
+}
+
+func (l *Layout) checkObjectSize(obj []byte) error {
+	if want, _ := l.ObjectSize(l.chunkTokens); uint64(len(obj)) != want {
 		return geomErr(l.tensors[0].name, "object", "%d bytes, want %d", len(obj), want)
 	}
-	return objfmt.Seal(obj, Header{ChunkTokens: uint32(l.chunkTokens), Fingerprint: l.fp, Key: key})
+	return nil
 }
 
 // VerifyObject checks obj's header against this layout and key
-// (CheckHeader) and the payload's checksum. Any mismatch wraps ErrCorrupt;
-// a header that names another key wraps ErrKeyMismatch too. The checksum
-// reads the whole payload on the CPU (CRC-32C, several GB/s per core).
+// (CheckHeader) and the payload's checksum, which must be set (an object
+// sealed by SealHeader whose CRC was never set fails, wrapping
+// objfmt.ErrNoPayloadCRC). Any mismatch wraps ErrCorrupt; a header that
+// names another key wraps ErrKeyMismatch too. The checksum reads the whole
+// payload on the CPU.
 func (l *Layout) VerifyObject(obj []byte, key ObjectKey) error {
 	h, err := l.checkHeader(obj, key)
 	if err != nil {
@@ -107,10 +131,11 @@ func (l *Layout) VerifyObject(obj []byte, key ObjectKey) error {
 }
 
 // CheckHeader checks obj's header only: magic, version, header checksum,
-// the key it names against key (ErrKeyMismatch), fingerprint, chunk tokens
-// and size against this layout. It reads HeaderSize bytes, so it suits a
-// restore path whose payloads were verified when they entered L1.
-// Mismatches wrap ErrCorrupt.
+// the form of the payload CRC slot (empty or set; the CRC itself is not
+// checked), the key it names against key (ErrKeyMismatch), fingerprint,
+// chunk tokens and size against this layout. It reads HeaderSize bytes, so
+// it suits a restore path whose payloads were verified when they entered
+// L1 (objfmt: the default policy). Mismatches wrap ErrCorrupt.
 func (l *Layout) CheckHeader(obj []byte, key ObjectKey) error {
 	_, err := l.checkHeader(obj, key)
 	return err

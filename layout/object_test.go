@@ -8,6 +8,8 @@ import (
 
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
+
+	"github.com/kvshim/kvshim/objfmt"
 )
 
 func mustNew(t *testing.T, chunk int, descs ...TensorDesc) *Layout {
@@ -58,11 +60,12 @@ func TestFingerprint(t *testing.T) {
 
 	// Pinned: a change here changes every deployment's namespace. Bump
 	// FormatVersion instead of editing this value by accident. (Format
-	// version 2, the header that names its key, changed it.)
+	// version 2, the header that names its key, changed it; so did version
+	// 3, the payload CRC slot outside the header CRC.)
 	assert.Equal(t, nhd.FingerprintHex(), goldenFingerprint)
 }
 
-const goldenFingerprint = "e4062e9ae1e9f458fee3d480e945103d9bcf4e595331b92bd7203684af881ebc"
+const goldenFingerprint = "192d085d4046e1ef3d044e413026af23ca57f25fd07f2e379b1b2b3490ae402b"
 
 func TestObjectRoundTrip(t *testing.T) {
 	l := mustNew(t, 4, faNHD("l0", 0x1000), faNHD("l1", 0x9000))
@@ -101,6 +104,8 @@ func TestObjectRoundTrip(t *testing.T) {
 		"hsize resign":   func(b []byte) (*Layout, []byte) { resign(b, func(h []byte) { h[6] = 64 }); return l, b },
 		"tokens resign":  func(b []byte) (*Layout, []byte) { resign(b, func(h []byte) { h[16] = 8 }); return l, b },
 		"fp resign":      func(b []byte) (*Layout, []byte) { resign(b, func(h []byte) { h[30] ^= 1 }); return l, b },
+		"slot state":     func(b []byte) (*Layout, []byte) { b[125] ^= 1; return l, b },
+		"slot crc":       func(b []byte) (*Layout, []byte) { b[121] ^= 1; return l, b },
 	}
 	for name, f := range corrupt {
 		t.Run(name, func(t *testing.T) {
@@ -109,7 +114,7 @@ func TestObjectRoundTrip(t *testing.T) {
 			err := lay.VerifyObject(b, key)
 			assert.ErrorIs(t, err, ErrCorrupt)
 			assert.Assert(t, !errors.Is(err, ErrKeyMismatch), "%v", err)
-			if name == "payload bit" {
+			if name == "payload bit" || name == "slot crc" {
 				assert.NilError(t, lay.CheckHeader(b, key)) // header-only check misses it
 			} else {
 				assert.ErrorIs(t, lay.CheckHeader(b, key), ErrCorrupt)
@@ -120,6 +125,36 @@ func TestObjectRoundTrip(t *testing.T) {
 	assert.ErrorIs(t, l.SealObject(o[:10], key), ErrGeometry)
 	_, err = l.ObjectSize(3)
 	assert.Check(t, is.ErrorContains(err, "chunk_tokens"))
+}
+
+// SealHeader writes the header SealObject writes, with the payload CRC
+// slot empty and without reading the payload: CheckHeader accepts it,
+// VerifyObject refuses it (no payload CRC) until the slot is set.
+func TestSealHeader(t *testing.T) {
+	l := mustNew(t, 4, faNHD("l0", 0x1000), faNHD("l1", 0x9000))
+	size, err := l.ObjectSize(4)
+	assert.NilError(t, err)
+	full := make([]byte, size)
+	for i := range full[HeaderSize:] {
+		full[HeaderSize+i] = byte(i*5 + 1)
+	}
+	bare := append([]byte(nil), full...)
+	key := ObjectKey{Namespace: [16]byte{0xA1, 2}, Rank: 1, Hash: [32]byte{9, 8, 7}}
+	assert.NilError(t, l.SealObject(full, key))
+	assert.NilError(t, l.SealHeader(bare, key))
+	assert.DeepEqual(t, bare[:120], full[:120])
+	assert.DeepEqual(t, bare[120:HeaderSize], make([]byte, 8))
+	assert.NilError(t, l.CheckHeader(bare, key))
+	err = l.VerifyObject(bare, key)
+	assert.ErrorIs(t, err, ErrCorrupt)
+	assert.ErrorIs(t, err, objfmt.ErrNoPayloadCRC)
+	_, set, err := objfmt.SetPayloadCRC(bare, key)
+	assert.NilError(t, err)
+	assert.Assert(t, set)
+	assert.DeepEqual(t, bare, full)
+	assert.NilError(t, l.VerifyObject(bare, key))
+	assert.ErrorIs(t, l.SealHeader(bare[:10], key), ErrGeometry)
+	assert.ErrorIs(t, l.SealHeader(append(bare, 0), key), ErrGeometry)
 }
 
 // An intact object read under another key (namespace, rank or chunk hash)
@@ -154,7 +189,7 @@ func TestObjectKeyMismatch(t *testing.T) {
 // semantic checks can catch the change.
 func resign(b []byte, edit func([]byte)) {
 	edit(b)
-	binary.LittleEndian.PutUint32(b[HeaderSize-4:], crcOf(b[:HeaderSize-4]))
+	binary.LittleEndian.PutUint32(b[116:], crcOf(b[:116]))
 }
 
 func crcOf(b []byte) uint32 { return crc32.Checksum(b, crc32.MakeTable(crc32.Castagnoli)) }
