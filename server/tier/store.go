@@ -11,6 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -81,10 +82,11 @@ type StoreController struct {
 	closed   bool
 	inflight uint64 // pinned bytes
 
-	pendingObjs, inflightBytes atomic.Int64
-	skippedPolicy, skippedBusy atomic.Int64
-	skippedClosed              atomic.Int64
-	saved, savedBytes, errs    []atomic.Int64 // per adapter
+	pendingObjs, inflightBytes    atomic.Int64
+	skippedPolicy, skippedBusy    atomic.Int64
+	skippedClosed, skippedCorrupt atomic.Int64
+	checksummed, checksummedBytes atomic.Int64   // payload CRCs this controller set
+	saved, savedBytes, errs       []atomic.Int64 // per adapter
 }
 
 // NewStoreController returns a controller over adapters; reg may be nil.
@@ -111,6 +113,9 @@ func NewStoreController(l1 L1, adapters []*l2.Adapter, cfg StoreConfig, reg prom
 	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &sc.skippedPolicy, "reason", "policy")
 	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &sc.skippedBusy, "reason", "busy")
 	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &sc.skippedClosed, "reason", "closed")
+	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &sc.skippedCorrupt, "reason", "corrupt")
+	c.add("kvshim_l2_store_checksummed_objects_total", "Committed objects whose payload CRC the L2 store computed and set in L1 before writing them (objects sealed without one: the default kvshim.verify=l2).", false, &sc.checksummed)
+	c.add("kvshim_l2_store_checksummed_bytes_total", "Payload bytes the L2 store read to compute payload CRCs.", false, &sc.checksummedBytes)
 	for i, a := range adapters {
 		c.add("kvshim_l2_store_saved_objects_total", "Objects saved to L2 (the third done: L2 saved).", false, &sc.saved[i], "adapter", a.Name())
 		c.add("kvshim_l2_store_saved_bytes_total", "Bytes saved to L2.", false, &sc.savedBytes[i], "adapter", a.Name())
@@ -133,13 +138,18 @@ func (sc *StoreController) Export(fn func(name, labels string, value float64, is
 type StoreStats struct {
 	Pending, InflightBytes                    int64
 	SkippedPolicy, SkippedBusy, SkippedClosed int64
-	Saved, SavedBytes, Errors                 []int64 // per adapter
+	// SkippedCorrupt: objects whose header does not verify under their key
+	// (never written to L2). Checksummed: objects whose payload CRC the
+	// controller set.
+	SkippedCorrupt, Checksummed int64
+	Saved, SavedBytes, Errors   []int64 // per adapter
 }
 
 // Stats returns the counters now.
 func (sc *StoreController) Stats() StoreStats {
 	s := StoreStats{Pending: sc.pendingObjs.Load(), InflightBytes: sc.inflightBytes.Load(),
-		SkippedPolicy: sc.skippedPolicy.Load(), SkippedBusy: sc.skippedBusy.Load(), SkippedClosed: sc.skippedClosed.Load()}
+		SkippedPolicy: sc.skippedPolicy.Load(), SkippedBusy: sc.skippedBusy.Load(), SkippedClosed: sc.skippedClosed.Load(),
+		SkippedCorrupt: sc.skippedCorrupt.Load(), Checksummed: sc.checksummed.Load()}
 	for i := range sc.adapters {
 		s.Saved = append(s.Saved, sc.saved[i].Load())
 		s.SavedBytes = append(s.SavedBytes, sc.savedBytes[i].Load())
@@ -152,6 +162,8 @@ func (sc *StoreController) Stats() StoreStats {
 type batchObj struct {
 	o    Object
 	refs atomic.Int32 // adapters still writing it
+	prep sync.Once    // prepare, once for all adapters
+	bad  error        // prepare's verdict: not written anywhere
 }
 
 // Committed takes over pinned objects just published in L1: each is
@@ -212,17 +224,25 @@ func (sc *StoreController) Committed(objs []Object) {
 }
 
 // write runs one adapter's batch and unpins objects as their last write
-// ends.
+// ends. Each object is prepared (payload CRC) before any adapter reads it.
 func (sc *StoreController) write(a int, bs []*batchObj) {
 	defer sc.wg.Done()
-	keys := make([]l2.Key, len(bs))
-	bufs := make([][]byte, len(bs))
-	for i, b := range bs {
-		keys[i], bufs[i] = b.o.Key, b.o.Mem
+	keys := make([]l2.Key, 0, len(bs))
+	bufs := make([][]byte, 0, len(bs))
+	kept := bs[:0:0]
+	for _, b := range bs {
+		if sc.prepare(b) != nil {
+			sc.unref(b)
+			continue
+		}
+		keys, bufs, kept = append(keys, b.o.Key), append(bufs, b.o.Mem), append(kept, b)
+	}
+	if len(kept) == 0 {
+		return
 	}
 	t := sc.adapters[a].Store(sc.ctx, keys, bufs)
 	for ev := range t.Events() {
-		b := bs[ev.Index]
+		b := kept[ev.Index]
 		if ev.OK() {
 			sc.saved[a].Add(1)
 			sc.savedBytes[a].Add(int64(len(b.o.Mem)))
@@ -230,10 +250,42 @@ func (sc *StoreController) write(a int, bs []*batchObj) {
 			sc.errs[a].Add(1)
 			sc.log.Warn("tier: L2 write failed (not retried)", "adapter", sc.adapters[a].Name(), "key", ev.Key, "err", ev.Err)
 		}
-		if b.refs.Add(-1) == 0 {
-			sc.finish(b)
-		}
+		sc.unref(b)
 	}
+}
+
+// unref ends one adapter's part in b; the last one unpins it.
+func (sc *StoreController) unref(b *batchObj) {
+	if b.refs.Add(-1) == 0 {
+		sc.finish(b)
+	}
+}
+
+// prepare makes b's L1 object fit for L2, once (the first adapter's write
+// does it, the others wait for it): its header must verify under its key
+// (objfmt.VerifyHeader: bytes a worker sealed under another key, or not
+// at all, are never written), and its payload CRC slot is set
+// (objfmt.SetPayloadCRC): a worker under the default kvshim.verify seals
+// headers only, so this pass, off every request's path, is where the
+// checksum every L2 copy carries is computed. It writes the slot in L1 with
+// one atomic store while readers may load the object; the payload is
+// unchanged while the object is pinned. A slot already set (a worker under
+// kvshim.verify=always, or an object filled from L2) is kept.
+func (sc *StoreController) prepare(b *batchObj) error {
+	b.prep.Do(func() {
+		k := b.o.Key
+		_, set, err := objfmt.SetPayloadCRC(b.o.Mem, objfmt.Key{Namespace: k.Namespace, Rank: k.Rank, Hash: k.Hash})
+		switch {
+		case err != nil:
+			b.bad = err
+			sc.skippedCorrupt.Add(1)
+			sc.log.Error("tier: committed L1 object does not verify; not written to L2", "key", k, "err", err)
+		case set:
+			sc.checksummed.Add(1)
+			sc.checksummedBytes.Add(int64(len(b.o.Mem) - objfmt.HeaderSize))
+		}
+	})
+	return b.bad
 }
 
 func (sc *StoreController) finish(b *batchObj) {
