@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -136,11 +137,17 @@ type prefetchBridge struct{ pc *tier.PrefetchController }
 
 func (b prefetchBridge) Prefetch(t *FillTask) bool {
 	return b.pc.Prefetch(tier.FillRequest{Namespace: t.Namespace, Ranks: t.Ranks(), Start: t.Start,
-		Hashes: t.Hashes, Resident: t.Resident(), SizeHint: t.SizeHint()}, fillBridge{t})
+		Hashes: t.Hashes, Resident: t.Resident(), SizeHint: t.SizeHint()}, fillBridge{t, t.Context()})
 }
 
-// fillBridge is a *FillTask as a tier.Fill.
-type fillBridge struct{ t *FillTask }
+// fillBridge is a *FillTask as a tier.Fill, and a tier.Cancellable whose
+// Context ends when the lookup is dropped.
+type fillBridge struct {
+	t   *FillTask
+	ctx context.Context
+}
+
+func (f fillBridge) Context() context.Context { return f.ctx }
 
 func (f fillBridge) Reserve(rank, chunk uint32, size uint64, temporary bool) ([]byte, bool, error) {
 	mem, _, ok, err := f.t.Reserve(rank, chunk, size, temporary)

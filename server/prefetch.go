@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"fmt"
 
 	"github.com/kvshim/kvshim/ipc"
@@ -14,7 +15,9 @@ import (
 // true, or returns false when it has nothing to do (the lookup is then
 // final at once). After returning true it must call t.Done exactly once,
 // from any goroutine, when it has finished (loaded, failed or given up).
-// Between the two it may Reserve / Commit objects through t.
+// Between the two it may Reserve / Commit objects through t. t.Context()
+// ends when the lookup is dropped (its session closes, the hold TTL): the
+// prefetcher should then abandon the work, still calling Done.
 type Prefetcher interface {
 	Prefetch(t *FillTask) bool
 }
@@ -36,6 +39,10 @@ type FillTask struct {
 	answered bool               // the lookup was made final (Answer or Done)
 	staged   map[fillKey]uint32 // reserved, not yet committed
 	filled   map[fillKey]uint32 // committed temporary objects, not yet held
+
+	cancelled bool               // the lookup was dropped (cancelLocked)
+	ctx       context.Context    // made by Context, ended by cancelLocked
+	cancel    context.CancelFunc // ends ctx; nil until Context
 }
 
 // Ranks is the number of ranks objects are stored under (1 for MLA).
@@ -232,10 +239,33 @@ func (t *FillTask) SizeHint() uint64 {
 	return 0
 }
 
-// cancelLocked detaches the task from its dropped lookup: filled objects go
-// now, staged ones when the prefetcher commits them or calls Done.
+// Context ends when the task is cancelled: its lookup was dropped (the
+// session closed, the hold TTL) before the fill answered it. The
+// prefetcher then abandons its work — adapter operations, waits — and still
+// calls Done; a load already writing into a reservation must report (and
+// Commit) before Done frees it, as after Answer.
+func (t *FillTask) Context() context.Context {
+	st := t.st
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if t.ctx == nil {
+		t.ctx, t.cancel = context.WithCancel(context.Background())
+		if t.cancelled {
+			t.cancel()
+		}
+	}
+	return t.ctx
+}
+
+// cancelLocked detaches the task from its dropped lookup and ends its
+// Context: filled objects go now, staged ones when the prefetcher commits
+// them or calls Done.
 func (t *FillTask) cancelLocked() {
 	t.lk = nil
+	t.cancelled = true
+	if t.cancel != nil {
+		t.cancel()
+	}
 	t.dropFilled()
 }
 

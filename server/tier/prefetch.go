@@ -62,6 +62,7 @@ type PrefetchController struct {
 
 	inflight, waitingG, acceptedG, budgetG atomic.Int64
 	noL2, loaded, rejected, timeouts       atomic.Int64
+	cancelled                              atomic.Int64
 	l1Full                                 atomic.Int64
 	waited                                 atomic.Int64
 	chunksOK, chunksMiss, chunksFailed     []atomic.Int64 // per adapter
@@ -95,12 +96,13 @@ func NewPrefetchController(l1 L1, adapters []*l2.Adapter, cfg PrefetchConfig, re
 	pc.budgetG.Store(int64(cfg.Budget))
 	c := &collector{}
 	const lk = "kvshim_l2_prefetch_lookups_total"
-	const lkHelp = "Lookups that asked L2, by outcome: loaded (admitted and loading), no_l2 (nothing to load), rejected (over the byte budget: answered from L1), l1_full (admitted, but no L1 staging for the first chunk), timeout (past the deadline; also counted in another outcome)."
+	const lkHelp = "Lookups that asked L2, by outcome: loaded (admitted and loading), no_l2 (nothing to load), rejected (over the byte budget: answered from L1), l1_full (admitted, but no L1 staging for the first chunk), timeout (past the deadline; also counted in another outcome), cancelled (the lookup was dropped — session closed, hold TTL — and its fill abandoned; also counted as loaded when it was loading)."
 	c.add(lk, lkHelp, false, &pc.loaded, "outcome", "loaded")
 	c.add(lk, lkHelp, false, &pc.noL2, "outcome", "no_l2")
 	c.add(lk, lkHelp, false, &pc.rejected, "outcome", "rejected")
 	c.add(lk, lkHelp, false, &pc.l1Full, "outcome", "l1_full")
 	c.add(lk, lkHelp, false, &pc.timeouts, "outcome", "timeout")
+	c.add(lk, lkHelp, false, &pc.cancelled, "outcome", "cancelled")
 	c.add("kvshim_l2_prefetch_waited_total", "Lookups that waited for admission budget.", false, &pc.waited)
 	c.add("kvshim_l2_prefetch_inflight_lookups", "Lookups being prefetched.", true, &pc.inflight)
 	c.add("kvshim_l2_prefetch_admission_queue", "Lookups waiting for admission budget (queue depth).", true, &pc.waitingG)
@@ -135,8 +137,10 @@ func (pc *PrefetchController) Export(fn func(name, labels string, value float64,
 
 // PrefetchStats are the controller's counters.
 type PrefetchStats struct {
-	Inflight, Loaded, NoL2, Rejected, L1Full, Timeouts, Waited int64
-	ChunksOK, ChunksMiss, ChunksFailed                         []int64
+	// Lookups by outcome (Cancelled: fills abandoned because their lookup
+	// was dropped), and those running now (Inflight).
+	Inflight, Loaded, NoL2, Rejected, L1Full, Timeouts, Waited, Cancelled int64
+	ChunksOK, ChunksMiss, ChunksFailed                                    []int64
 	// Per adapter: objects read but rejected by the object check (corrupt,
 	// or another key's: KeyMismatches), and the deletes of those objects.
 	ChunksRejected, KeyMismatches, RejectedDeleted, RejectedDeleteFailed []int64
@@ -145,7 +149,8 @@ type PrefetchStats struct {
 // Stats returns the counters now.
 func (pc *PrefetchController) Stats() PrefetchStats {
 	s := PrefetchStats{Inflight: pc.inflight.Load(), Loaded: pc.loaded.Load(), NoL2: pc.noL2.Load(),
-		Rejected: pc.rejected.Load(), L1Full: pc.l1Full.Load(), Timeouts: pc.timeouts.Load(), Waited: pc.waited.Load()}
+		Rejected: pc.rejected.Load(), L1Full: pc.l1Full.Load(), Timeouts: pc.timeouts.Load(), Waited: pc.waited.Load(),
+		Cancelled: pc.cancelled.Load()}
 	for i := range pc.adapters {
 		s.ChunksOK = append(s.ChunksOK, pc.chunksOK[i].Load())
 		s.ChunksMiss = append(s.ChunksMiss, pc.chunksMiss[i].Load())
@@ -156,6 +161,16 @@ func (pc *PrefetchController) Stats() PrefetchStats {
 		s.RejectedDeleteFailed = append(s.RejectedDeleteFailed, pc.badDeleteFailed[i].Load())
 	}
 	return s
+}
+
+// Cancellable is implemented by a Fill that its caller can abandon: Context
+// ends when the lookup is dropped. The controller then stops the fill's L2
+// lookups and loads (their context ends), its admission wait and its
+// remaining steps, and gives back its budget, holds and staging; a load
+// already writing into staging keeps it until the load reports, as after
+// the deadline.
+type Cancellable interface {
+	Context() context.Context
 }
 
 // Prefetch starts filling req in the background and returns true, or
@@ -201,34 +216,55 @@ func (pc *PrefetchController) Close() {
 	}
 }
 
-// cell is one (rank, chunk) of the fill that L1 lacks.
+// cell is one (rank, chunk) of the fill that L1 lacks; its L2 key is the
+// same index of the fill's keys. A fill of a long lookup has one per chunk
+// and rank until it ends: keep it small.
 type cell struct {
 	rank, chunk uint32 // chunk: lookup index
-	key         l2.Key
 	src         int    // adapter index, -1: none
 	size        uint64 // object bytes
-	mem         []byte // staging
 }
 
 // run is one lookup's prefetch.
 func (pc *PrefetchController) run(req FillRequest, f Fill) {
-	ctx, cancel := context.WithTimeout(pc.ctx, pc.cfg.Timeout)
+	// ctx ends at the deadline, on Close, or when the lookup is dropped
+	// (gone is then closed, before ctx ends).
+	parent, drop := context.WithCancel(pc.ctx)
+	defer drop()
+	var gone <-chan struct{}
+	if c, ok := f.(Cancellable); ok && c.Context() != nil {
+		gone = c.Context().Done()
+		stop := context.AfterFunc(c.Context(), drop)
+		defer stop()
+	}
+	dropped := func() bool {
+		select {
+		case <-gone:
+			return true
+		default:
+			return false
+		}
+	}
+	ctx, cancel := context.WithTimeout(parent, pc.cfg.Timeout)
 	defer cancel()
 	R := req.Ranks
 	// 1. L2 lookup of every cell L1 lacks, on every adapter.
-	var cells []cell
+	missing := len(req.Hashes) * int(R)
+	for _, res := range req.Resident {
+		if res {
+			missing--
+		}
+	}
+	cells := make([]cell, 0, missing)
+	keys := make([]l2.Key, 0, missing)
 	for i := range req.Hashes {
 		for r := range R {
 			if req.Resident != nil && req.Resident[uint32(i)*R+r] {
 				continue
 			}
-			cells = append(cells, cell{rank: r, chunk: req.Start + uint32(i),
-				key: Key(req.Namespace, r, req.Hashes[i]), src: -1})
+			cells = append(cells, cell{rank: r, chunk: req.Start + uint32(i), src: -1})
+			keys = append(keys, Key(req.Namespace, r, req.Hashes[i]))
 		}
-	}
-	keys := make([]l2.Key, len(cells))
-	for j := range cells {
-		keys[j] = cells[j].key
 	}
 	looks := make([]*l2.Task, len(pc.adapters))
 	for a, ad := range pc.adapters {
@@ -245,6 +281,14 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 			go func() { <-t.Done(); ad.Release(okKeys(t)) }()
 		}
 	}
+	// A dropped lookup's L2 lookups end early (their context ended);
+	// give back their holds and stop here.
+	if dropped() {
+		pc.cancelled.Add(1)
+		pc.release(results, keys, cells, 0, true)
+		f.Done()
+		return
+	}
 	// 2. Plan: the longest run of chunks whose every missing cell is in
 	// some adapter (the first adapter holding it), with a known size,
 	// trimmed to the budget.
@@ -258,7 +302,7 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 		pc.cfg.Hints.Learn(req.Namespace, cl.rank, cl.size)
 	}
 	// Release every hold outside the plan now.
-	pc.release(results, cells, planned, true)
+	pc.release(results, keys, cells, planned, true)
 	if planned == 0 {
 		pc.noL2.Add(1)
 		f.Done()
@@ -271,14 +315,20 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 		pc.waited.Add(1)
 		ok := pc.ad.acquire(ctx, bytes, wait)
 		if !ok {
-			pc.rejected.Add(1)
-			pc.release(results, plan, 0, false)
+			if dropped() {
+				pc.cancelled.Add(1)
+			} else {
+				pc.rejected.Add(1)
+			}
+			pc.release(results, keys, plan, 0, false)
 			f.Done()
 			return
 		}
 	}
 	// 4. Reserve L1 staging in chunk order; a chunk that finds no space
-	// (or is already resident) ends the plan there.
+	// (or is already resident) ends the plan there. A dropped lookup's
+	// reservations fail.
+	mems := make([][]byte, len(plan))
 	n := 0
 	for n < len(plan) {
 		c := plan[n].chunk
@@ -288,7 +338,7 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 			if err != nil || !ok {
 				break
 			}
-			plan[k].mem = mem
+			mems[k] = mem
 		}
 		if k < len(plan) && plan[k].chunk == c { // this chunk is incomplete
 			for q := n; q < k; q++ {
@@ -299,20 +349,21 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 		n = k
 	}
 	pc.ad.reserved(bytes)
-	pc.release(results, plan, n, false) // holds of cells not reserved
-	plan = plan[:n]
-	if n == 0 {
-		pc.l1Full.Add(1)
-		f.Done()
+	pc.release(results, keys, plan, n, false) // holds of cells not reserved
+	plan, mems = plan[:n], mems[:n]
+	if n == 0 || dropped() {
+		// Nothing loads into the staging yet: Done frees it.
+		if dropped() {
+			pc.cancelled.Add(1)
+		} else {
+			pc.l1Full.Add(1)
+		}
+		pc.finish(f, results, keys, plan, nil)
 		return
 	}
 	// 5. Load per adapter; admit each key as it arrives.
 	if pc.cfg.BeforeLoad != nil {
-		lk := make([]l2.Key, len(plan))
-		for i := range plan {
-			lk[i] = plan[i].key
-		}
-		pc.cfg.BeforeLoad(lk)
+		pc.cfg.BeforeLoad(append([]l2.Key(nil), keys[:n]...))
 	}
 	var loads sync.WaitGroup
 	// bad[a]: keys whose objects adapter a returned but the check
@@ -332,24 +383,25 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 		lkeys := make([]l2.Key, len(idx))
 		bufs := make([][]byte, len(idx))
 		for q, i := range idx {
-			lkeys[q], bufs[q] = plan[i].key, plan[i].mem
+			lkeys[q], bufs[q] = keys[i], mems[i]
 		}
 		t := pc.adapters[a].Load(ctx, lkeys, bufs)
 		loads.Add(1)
 		go func() {
 			defer loads.Done()
 			for ev := range t.Events() {
-				cl := &plan[idx[ev.Index]]
+				i := idx[ev.Index]
+				cl, key := &plan[i], keys[i]
 				ok := ev.OK()
 				switch ev.Status {
 				case l2.StatusOK:
 					// Bytes from a disk or a network: check the header names
 					// the key asked for and the payload checksum before the
 					// object can be served.
-					if err := checkObject(cl.mem, cl.key); err != nil {
+					if err := checkObject(mems[i], key); err != nil {
 						ok = false
-						pc.reject(a, cl.key, err)
-						bad[a] = append(bad[a], cl.key)
+						pc.reject(a, key, err)
+						bad[a] = append(bad[a], key)
 						break
 					}
 					pc.chunksOK[a].Add(1)
@@ -369,30 +421,38 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 	pc.loaded.Add(1)
 	select {
 	case <-allDone:
-		if !time.Now().Before(deadline(ctx)) { // the loads ended by the deadline
+		switch {
+		case dropped():
+			pc.cancelled.Add(1)
+		case !time.Now().Before(deadline(ctx)): // the loads ended by the deadline
 			// (by the clock: a backend's socket deadline can fire just
 			// before the context's timer)
 			pc.timeouts.Add(1)
 		}
 	case <-ctx.Done():
-		// Past the deadline: answer with what has arrived; free the
-		// staging of loads still running only when their keys report.
-		pc.timeouts.Add(1)
+		// Past the deadline, or the lookup was dropped: answer with what
+		// has arrived (a dropped lookup takes nothing); free the staging of
+		// loads still running only when their keys report.
+		if dropped() {
+			pc.cancelled.Add(1)
+		} else {
+			pc.timeouts.Add(1)
+		}
 		f.Answer()
 		select {
 		case <-allDone:
 		case <-time.After(drainTimeout):
-			pc.log.Warn("tier: L2 loads still running after the deadline; their staging stays reserved")
-			go func() { <-allDone; pc.finish(f, results, plan, bad) }()
+			pc.log.Warn("tier: L2 loads still running after the deadline (or the lookup was dropped); their staging stays reserved")
+			go func() { <-allDone; pc.finish(f, results, keys, plan, bad) }()
 			return
 		}
 	}
-	pc.finish(f, results, plan, bad)
+	pc.finish(f, results, keys, plan, bad)
 }
 
-func (pc *PrefetchController) finish(f Fill, results [][]l2.Result, plan []cell, bad [][]l2.Key) {
+func (pc *PrefetchController) finish(f Fill, results [][]l2.Result, keys []l2.Key, plan []cell, bad [][]l2.Key) {
 	f.Done()
-	pc.release(results, plan, 0, false)
+	pc.release(results, keys, plan, 0, false)
 	pc.ad.kick()
 	pc.deleteRejected(bad) // after release: the adapter refuses to delete held keys
 }
@@ -452,17 +512,17 @@ func (pc *PrefetchController) deleteRejected(bad [][]l2.Key) {
 	}
 }
 
-// release drops the holds toRelease names.
-func (pc *PrefetchController) release(results [][]l2.Result, cells []cell, from int, others bool) {
+// release drops the holds toRelease names (keys[k] is cells[k]'s key).
+func (pc *PrefetchController) release(results [][]l2.Result, keys []l2.Key, cells []cell, from int, others bool) {
 	for a, idx := range toRelease(results, cells, from, others) {
 		if len(idx) == 0 {
 			continue
 		}
-		keys := make([]l2.Key, len(idx))
+		rel := make([]l2.Key, len(idx))
 		for i, k := range idx {
-			keys[i] = cells[k].key
+			rel[i] = keys[k]
 		}
-		pc.adapters[a].Release(keys)
+		pc.adapters[a].Release(rel)
 	}
 }
 
