@@ -6,6 +6,8 @@ import (
 	"os"
 	"sort"
 	"strings"
+
+	"github.com/kvshim/kvshim/ipc"
 )
 
 // Info describes the library the CLI runs in.
@@ -32,7 +34,7 @@ func usage(w io.Writer) {
 		fmt.Fprintf(w, "  %-8s %s\n", n, commands[n].summary)
 	}
 	fmt.Fprintf(w, "  %-8s %s\n", "demo", "store and restore a model-shaped KV cache (provided by the Python package's kvshim entry point)")
-	fmt.Fprintln(w, "\nrun 'kvshim <command> --help' for a command's flags")
+	fmt.Fprintln(w, "\nrun 'kvshim <command> --help' for a command's flags; 'kvshim --version' for the version")
 }
 
 // Main runs the command named by args[1] (args[0] is the program name) and
@@ -42,11 +44,16 @@ func Main(args []string, info Info) int {
 }
 
 func run(args []string, info Info, stdout, stderr io.Writer) int {
-	if len(args) < 2 || args[1] == "-h" || args[1] == "--help" || args[1] == "help" {
+	if len(args) < 2 {
 		usage(stderr)
-		if len(args) < 2 {
-			return 2
-		}
+		return 2
+	}
+	switch args[1] {
+	case "-h", "--help", "help":
+		usage(stdout)
+		return 0
+	case "--version", "version":
+		fmt.Fprintf(stdout, "kvshim %s (C ABI %d, protocol %d)\n", info.Version, info.ABI, ipc.ProtocolVersion)
 		return 0
 	}
 	cmd, ok := commands[args[1]]

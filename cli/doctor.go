@@ -2,7 +2,6 @@ package cli
 
 import (
 	"encoding/json"
-	"flag"
 	"fmt"
 	"io"
 	"runtime"
@@ -126,11 +125,10 @@ func diagnose(info Info) Report {
 }
 
 func runDoctor(args []string, info Info, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("doctor", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("doctor", "Check this machine for kvshim: library, CPU features, CUDA driver, shared\nmemory, memlock; exit 1 when it is not ready.")
 	asJSON := fs.Bool("json", false, "print the report as one JSON object")
-	if err := fs.Parse(args); err != nil {
-		return 2
+	if code, ok := fs.parse(args, stdout, stderr); !ok {
+		return code
 	}
 	r := diagnose(info)
 	if *asJSON {

@@ -26,25 +26,43 @@ func newFlagSet(cmd, head string) *flagSet {
 }
 
 // parse parses args. ok is false when the command must return code at
-// once: 0 after --help (usage printed), 2 after a bad flag (reported).
-func (fs *flagSet) parse(args []string, stderr io.Writer) (code int, ok bool) {
+// once: 0 after --help (usage printed on stdout), 2 after a bad flag
+// (reported on stderr). Every command also takes --log-level.
+func (fs *flagSet) parse(args []string, stdout, stderr io.Writer) (code int, ok bool) {
+	level := fs.String("log-level", "", "log `level`: debug, info, warn or error (default: $KVSHIM_LOG_LEVEL, else info)")
 	err := fs.Parse(args)
+	if err == nil && *level != "" {
+		err = SetLogLevel(*level)
+		if err != nil {
+			err = fmt.Errorf("--log-level: %w", err)
+		}
+	}
 	switch {
 	case err == nil && fs.NArg() > 0:
 		fmt.Fprintf(stderr, "kvshim %s: unexpected argument %q (%s takes only flags)\n", fs.cmd, fs.Arg(0), fs.cmd)
 	case err == nil:
 		return 0, true
 	case errors.Is(err, flag.ErrHelp):
-		fmt.Fprintf(stderr, "usage: kvshim %s [flags]\n\n%s\n\nflags:\n", fs.cmd, fs.head)
-		fs.SetOutput(stderr)
-		fs.PrintDefaults()
-		fs.SetOutput(io.Discard)
+		fmt.Fprintf(stdout, "usage: kvshim %s [flags]\n\n%s\n\nflags:\n", fs.cmd, fs.head)
+		fs.printDefaults(stdout)
 		return 0, false
 	default:
 		fmt.Fprintf(stderr, "kvshim %s: %v\n", fs.cmd, err)
 	}
 	fmt.Fprintf(stderr, "run 'kvshim %s --help' for the flags\n", fs.cmd)
 	return 2, false
+}
+
+// printDefaults lists the flags spelled as the docs spell them: --name.
+func (fs *flagSet) printDefaults(w io.Writer) {
+	fs.VisitAll(func(f *flag.Flag) {
+		name, usage := flag.UnquoteUsage(f)
+		line := "  --" + f.Name
+		if name != "" {
+			line += " " + name
+		}
+		fmt.Fprintf(w, "%s\n    \t%s\n", line, strings.ReplaceAll(usage, "\n", "\n    \t"))
+	})
 }
 
 // withDefault appends the default to a usage text (Func flags show none).

@@ -31,13 +31,15 @@ type serveOptions struct {
 // parseServe parses and checks the flags of `kvshim serve`. Every problem
 // is reported on stderr; ok is false when the command must exit with
 // status 2 (help: exit 0).
-func parseServe(args []string, stderr io.Writer) (o serveOptions, code int, ok bool) {
+func parseServe(args []string, stdout, stderr io.Writer) (o serveOptions, code int, ok bool) {
 	def := server.DefaultConfig()
 	fs := newFlagSet("serve", "Run the kvshim MP server: L1 host memory in shared segments behind a Unix\n"+
 		"socket, optional L2 adapters and a Prometheus metrics port. SIGTERM or\n"+
 		"SIGINT stops it (sessions are closed, the socket is removed).")
 	socket := fs.String("socket", ipc.DefaultSocketPath(), "Unix socket the server listens on")
 	l1 := fs.Float64("l1-size-gb", def.L1SizeGB, "L1 host memory limit in `GiB` (segments are created lazily)")
+	prefault := fs.Float64("l1-prefault-gb", def.L1PrefaultGB, "`GiB` of L1 kept created, faulted in and announced to clients ahead of use, from start-up\n"+
+		"on, in the background (at most --l1-size-gb; 0: L1 grows lazily, on the requests' path)")
 	policy := fs.String("eviction-policy", def.EvictionPolicy, "L1 eviction policy: "+joinQuoted(validEvictionPolicies))
 	high := fs.Float64("l1-high-watermark", def.HighWatermark, "`fraction` of L1 above which eviction starts, in (0, 1]")
 	low := fs.Float64("l1-low-watermark", def.LowWatermark, "`fraction` of L1 eviction brings usage down to, in [0, high)")
@@ -56,7 +58,7 @@ func parseServe(args []string, stderr io.Writer) (o serveOptions, code int, ok b
 	maxLookups := fs.Int("max-lookups-per-session", server.DefaultMaxLookupsPerSession, "the most live lookups (`N`) one client session may have; more are refused (the client sees a miss)")
 	maxCells := fs.Int("max-lookup-cells-per-session", server.DefaultMaxLookupCellsPerSession, "the most hold cells (`N` chunks × readers, each at most 37 bytes of server memory) one session's live lookups may have; more are refused (a miss)")
 	maxSessions := fs.Int("max-sessions-per-uid", ipc.DefaultMaxSessionsPerUID, "the most live client sessions (`N`) of one uid; more are refused (each costs a 12 MiB ring pair)")
-	if code, ok := fs.parse(args, stderr); !ok {
+	if code, ok := fs.parse(args, stdout, stderr); !ok {
 		return o, code, false
 	}
 
@@ -64,6 +66,7 @@ func parseServe(args []string, stderr io.Writer) (o serveOptions, code int, ok b
 	cfg := def
 	cfg.Socket = *socket
 	cfg.L1SizeGB = *l1
+	cfg.L1PrefaultGB = *prefault
 	cfg.HighWatermark, cfg.LowWatermark = *high, *low
 	cfg.HoldTTL = *holdTTL
 	cfg.MetricsPort = *port
@@ -125,7 +128,7 @@ func runServe(args []string, _ Info, stdout, stderr io.Writer) int {
 
 // serve runs the server until a value arrives on stop, then shuts it down.
 func serve(args []string, stop <-chan os.Signal, hooks serveHooks, stdout, stderr io.Writer) int {
-	o, code, ok := parseServe(args, stderr)
+	o, code, ok := parseServe(args, stdout, stderr)
 	if !ok {
 		return code
 	}

@@ -73,7 +73,7 @@ func runStat(args []string, _ Info, stdout, stderr io.Writer) int {
 	socket := fs.String("socket", ipc.DefaultSocketPath(), "Unix socket of the server")
 	asJSON := fs.Bool("json", false, "print one JSON object: {socket, server, stats: {name: value}}")
 	timeout := fs.Duration("timeout", 2*time.Second, "give up when the server has not answered within this `duration`")
-	if code, ok := fs.parse(args, stderr); !ok {
+	if code, ok := fs.parse(args, stdout, stderr); !ok {
 		return code
 	}
 	switch {

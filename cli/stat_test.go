@@ -3,6 +3,7 @@ package cli
 import (
 	"bytes"
 	"net"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -64,10 +65,11 @@ func TestStatBadFlags(t *testing.T) {
 		assert.Check(t, is.Equal(out, ""))
 		assert.Check(t, is.Contains(errOut, tc.want))
 	}
-	code, _, errOut := runCmd("stat", "--help")
+	code, out, errOut := runCmd("stat", "--help")
 	assert.Equal(t, code, 0)
-	for _, f := range []string{"-socket", "-json", "-timeout"} {
-		assert.Check(t, is.Contains(errOut, f))
+	assert.Equal(t, errOut, "")
+	for _, f := range []string{"\n  --socket ", "\n  --json\n", "\n  --timeout ", "\n  --log-level "} {
+		assert.Check(t, is.Contains(out, f))
 	}
 }
 
@@ -111,16 +113,39 @@ func TestFmtBytes(t *testing.T) {
 	assert.Check(t, is.Equal(pct(1, 8), "12.5%"))
 }
 
+var singleDash = regexp.MustCompile(`\n  -[a-z]`)
+
+// TestUsage: help goes to stdout with exit 0 (for every command); a missing
+// command is a usage error on stderr; --version prints one line.
 func TestUsage(t *testing.T) {
 	code, out, errOut := runCmd("--help")
 	assert.Equal(t, code, 0)
-	assert.Equal(t, out, "")
+	assert.Equal(t, errOut, "")
 	for _, c := range []string{"\n  doctor ", "\n  serve ", "\n  stat ", "\n  demo "} {
-		assert.Check(t, is.Contains(errOut, c))
+		assert.Check(t, is.Contains(out, c))
 	}
-	assert.Check(t, is.Contains(errOut, "provided by the Python package"))
-	code, _, _ = runCmd()
+	assert.Check(t, is.Contains(out, "provided by the Python package"))
+	for _, cmd := range []string{"doctor", "serve", "stat"} {
+		code, out, errOut := runCmd(cmd, "--help")
+		assert.Check(t, is.Equal(code, 0), cmd)
+		assert.Check(t, is.Equal(errOut, ""), cmd)
+		assert.Check(t, is.Contains(out, "usage: kvshim "+cmd), cmd)
+		assert.Check(t, !singleDash.MatchString(out), "%s: a flag spelled -name, not --name:\n%s", cmd, out)
+	}
+	code, out, errOut = runCmd()
 	assert.Equal(t, code, 2)
+	assert.Equal(t, out, "")
+	assert.Check(t, is.Contains(errOut, "usage: kvshim"))
+	code, out, _ = runCmd("--version")
+	assert.Equal(t, code, 0)
+	assert.Check(t, is.Regexp(`^kvshim \S+ \(C ABI \d+, protocol \d+\)\n$`, out))
+	// doctor takes only flags; a bad log level is one line naming the flag.
+	code, _, errOut = runCmd("doctor", "extra")
+	assert.Equal(t, code, 2)
+	assert.Check(t, is.Contains(errOut, `unexpected argument "extra"`))
+	code, _, errOut = runCmd("stat", "--log-level", "loud")
+	assert.Equal(t, code, 2)
+	assert.Check(t, is.Contains(errOut, `--log-level: log level "loud" is not one of debug, info, warn, error`))
 	code, _, errOut = runCmd("demo")
 	assert.Equal(t, code, 2, "demo is Python's; the library reports it unknown")
 	assert.Check(t, is.Contains(errOut, `unknown command "demo"`))

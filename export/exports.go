@@ -159,3 +159,7 @@ func kvshim_main(argc C.int, argv **C.char) (rc C.int) {
 	}
 	return C.int(cli.Main(goArgs, cli.Info{Version: version, ABI: abiVersion}))
 }
+
+// The library's log level comes from $KVSHIM_LOG_LEVEL in every role (a
+// vLLM process has no command line of ours).
+func init() { cli.LogLevelFromEnv() }

@@ -61,8 +61,9 @@ func (c *ServerConn) closeWith(err error) {
 		// slots are fenced (server/doc.go), which an operator should see.
 		c.log.Warn("kvshim ipc: session ended", "reason", err)
 	case errors.Is(err, ErrPeerGone):
-		// A client that closes (or exits) ends its session: routine.
-		c.log.Info("kvshim ipc: session ended", "reason", err)
+		// A client that closes (or exits) ends its session: routine, so
+		// not worth a line at the default level.
+		c.log.Debug("kvshim ipc: session ended", "reason", err)
 	default:
 		c.log.Warn("kvshim ipc: session closed", "reason", err)
 	}

@@ -131,3 +131,30 @@ def test_cli_usage_errors(repo_root):
                        env=dict(os.environ, PYTHONPATH=str(repo_root / "python")))
     assert r.returncode == 2
     assert 'unknown command "no-such"' in r.stderr
+
+
+def test_cli_as_a_tool(repo_root, tmp_path):
+    """--version and help on stdout with exit 0; a demo failure is one line,
+    not a traceback; a missing optional package is named."""
+    env = dict(os.environ, PYTHONPATH=str(repo_root / "python"))
+
+    def kvshim(*args: str, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvshim", *args], capture_output=True, text=True, timeout=120,
+                              env=kw.pop("env", env), **kw)
+
+    r = kvshim("--version")
+    assert r.returncode == 0 and r.stdout.startswith("kvshim ") and "protocol" in r.stdout, r
+    for cmd in ("serve", "stat", "doctor"):
+        r = kvshim(cmd, "--help")
+        assert r.returncode == 0 and r.stderr == "" and f"usage: kvshim {cmd}" in r.stdout, (cmd, r)
+    r = kvshim("doctor", "extra")
+    assert r.returncode == 2 and 'unexpected argument "extra"' in r.stderr
+    # A library that cannot be loaded: one line, exit 1.
+    r = kvshim("demo", env=dict(env, KVSHIM_LIBRARY=str(tmp_path / "missing.so")))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    # numpy (the demo's optional package) hidden: one line that names it.
+    blocker = tmp_path / "numpy"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
+    r = kvshim("demo", env=dict(env, PYTHONPATH=f"{tmp_path}:{repo_root / 'python'}"))
+    assert r.returncode == 2 and "numpy" in r.stderr and r.stderr.count("\n") == 1, r.stderr
