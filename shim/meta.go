@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/layout"
+	"github.com/kvshim/kvshim/objfmt"
 )
 
 // StepMeta is what the scheduler side hands to every worker for one engine
@@ -135,14 +136,20 @@ func (w *Worker) objectKey(h Hash) layout.ObjectKey {
 }
 
 // verifyLoaded checks retrieved object obj, chunk i of a load's hashes,
-// against the layout and the key it was asked for (the whole object,
-// payload checksum included). A header that names another key is counted
-// (KeyMismatches) and logged: bytes stored under the wrong name.
+// against the layout and the key it was asked for: the header (128 bytes:
+// header CRC, key, fingerprint, sizes), and under kvshim.verify=always the
+// payload CRC too, which must be set (objfmt: payloads are checked where
+// they enter L2, not on every L1 restore). A header that names another key
+// is counted (KeyMismatches) and logged: bytes stored under the wrong name.
 func (w *Worker) verifyLoaded(l *layout.Layout, obj []byte, hashes []Hash, i int) error {
 	if i >= len(hashes) {
 		return ErrNoChunkHash
 	}
-	err := l.VerifyObject(obj, w.objectKey(hashes[i]))
+	check := l.CheckHeader
+	if w.cfg.Verify == objfmt.VerifyAlways {
+		check = l.VerifyObject
+	}
+	err := check(obj, w.objectKey(hashes[i]))
 	if errors.Is(err, layout.ErrKeyMismatch) {
 		w.count(func(s *WorkerStats) { s.KeyMismatches++ })
 		slog.Error("kvshim: retrieved object names another key; not loaded", "rank", w.kvRank, "chunk_hash", hex.EncodeToString(hashes[i][:]), "err", err)

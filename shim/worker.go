@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -14,6 +15,7 @@ import (
 	"github.com/kvshim/kvshim/cuda"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/layout"
+	"github.com/kvshim/kvshim/objfmt"
 )
 
 // WorkerConfig configures the worker side of the connector (one per rank).
@@ -24,6 +26,10 @@ type WorkerConfig struct {
 	Timeout   time.Duration // per server call and per copy job
 	Instance  uuid.UUID
 	Workers   int // host engine goroutines; 0 = GOMAXPROCS
+	// Verify is kvshim.verify (objfmt.VerifyPolicy): under the default
+	// (l2) saves seal headers only and loads check headers only; under
+	// always both make a payload CRC pass; off is l2 for the worker.
+	Verify objfmt.VerifyPolicy
 }
 
 // Worker is the worker-side state machine: it moves the bytes the
@@ -128,14 +134,36 @@ func (w *Worker) ready() (*layout.Layout, cuda.Engine, error) {
 }
 
 // StartLoads starts the loads of one step's metadata and returns at once
-// (start_load_kv is on the model runner's thread): retrieving, verifying and
+// (start_load_kv is on the model runner's thread): retrieving, checking and
 // copying run in the background. Failures are not returned: they become
 // load errors reported by Poll, with the request reported as received.
 func (w *Worker) StartLoads(meta *StepMeta) {
 	for i := range meta.Loads {
 		ld := &meta.Loads[i]
-		w.background(ld.Req, func() { w.load(ld) })
+		w.background(ld.Req, func(func()) { w.load(ld) })
 	}
+}
+
+// Load pipeline. A load is a stream of chunks: a checker goroutine resolves
+// and checks chunk after chunk (header and key; the payload CRC too under
+// kvshim.verify=always, then on several goroutines) while this goroutine
+// plans each checked chunk and submits copy jobs, so the copy of chunk i
+// runs while chunk i+1 is checked. Jobs carry a growing number of chunks
+// (1, 2, 4, ... up to loadBatchMax): the first chunk's copy starts as soon
+// as it is checked, later submits are amortized over more bytes; a batch is
+// also submitted early when the next chunk is not checked yet, so checked
+// chunks never wait. The load is reported when its last job has completed.
+
+// loadBatchMax bounds the chunks of one load copy job (shim/pipeline_test.go:
+// BenchmarkLoadPipeline measures it).
+var loadBatchMax = 8
+
+// loadJob is one submitted copy of chunks [first, end) of a load.
+type loadJob struct {
+	job        cuda.Job
+	first, end int
+	spans      int
+	bytes      uint64
 }
 
 func (w *Worker) load(ld *LoadSpec) {
@@ -163,8 +191,8 @@ func (w *Worker) load(ld *LoadSpec) {
 		return
 	}
 	// The objects stay mapped while this job reads them (Use), and their
-	// holds are dropped on the same session once the copy has read them
-	// (or failed); both are kept if the copy may still be reading.
+	// holds are dropped on the same session once the copies have read them
+	// (or failed); both are kept if a copy may still be reading.
 	release, err := client.Use()
 	if err != nil {
 		w.loadFailed(ld, 0, cb, err) // the session ended: its holds are gone
@@ -180,61 +208,162 @@ func (w *Worker) load(ld *LoadSpec) {
 		})
 		release()
 	}()
-	objs, good, why := w.verified(l, client, resp, ld.Hashes)
-	var spans []layout.Span
-	for i := 0; i < good; i++ {
-		if spans, err = l.AppendPlan(spans, ld.Blocks[i*cb:(i+1)*cb], addrOf(objs[i]), layout.Load); err != nil {
-			good, why = i, err
+	n := int(ld.End - ld.Start)
+	// failAt is the first chunk not restored and why: every chunk from it
+	// on is a load error, every chunk before it is restored.
+	failAt, why := n, error(nil)
+	fail := func(k int, err error) {
+		if k < failAt {
+			failAt, why = k, err
+		}
+	}
+	chk := w.startChecks(l, client, resp, ld.Hashes, n)
+	var jobs []loadJob
+	var spans []layout.Span // planned, not yet submitted: chunks [first, i)
+	first, batch := 0, 1
+	submit := func(end int) bool {
+		if len(spans) > 0 {
+			job, err := eng.Submit(spans, cuda.Load)
+			if err != nil {
+				fail(first, err)
+				return false
+			}
+			jobs = append(jobs, loadJob{job: job, first: first, end: end, spans: len(spans), bytes: spansBytes(spans)})
+			spans = spans[:0] // Submit keeps nothing
+			batch = min(2*batch, loadBatchMax)
+		}
+		first = end
+		return true
+	}
+	for i := 0; i < n; i++ {
+		if len(spans) > 0 && !chk.ready(i) && !submit(i) {
+			break
+		}
+		obj, err := chk.wait(i)
+		if err == nil {
+			spans, err = l.AppendPlan(spans, ld.Blocks[i*cb:(i+1)*cb], addrOf(obj), layout.Load)
+		}
+		if err != nil {
+			fail(i, err)
+			submit(i) // the chunks before it still load
+			break
+		}
+		if i+1-first >= batch && !submit(i+1) {
 			break
 		}
 	}
-	if good < len(resp.Status) {
-		w.loadFailed(ld, good, cb, why)
+	if failAt == n {
+		submit(n)
 	}
-	if good == 0 {
-		return
+	chk.stop() // no more checks: the checkers are done with the mappings
+	for _, j := range jobs {
+		if err := w.waitCopy(j.job, cuda.Load, j.spans, stuck); err != nil {
+			fail(j.first, err)
+			stuck = stuck || errors.Is(err, errCopyStuck)
+		}
 	}
-	if err := w.copy(eng, spans, cuda.Load); err != nil {
-		stuck = errors.Is(err, errCopyStuck)
-		w.loadFailed(ld, 0, cb, err)
-		return
+	if failAt > 0 && !client.Live() {
+		// The server ended the session during the copies and released its
+		// holds: the objects may have been evicted and rewritten under them.
+		fail(0, fmt.Errorf("%w during the copy: %v", ErrUnavailable, client.Err()))
 	}
-	if !client.Live() {
-		// The server ended the session during the copy and released its
-		// holds: the objects may have been evicted and rewritten under it.
-		w.loadFailed(ld, 0, cb, fmt.Errorf("%w during the copy: %v", ErrUnavailable, client.Err()))
-		return
+	if failAt < n {
+		w.loadFailed(ld, failAt, cb, why)
+	}
+	var loaded uint64
+	for _, j := range jobs {
+		if j.end <= failAt {
+			loaded += j.bytes
+		}
 	}
 	w.count(func(s *WorkerStats) {
-		s.LoadedChunks += uint64(good)
-		s.LoadedBytes += spansBytes(spans)
+		s.LoadedChunks += uint64(failAt)
+		s.LoadedBytes += loaded
 	})
 }
 
-// verified resolves the retrieved objects and checks their headers and
-// checksums, in parallel; good is the length of the prefix that passed and
-// why the reason the next chunk did not.
-func (w *Worker) verified(l *layout.Layout, c *ipc.Client, resp *ipc.RetrieveResp, hashes []Hash) (objs [][]byte, good int, why error) {
-	n := len(resp.Status)
-	objs = make([][]byte, n)
-	errs := make([]error, n)
-	inParallel(n, func(i int) {
-		if resp.Status[i] != ipc.StatusOK {
-			errs[i] = fmt.Errorf("chunk not held (status %d)", resp.Status[i])
-			return
-		}
-		obj, err := w.resolve(c, resp.Locs[i])
-		if err == nil {
-			err = w.verifyLoaded(l, obj, hashes, i)
-		}
-		objs[i], errs[i] = obj, err
-	})
-	for good = 0; good < n && errs[good] == nil; good++ {
+// checks resolves and checks a load's chunks ahead of the planner, in
+// chunk order, on one goroutine (header checks: 128 bytes a chunk) or, when
+// payloads are verified, on up to GOMAXPROCS.
+type checks struct {
+	objs [][]byte
+	errs []error
+	done []chan struct{}
+	next atomic.Int64
+	halt atomic.Bool
+	wg   sync.WaitGroup
+	n    int
+}
+
+func (w *Worker) startChecks(l *layout.Layout, c *ipc.Client, resp *ipc.RetrieveResp, hashes []Hash, n int) *checks {
+	ch := &checks{objs: make([][]byte, n), errs: make([]error, n), done: make([]chan struct{}, n), n: n}
+	for i := range ch.done {
+		ch.done[i] = make(chan struct{})
 	}
-	if good < n {
-		why = errs[good]
+	workers := 1
+	if w.cfg.Verify == objfmt.VerifyAlways {
+		workers = max(1, min(n, runtime.GOMAXPROCS(0)))
 	}
-	return objs, good, why
+	ch.wg.Add(workers)
+	for range workers {
+		go func() {
+			defer ch.wg.Done()
+			for !ch.halt.Load() {
+				i := int(ch.next.Add(1) - 1)
+				if i >= n {
+					return
+				}
+				ch.objs[i], ch.errs[i] = w.checkChunk(l, c, resp, hashes, i)
+				close(ch.done[i])
+			}
+		}()
+	}
+	return ch
+}
+
+// Test hooks (nil outside tests): beforeCheck runs before chunk i of a
+// load is checked, beforeCommit before a save's COMMIT.
+var beforeCheck func(i int)
+var beforeCommit func()
+
+// checkChunk resolves chunk i of a RETRIEVE answer and checks it.
+func (w *Worker) checkChunk(l *layout.Layout, c *ipc.Client, resp *ipc.RetrieveResp, hashes []Hash, i int) ([]byte, error) {
+	if beforeCheck != nil {
+		beforeCheck(i)
+	}
+	if i >= len(resp.Status) || i >= len(resp.Locs) {
+		return nil, fmt.Errorf("chunk not in the RETRIEVE answer (%d chunks)", len(resp.Status))
+	}
+	if resp.Status[i] != ipc.StatusOK {
+		return nil, fmt.Errorf("chunk not held (status %d)", resp.Status[i])
+	}
+	obj, err := w.resolve(c, resp.Locs[i])
+	if err == nil {
+		err = w.verifyLoaded(l, obj, hashes, i)
+	}
+	return obj, err
+}
+
+// ready reports whether chunk i is checked.
+func (ch *checks) ready(i int) bool {
+	select {
+	case <-ch.done[i]:
+		return true
+	default:
+		return false
+	}
+}
+
+// wait returns chunk i once it is checked.
+func (ch *checks) wait(i int) ([]byte, error) {
+	<-ch.done[i]
+	return ch.objs[i], ch.errs[i]
+}
+
+// stop ends the checks and waits for the checkers to return.
+func (ch *checks) stop() {
+	ch.halt.Store(true)
+	ch.wg.Wait()
 }
 
 // inParallel runs f(0), ..., f(n-1) on up to GOMAXPROCS goroutines and
@@ -294,11 +423,17 @@ func (w *Worker) StartSaves(meta *StepMeta, streamEvent uint64) {
 	}
 	for i := range meta.Saves {
 		sv := &meta.Saves[i]
-		w.background(sv.Req, func() { w.save(sv) })
+		w.background(sv.Req, func(free func()) { w.save(sv, free) })
 	}
 }
 
-func (w *Worker) save(sv *SaveSpec) {
+// save stores one request's new chunks: ALLOC, D2H copy into the staged
+// slots, seal, COMMIT. free reports the request's blocks free (Poll,
+// WaitFor) as soon as the copy has stopped: vLLM may reuse them then, since
+// sealing and COMMIT touch only L1 (the staged copy, which no one else
+// writes, is what COMMIT publishes). A copy that may still be running
+// keeps them until save returns, as before.
+func (w *Worker) save(sv *SaveSpec, free func()) {
 	l, eng, err := w.ready()
 	if err != nil {
 		return
@@ -356,14 +491,18 @@ func (w *Worker) save(sv *SaveSpec) {
 		return
 	}
 	err = w.copy(eng, spans, cuda.Save)
-	if err == nil { // checksums: ~4 ms per 32 MiB chunk and core
-		errs := make([]error, len(objs))
-		inParallel(len(objs), func(i int) { errs[i] = l.SealObject(objs[i], w.objectKey(Hash(hashes[i]))) })
-		err = errors.Join(errs...)
+	if !errors.Is(err, errCopyStuck) {
+		free() // the copy has read the blocks (or stopped): they are vLLM's again
+	}
+	if err == nil {
+		err = w.seal(l, objs, hashes)
 	}
 	saved := 0
 	switch {
 	case err == nil:
+		if beforeCommit != nil {
+			beforeCommit()
+		}
 		// COMMIT on the session that staged the objects: a later session
 		// of this writer tag may stage the same keys for another copy.
 		err = w.link.callOn(client, func(ctx context.Context, c *ipc.Client) error {
@@ -389,6 +528,24 @@ func (w *Worker) save(sv *SaveSpec) {
 	})
 }
 
+// seal seals the headers of saved objects. Under kvshim.verify=l2 or off
+// it writes 128 bytes a chunk and reads no payload (the L2 store sets the
+// payload CRC later, off this path); under always it computes each
+// payload's CRC (a pass over every byte, in parallel over chunks).
+func (w *Worker) seal(l *layout.Layout, objs [][]byte, hashes []ipc.Hash) error {
+	if w.cfg.Verify != objfmt.VerifyAlways {
+		for i, obj := range objs {
+			if err := l.SealHeader(obj, w.objectKey(Hash(hashes[i]))); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	errs := make([]error, len(objs))
+	inParallel(len(objs), func(i int) { errs[i] = l.SealObject(objs[i], w.objectKey(Hash(hashes[i]))) })
+	return errors.Join(errs...)
+}
+
 func (w *Worker) abort(client *ipc.Client, tag ipc.Tag, hashes []ipc.Hash) {
 	_ = w.link.callOn(client, func(ctx context.Context, c *ipc.Client) error {
 		_, err := c.Abort(ctx, &ipc.CommitReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: hashes})
@@ -403,22 +560,26 @@ func (w *Worker) count(f func(*WorkerStats)) {
 }
 
 // background runs f off the caller's thread; req counts as in flight (for
-// Poll's delay-free reports and WaitFor) until f returns.
-func (w *Worker) background(req string, f func()) {
+// Poll's delay-free reports and WaitFor) until f calls free or returns.
+func (w *Worker) background(req string, f func(free func())) {
 	w.mu.Lock()
 	w.inflight[req]++
 	w.mu.Unlock()
-	w.wg.Add(1)
-	go func() {
-		defer w.wg.Done()
-		defer func() {
+	var once sync.Once
+	free := func() {
+		once.Do(func() {
 			w.mu.Lock()
 			if w.inflight[req]--; w.inflight[req] <= 0 {
 				delete(w.inflight, req)
 			}
 			w.mu.Unlock()
-		}()
-		f()
+		})
+	}
+	w.wg.Add(1)
+	go func() {
+		defer w.wg.Done()
+		defer free()
+		f(free)
 	}()
 }
 
@@ -430,21 +591,35 @@ var copyStuckAfter = time.Minute
 // (leaked until the session ends) instead of handing them back.
 var errCopyStuck = errors.New("copy still running")
 
-// copy runs one copy job to its end. A copy slower than the timeout is a
-// failure, but copy returns only once it has stopped: until then it may
-// still read or write vLLM's blocks and the L1 objects, and the caller's
-// cleanup (release, abort, recompute) must not race it.
+// copy runs one copy job to its end (waitCopy).
 func (w *Worker) copy(eng cuda.Engine, spans []layout.Span, dir cuda.Direction) error {
 	job, err := eng.Submit(spans, dir)
 	if err != nil {
 		return err
 	}
-	w.count(func(s *WorkerStats) { s.CopySpans += uint64(len(spans)) })
-	err = job.Wait(w.cfg.Timeout)
+	return w.waitCopy(job, dir, len(spans), false)
+}
+
+// waitCopy waits for a submitted copy job of spans descriptors. A copy
+// slower than the timeout is a failure, but waitCopy returns only once it
+// has stopped: until then it may still read or write vLLM's blocks and the
+// L1 objects, and the caller's cleanup (release, abort, recompute) must not
+// race it. After copyStuckAfter more it gives up (errCopyStuck); once a
+// copy of a load is stuck (stuck), the later ones are not waited for: they
+// are stuck too unless done already.
+func (w *Worker) waitCopy(job cuda.Job, dir cuda.Direction, spans int, stuck bool) error {
+	w.count(func(s *WorkerStats) { s.CopySpans += uint64(spans) })
+	if stuck {
+		if job.Done() {
+			return job.Err()
+		}
+		return fmt.Errorf("%w: behind a stuck copy", errCopyStuck)
+	}
+	err := job.Wait(w.cfg.Timeout)
 	if !errors.Is(err, cuda.ErrTimeout) {
 		return err
 	}
-	slog.Warn("kvshim: copy slower than the timeout; waiting for it to stop", "dir", dir, "spans", len(spans), "timeout", w.cfg.Timeout)
+	slog.Warn("kvshim: copy slower than the timeout; waiting for it to stop", "dir", dir, "spans", spans, "timeout", w.cfg.Timeout)
 	if werr := job.Wait(copyStuckAfter); errors.Is(werr, cuda.ErrTimeout) {
 		slog.Error("kvshim: copy still running; its L1 memory is kept, not reused", "dir", dir, "after", copyStuckAfter+w.cfg.Timeout)
 		return fmt.Errorf("%w after %v: %w", errCopyStuck, copyStuckAfter, err)
