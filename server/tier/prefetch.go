@@ -44,6 +44,11 @@ type PrefetchConfig struct {
 	// before the loads are submitted (tests, tracing). keys are the keys
 	// about to be loaded.
 	BeforeLoad func(keys []l2.Key)
+	// Verify is the fill's object check (kvshim.verify): VerifyL2 and
+	// VerifyAlways (the zero value is VerifyL2) check header, key, size and
+	// a set, matching payload CRC; VerifyOff skips the payload (header, key
+	// and size only; unsafe: a corrupt disk or network byte is served).
+	Verify objfmt.VerifyPolicy
 }
 
 // PrefetchController fills lookups' missing chunks from L2.
@@ -398,7 +403,7 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 					// Bytes from a disk or a network: check the header names
 					// the key asked for and the payload checksum before the
 					// object can be served.
-					if err := checkObject(mems[i], key); err != nil {
+					if err := checkObject(mems[i], key, pc.cfg.Verify); err != nil {
 						ok = false
 						pc.reject(a, key, err)
 						bad[a] = append(bad[a], key)
@@ -458,11 +463,17 @@ func (pc *PrefetchController) finish(f Fill, results [][]l2.Result, keys []l2.Ke
 }
 
 // checkObject verifies an object loaded from L2 for key: header (magic,
-// format version, header checksum), the key it names, its size and the
-// payload checksum. The server does not know the KV layout; the layout
-// fingerprint and chunk tokens are the worker's to check.
-func checkObject(obj []byte, key l2.Key) error {
-	_, err := objfmt.Verify(obj, objfmt.Key{Namespace: key.Namespace, Rank: key.Rank, Hash: key.Hash})
+// format version, header checksum), the key it names, its size and, unless
+// the policy is VerifyOff, its payload CRC, which must be set (the L2 store
+// sets it before writing) and match. The server does not know the KV
+// layout; the layout fingerprint and chunk tokens are the worker's to
+// check.
+func checkObject(obj []byte, key l2.Key, policy objfmt.VerifyPolicy) error {
+	check := objfmt.Verify
+	if policy == objfmt.VerifyOff {
+		check = objfmt.VerifyHeader
+	}
+	_, err := check(obj, objfmt.Key{Namespace: key.Namespace, Rank: key.Rank, Hash: key.Hash})
 	return err
 }
 
