@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/layout"
+	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/shim"
 )
@@ -29,6 +30,11 @@ type connectorConfig struct {
 	BlockSize int           `json:"block_size"` // scheduler
 	Rank      int           `json:"rank"`       // worker
 	TimeoutMS int           `json:"timeout_ms"`
+
+	// Verify is kvshim.verify (worker role): "l2" (default), "always" or
+	// "off" (objfmt.ParseVerifyPolicy).
+	Verify string `json:"verify"`
+
 	// The embedded server's settings (scheduler role only).
 	L1SizeGB   float64  `json:"l1_size_gb"`
 	HoldTTLS   float64  `json:"hold_ttl_s"`
@@ -212,8 +218,12 @@ func openWorker(in *instance, raw []byte) error {
 	if err != nil {
 		return err
 	}
+	verify, err := objfmt.ParseVerifyPolicy(cfg.Verify)
+	if err != nil {
+		return fmt.Errorf("%v: %w", err, errInvalid)
+	}
 	w, err := shim.NewWorker(shim.WorkerConfig{Socket: socket, Namespace: ns, Rank: cfg.Rank,
-		Timeout: timeout, Instance: inst})
+		Timeout: timeout, Instance: inst, Verify: verify})
 	if err != nil {
 		return fmt.Errorf("%v: %w", err, errInvalid)
 	}

@@ -56,6 +56,8 @@ CONFIG_KEYS: dict[str, tuple[Any, str]] = {
     "kvshim.hold_ttl_s": (1800.0, "embedded server: last-resort release of holds a live client forgot"),
     "kvshim.model": (None, "model identity in the namespace (default: the model name and revision)"),
     "kvshim.l2_adapters": ([], 'embedded server: L2 adapters, each like `kvshim serve --l2-adapter` ({"type": "fs", "base_path": ...})'),
+    "kvshim.verify": ("l2", 'payload checksums: "l2" (checked where bytes enter from L2, never re-read on an L1 restore), '
+                      '"always" (also computed at every save and checked at every load) or "off" (unsafe with L2)'),
     "kvshim.kv_cache_layout": (None, 'KV cache layout to ask vLLM for: "BLNHC" or "BLHNC" put all layers of a block side by '
                                "side, so a chunk is copied as one span per block (default: vLLM's choice)"),
 }
@@ -201,7 +203,8 @@ class KVShimConnector(KVConnectorBase_V1):
                 "l2_adapters": [a if isinstance(a, str) else json.dumps(a) for a in self._cfg["kvshim.l2_adapters"]],
             }
         else:
-            open_cfg |= {"role": "worker", "rank": int(vllm_config.parallel_config.rank)}
+            open_cfg |= {"role": "worker", "rank": int(vllm_config.parallel_config.rank),
+                         "verify": str(self._cfg["kvshim.verify"])}
         # The first native call of this process: after vLLM's fork.
         self._h = native.Handle(json.dumps(open_cfg))
         self._lib = native.library()
