@@ -193,6 +193,27 @@ int kvshim_worker_start_saves(kvshim_handle h, uint64_t stream_event);
  * (variable-length output). */
 int kvshim_worker_poll(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
+/* The copy engine alone, for benchmarks and the demo: copies the chunks of
+ * block_ids[0:n_blocks] (token order, a positive multiple of a chunk's
+ * blocks; loads accept -1 to skip a block) between h's registered KV cache
+ * and caller memory holding one object per chunk, chunk i at
+ * objects + i * object_stride (object_stride at least the object size:
+ * header and one chunk's payload). direction 1 saves (KV cache to
+ * objects), 2 loads (objects to KV cache). The plans are the ones the
+ * worker copies; the engine is of the worker's kind and size (host engine
+ * for CPU caches, a CUDA engine for GPU caches: give it pinned memory),
+ * created on first use and closed with h. No server, no lookup, no header
+ * or checksum: the objects' bytes are copied as they are. Blocks until
+ * the copy ends and sets *elapsed_ns to the time from planning to the
+ * end of the copy. Errors: KVSHIM_EINVAL (no KV caches registered, bad
+ * direction, count, stride or block id, NULL pointer), KVSHIM_ENOTSUP (no
+ * CUDA driver for a GPU cache), KVSHIM_ETIMEDOUT (the copy ran past
+ * timeout_ms; the call returns once it stopped, or a minute later with
+ * the memory possibly still in use). */
+int kvshim_worker_engine_copy(kvshim_handle h, int direction, void *objects, uint64_t object_stride,
+                              const int64_t *block_ids, size_t n_blocks, int64_t timeout_ms,
+                              uint64_t *elapsed_ns);
+
 #ifdef __cplusplus
 }
 #endif

@@ -3,6 +3,7 @@
  * path a C caller can reach: NULL arguments, bad JSON, unknown roles,
  * unknown and closed handles, truncated buffers, a recovered panic. */
 #include <stdio.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -123,6 +124,67 @@ static void test_skeleton_round_trip(void) {
   CHECK(kvshim_handle_count() == before - 1, "handle released");
 }
 
+/* kvshim_worker_engine_copy: a worker handle's copy engine alone, with no
+ * server (the socket does not exist): the registered layout's plans move
+ * chunks between a paged LBNHC cache and caller-owned objects. */
+static void test_worker_engine_copy(void) {
+  enum { L = 2, NB = 8, BS = 4, H = 2, C = 8, CHUNK = 8, STRIDE = 4096 };
+  static uint16_t kv[L][NB][BS][H][C], orig[L][NB][BS][H][C];
+  static unsigned char objects[2 * STRIDE];
+  kvshim_handle h = 0, sk = 0;
+  uint64_t ns = 0;
+  int64_t ids[4] = {3, 5, 6, 1}, moved[4] = {0, 2, 4, 7};
+  CHECK(kvshim_open("{\"role\":\"worker\",\"server\":\"/nonexistent/kvshim-engine.sock\",\"rank\":0,\"timeout_ms\":1000,"
+                    "\"namespace\":{\"model\":\"t\",\"dtype\":\"bfloat16\",\"layout\":\"x\",\"world_size\":1,\"chunk_size\":8}}",
+                    &h) == KVSHIM_OK, "%s", last_error(0));
+  CHECK(kvshim_worker_engine_copy(h, 1, objects, STRIDE, ids, 4, 1000, &ns) == KVSHIM_EINVAL, "before register");
+  CHECK(strstr(last_error(h), "register") != NULL, "message: %s", last_error(h));
+
+  char descs[2048];
+  int n = snprintf(descs, sizeof descs, "[");
+  for (int l = 0; l < L; l++) {
+    n += snprintf(descs + n, sizeof descs - n,
+                  "%s{\"layer\":\"l%d\",\"group\":0,\"backend\":\"paged\",\"device\":\"cpu\",\"data_ptr\":%llu,"
+                  "\"dtype_size\":2,\"shape\":[%d,%d,%d,%d],\"stride_bytes\":[%d,%d,%d,2]}",
+                  l ? "," : "", l, (unsigned long long)(uintptr_t)&kv[l][0][0][0][0], NB, H, BS, C,
+                  BS * H * C * 2, C * 2, H * C * 2);
+  }
+  snprintf(descs + n, sizeof descs - n, "]");
+  CHECK(kvshim_worker_register(h, descs) == KVSHIM_OK, "%s", last_error(h));
+
+  uint16_t *flat = &kv[0][0][0][0][0];
+  for (size_t i = 0; i < sizeof kv / sizeof kv[0][0][0][0][0]; i++) flat[i] = (uint16_t)(i * 2654435761u >> 7);
+  memcpy(orig, kv, sizeof kv);
+  CHECK(kvshim_worker_engine_copy(h, 1, objects, STRIDE, ids, 4, 1000, &ns) == KVSHIM_OK, "save: %s", last_error(h));
+  CHECK(ns > 0, "elapsed %llu ns", (unsigned long long)ns);
+  for (int l = 0; l < L; l++)
+    for (int i = 0; i < 4; i++) memset(kv[l][ids[i]], 0, sizeof kv[l][ids[i]]);
+  CHECK(kvshim_worker_engine_copy(h, 2, objects, STRIDE, ids, 4, 1000, &ns) == KVSHIM_OK, "load: %s", last_error(h));
+  CHECK(memcmp(kv, orig, sizeof kv) == 0, "a save then a load into the same blocks restores them");
+  CHECK(kvshim_worker_engine_copy(h, 2, objects, STRIDE, moved, 4, 1000, &ns) == KVSHIM_OK, "load: %s", last_error(h));
+  for (int l = 0; l < L; l++)
+    for (int i = 0; i < 4; i++)
+      CHECK(memcmp(kv[l][moved[i]], orig[l][ids[i]], sizeof kv[l][0]) == 0, "layer %d: block %d holds block %d", l,
+            (int)moved[i], (int)ids[i]);
+
+  int64_t bad[4] = {3, 5, 6, 99}, odd[3] = {3, 5, 6};
+  CHECK(kvshim_worker_engine_copy(h, 3, objects, STRIDE, ids, 4, 1000, &ns) == KVSHIM_EINVAL, "direction 3");
+  CHECK(strstr(last_error(h), "direction 3") != NULL, "message: %s", last_error(h));
+  CHECK(kvshim_worker_engine_copy(h, 2, objects, 100, ids, 4, 1000, &ns) == KVSHIM_EINVAL, "stride below an object");
+  CHECK(strstr(last_error(h), "object_stride 100") != NULL, "message: %s", last_error(h));
+  CHECK(kvshim_worker_engine_copy(h, 2, objects, STRIDE, odd, 3, 1000, &ns) == KVSHIM_EINVAL, "not whole chunks");
+  CHECK(kvshim_worker_engine_copy(h, 2, objects, STRIDE, bad, 4, 1000, &ns) == KVSHIM_EINVAL, "block id out of range");
+  CHECK(kvshim_worker_engine_copy(h, 2, NULL, STRIDE, ids, 4, 1000, &ns) == KVSHIM_EINVAL, "NULL objects");
+  CHECK(kvshim_worker_engine_copy(h, 2, objects, STRIDE, ids, 4, 1000, NULL) == KVSHIM_EINVAL, "NULL elapsed_ns");
+  CHECK(kvshim_worker_engine_copy(h, 2, objects, STRIDE, ids, 4, 0, &ns) == KVSHIM_EINVAL, "zero timeout");
+  CHECK(kvshim_open("{\"role\":\"skeleton\",\"block_bytes\":64,\"block_tokens\":4,\"chunk_tokens\":8}", &sk) == KVSHIM_OK,
+        "%s", last_error(0));
+  CHECK(kvshim_worker_engine_copy(sk, 2, objects, STRIDE, ids, 4, 1000, &ns) == KVSHIM_EINVAL, "not a worker handle");
+  CHECK(kvshim_close(sk) == KVSHIM_OK, "%s", last_error(0));
+  CHECK(kvshim_close(h) == KVSHIM_OK, "%s", last_error(0));
+  CHECK(kvshim_worker_engine_copy(h, 2, objects, STRIDE, ids, 4, 1000, &ns) == KVSHIM_EBADH, "closed handle");
+}
+
 static void test_main(void) {
   char *help[] = {"kvshim", "--help", NULL};
   CHECK(kvshim_main(2, help) == 0, "help");
@@ -135,6 +197,7 @@ int main(void) {
   test_open_errors();
   test_bad_handles();
   test_skeleton_round_trip();
+  test_worker_engine_copy();
   test_main();
   if (failures) {
     printf("%d failed\n", failures);
