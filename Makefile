@@ -40,8 +40,13 @@ chaos:
 demo: $(LIB)
 	build/demo.sh
 
+# One wheel for CPython >= 3.10: py3-none-manylinux_2_NN_ARCH (setup.py runs
+# `make lib` and reads NN from the .so's glibc symbol versions).
 wheel:
+	@mkdir -p $(OUT)/dist
+	rm -f $(OUT)/dist/kvshim-*.whl
 	$(PYTHON) -m pip wheel --no-deps -w $(OUT)/dist .
+	@ls $(OUT)/dist/kvshim-*.whl
 
 clean:
 	rm -rf $(OUT) build/lib build/bdist* *.egg-info python/*.egg-info

@@ -2,7 +2,14 @@
 # The whole test suite, as CI runs it (.ci/run calls `make test`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+cache=${KVSHIM_CACHE:-$HOME/.cache/kvshim}
+echo "== make test installs what this machine lacks, each step saying what before it installs:"
+echo "   Debian packages (build/deps.sh: gcc, libc6-dev, redis-server, redis-tools, libibverbs1, libnuma1, libcurl4; no service is enabled),"
+echo "   Go modules (go mod download, into $(go env GOMODCACHE)),"
+echo "   virtualenvs under $cache from python/requirements-mooncake.txt and python/requirements-test.txt"
+echo "   (the latter vLLM 0.33.0 + PyTorch: ~4.6 GB and 7-8 minutes the first time, reused after)."
 build/deps.sh
+echo "== Go modules (go mod download)"
 go mod download
 
 echo "== gofmt"

@@ -3,19 +3,48 @@
 # Prints the path of a virtualenv with those requirements installed. The
 # virtualenv lives outside the clone, keyed by the requirements' hash and the
 # Python version, so reruns and later clones reuse it.
+#
+# Concurrent runs (two clones, two `make test`s) share it safely: the first
+# builds it while holding a lock (flock on VENV.lock, beside it), the others
+# wait for that lock and reuse the result. A virtualenv is built in a
+# directory of its own (VENV.build-XXXXXX; a virtualenv cannot be moved once
+# built: its scripts name their directory) and published by renaming a
+# symlink onto VENV, so nobody ever sees half of one, and a run that was
+# killed leaves only a build directory that the next one removes.
+# Everything but the printed path goes to stderr, pip's progress included.
 set -euo pipefail
 req=$1
 py=${PYTHON:-python3}
 key=$( (cat "$req"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
 name=$(basename "$req" .txt)
 venv=${KVSHIM_CACHE:-$HOME/.cache/kvshim}/venv-$name-$key
+
 if [ ! -f "$venv/.complete" ]; then
-  rm -rf "$venv"
   mkdir -p "$(dirname "$venv")"
-  echo "creating $venv from $req (first run only)" >&2
-  $py -m venv "$venv" >&2
-  "$venv/bin/pip" install --quiet --upgrade pip >&2
-  "$venv/bin/pip" install --quiet -r "$req" >&2
-  touch "$venv/.complete"
+  exec 9>>"$venv.lock"
+  if ! flock -n 9; then
+    echo "waiting for another run that is building $venv" >&2
+    flock 9
+  fi
+  if [ ! -f "$venv/.complete" ]; then
+    # We hold the lock: any build directory or unfinished virtualenv here is
+    # a dead run's.
+    rm -rf "$venv.build-"* "$venv.link-"*
+    [ -L "$venv" ] || rm -rf "$venv"
+    echo "creating $venv with $($py -c 'import sys; print("Python", sys.version.split()[0])') (first run only); it installs the newest pip, then:" >&2
+    grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' "$req" | sed 's/^/    /' >&2
+    build=$(mktemp -d "$venv.build-XXXXXX")
+    chmod 755 "$build"  # mktemp makes it 0700
+    $py -m venv "$build" >&2
+    "$build/bin/python" -m pip install --upgrade pip >&2
+    # No --quiet: pip's own progress (each package as it is collected and
+    # downloaded, with its size) shows while the first run downloads.
+    "$build/bin/python" -m pip install -r "$req" >&2
+    touch "$build/.complete"
+    ln -s "$(basename "$build")" "$venv.link-$$"
+    mv -T "$venv.link-$$" "$venv"  # rename(2): atomic, replaces an old symlink
+    echo "created $venv" >&2
+  fi
+  exec 9>&-
 fi
 echo "$venv"
