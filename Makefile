@@ -7,7 +7,7 @@ LIB     := $(OUT)/libkvshim.so
 VERSION := $(shell cat VERSION)+$(shell git rev-parse --short HEAD 2>/dev/null || echo nogit)
 SOURCES := $(shell find . -path ./$(OUT) -prune -o \( -name '*.go' -o -name '*.c' -o -name '*.h' \) -print) go.mod go.sum
 
-.PHONY: all lib ctest test chaos demo wheel bench-ipc bench-server bench-copy bench-l2 bench-keys gpu-check gpu-check-dry clean
+.PHONY: all lib ctest test chaos demo wheel bench-ipc bench-match bench-server bench-copy bench-l2 bench-keys gpu-check gpu-check-dry clean
 
 all: lib
 
@@ -55,6 +55,12 @@ clean:
 # Python-level round trip vs pyzmq (LMCache's transport), plus the Go-only ring figures.
 bench-ipc: $(LIB)
 	KVSHIM_LIBRARY=$(CURDIR)/$(LIB) PYTHONPATH=$(CURDIR)/python $$(build/venv.sh python/requirements-test.txt)/bin/python build/bench_ipc.py
+
+# get_num_new_matched_tokens from a Python token list (16K and 128K tokens),
+# through vLLM's real scheduler and the embedded server; the old token
+# conversion alongside, interleaved in the same run.
+bench-match: $(LIB)
+	KVSHIM_LIBRARY=$(CURDIR)/$(LIB) PYTHONPATH=$(CURDIR)/python $$(build/venv.sh python/requirements-test.txt)/bin/python build/bench_match.py
 
 bench-server:
 	$(GO) run ./cmd/kvshim-bench-server

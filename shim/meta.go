@@ -1,11 +1,13 @@
 package shim
 
 import (
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/layout"
@@ -14,7 +16,8 @@ import (
 
 // StepMeta is what the scheduler side hands to every worker for one engine
 // step (vLLM pickles it inside the connector metadata). Go writes and reads
-// it; Python only carries the bytes.
+// it (Encode, DecodeStepMeta: the binary form below); Python only carries
+// the bytes. The json tags give its text form, for people.
 type StepMeta struct {
 	// Loads to start: chunks [Start, End) of a lookup, into Blocks.
 	Loads []LoadSpec `json:"loads,omitempty"`
@@ -55,7 +58,8 @@ type SaveSpec struct {
 	Blocks []int64 `json:"blocks"`
 }
 
-// Hash and Tag are ipc's types with a hex text form for the metadata.
+// Hash and Tag are ipc's types with a hex text form (the metadata's JSON
+// text form, logs).
 type (
 	Hash ipc.Hash
 	Tag  ipc.Tag
@@ -82,18 +86,285 @@ func unhex(dst, src []byte, what string) error {
 // worker's layout.
 var ErrBadMeta = errors.New("bad step metadata")
 
-// Encode is the metadata's wire form.
-func (m *StepMeta) Encode() ([]byte, error) { return json.Marshal(m) }
+// MetaVersion is the first byte of the metadata's binary form:
+//
+//	meta  = version:u8 list(load) list(save) list(str) list(str)   (the last two: finished, preempted)
+//	load  = str(req) owner:[16]u8 uv(lookup) uv(start) uv(end) list(hash) list(block)
+//	save  = str(req) uv(first) list(hash) list(block)
+//	list  = uv(count), then count items
+//	str   = uv(length), then the bytes
+//	hash  = [32]u8, raw
+//	block = zigzag varint (a block id; -1 in a load: a block vLLM has)
+//	uv    = unsigned LEB128 varint, at most 10 bytes (encoding/binary)
+//
+// Nothing follows the last list. A decoder checks every count against the
+// bytes left before it allocates, and a number against its field's range.
+// Other versions are refused; the scheduler and the workers run the same
+// library, so a version only changes with it.
+const MetaVersion = 1
+
+// Encode is the metadata's wire form: the binary form of MetaVersion.
+func (m *StepMeta) Encode() ([]byte, error) {
+	size := 5
+	for i := range m.Loads {
+		l := &m.Loads[i]
+		size += 48 + len(l.Req) + HashSizeBytes*len(l.Hashes) + 3*len(l.Blocks)
+	}
+	for i := range m.Saves {
+		s := &m.Saves[i]
+		size += 16 + len(s.Req) + HashSizeBytes*len(s.Hashes) + 3*len(s.Blocks)
+	}
+	for _, r := range m.Finished {
+		size += 2 + len(r)
+	}
+	for _, r := range m.Preempted {
+		size += 2 + len(r)
+	}
+	b := make([]byte, 1, size)
+	b[0] = MetaVersion
+	b = binary.AppendUvarint(b, uint64(len(m.Loads)))
+	for i := range m.Loads {
+		l := &m.Loads[i]
+		b = appendStr(b, l.Req)
+		b = append(b, l.Owner[:]...)
+		b = binary.AppendUvarint(b, l.Lookup)
+		b = binary.AppendUvarint(b, uint64(l.Start))
+		b = binary.AppendUvarint(b, uint64(l.End))
+		b = appendHashes(b, l.Hashes)
+		b = appendBlocks(b, l.Blocks)
+	}
+	b = binary.AppendUvarint(b, uint64(len(m.Saves)))
+	for i := range m.Saves {
+		s := &m.Saves[i]
+		b = appendStr(b, s.Req)
+		b = binary.AppendUvarint(b, uint64(s.First))
+		b = appendHashes(b, s.Hashes)
+		b = appendBlocks(b, s.Blocks)
+	}
+	b = appendStrs(b, m.Finished)
+	b = appendStrs(b, m.Preempted)
+	return b, nil
+}
+
+// HashSizeBytes is a chunk hash's size in the binary form.
+const HashSizeBytes = len(Hash{})
+
+func appendStr(b []byte, s string) []byte {
+	return append(binary.AppendUvarint(b, uint64(len(s))), s...)
+}
+
+func appendStrs(b []byte, ss []string) []byte {
+	b = binary.AppendUvarint(b, uint64(len(ss)))
+	for _, s := range ss {
+		b = appendStr(b, s)
+	}
+	return b
+}
+
+func appendHashes(b []byte, hs []Hash) []byte {
+	b = binary.AppendUvarint(b, uint64(len(hs)))
+	for i := range hs {
+		b = append(b, hs[i][:]...)
+	}
+	return b
+}
+
+func appendBlocks(b []byte, ids []int64) []byte {
+	b = binary.AppendUvarint(b, uint64(len(ids)))
+	for _, id := range ids {
+		b = binary.AppendVarint(b, id)
+	}
+	return b
+}
+
+// metaReader reads the binary form; the first error sticks and every later
+// read returns zero values.
+type metaReader struct {
+	b   []byte
+	n   int // total length, for offsets in errors
+	err error
+}
+
+func (r *metaReader) fail(format string, args ...any) {
+	if r.err == nil {
+		r.err = fmt.Errorf("%w: byte %d: %s", ErrBadMeta, r.n-len(r.b), fmt.Sprintf(format, args...))
+	}
+}
+
+func (r *metaReader) uvarint(what string) uint64 {
+	if r.err != nil {
+		return 0
+	}
+	v, k := binary.Uvarint(r.b)
+	if k <= 0 {
+		r.fail("%s: truncated or overlong varint", what)
+		return 0
+	}
+	r.b = r.b[k:]
+	return v
+}
+
+func (r *metaReader) u32(what string) uint32 {
+	v := r.uvarint(what)
+	if v > math.MaxUint32 {
+		r.fail("%s %d does not fit 32 bits", what, v)
+		return 0
+	}
+	return uint32(v)
+}
+
+// count reads a list length whose items take at least itemSize bytes each.
+func (r *metaReader) count(what string, itemSize int) int {
+	v := r.uvarint(what)
+	if r.err == nil && v > uint64(len(r.b)/itemSize) {
+		r.fail("%d %s in %d bytes", v, what, len(r.b))
+		return 0
+	}
+	return int(v)
+}
+
+func (r *metaReader) bytes(what string, n int) []byte {
+	if r.err != nil {
+		return nil
+	}
+	if n > len(r.b) {
+		r.fail("%s: %d bytes wanted, %d left", what, n, len(r.b))
+		return nil
+	}
+	p := r.b[:n]
+	r.b = r.b[n:]
+	return p
+}
+
+func (r *metaReader) str(what string) string {
+	return string(r.bytes(what, r.count(what+" bytes", 1)))
+}
+
+func (r *metaReader) strs(what string) []string {
+	n := r.count(what, 1)
+	if n == 0 {
+		return nil
+	}
+	out := make([]string, n)
+	for i := range out {
+		out[i] = r.str(what)
+	}
+	return out
+}
+
+func (r *metaReader) hashes() []Hash {
+	n := r.count("chunk hashes", HashSizeBytes)
+	if n == 0 {
+		return nil
+	}
+	p := r.bytes("chunk hashes", n*HashSizeBytes)
+	if p == nil {
+		return nil
+	}
+	hs := make([]Hash, n)
+	for i := range hs {
+		hs[i] = Hash(p[i*HashSizeBytes:])
+	}
+	return hs
+}
+
+func (r *metaReader) blocks() []int64 {
+	n := r.count("block ids", 1)
+	if n == 0 {
+		return nil
+	}
+	ids := make([]int64, n)
+	p := r.b // a local: no write barrier per id
+	for i := range ids {
+		if len(p) > 0 && p[0] < 0x80 { // one byte: ids -64..63
+			ids[i], p = int64(p[0]>>1)^-int64(p[0]&1), p[1:]
+			continue
+		}
+		v, k := binary.Varint(p)
+		if k <= 0 {
+			r.b = p
+			r.fail("block id %d of %d: truncated or overlong varint", i, n)
+			return nil
+		}
+		ids[i], p = v, p[k:]
+	}
+	r.b = p
+	return ids
+}
+
+// Smallest encodings, to bound counts: a load is a one-byte req length, the
+// owner, four one-byte numbers and two one-byte counts; a save a one-byte
+// req length, three one-byte numbers or counts.
+const minLoadBytes, minSaveBytes = 1 + len(Tag{}) + 3 + 2, 1 + 3
+
+func decodeBinaryMeta(b []byte) (*StepMeta, error) {
+	var m StepMeta
+	if b[0] != MetaVersion {
+		return nil, fmt.Errorf("%w: version %d (this library reads version %d)", ErrBadMeta, b[0], MetaVersion)
+	}
+	r := &metaReader{b: b[1:], n: len(b)}
+	if n := r.count("loads", minLoadBytes); n > 0 {
+		m.Loads = make([]LoadSpec, n)
+		for i := range m.Loads {
+			l := &m.Loads[i]
+			l.Req = r.str("req")
+			if p := r.bytes("owner", len(Tag{})); p != nil {
+				l.Owner = Tag(p)
+			}
+			l.Lookup = r.uvarint("lookup")
+			l.Start = r.u32("start")
+			l.End = r.u32("end")
+			l.Hashes = r.hashes()
+			l.Blocks = r.blocks()
+			if r.err != nil {
+				return nil, r.err
+			}
+		}
+	}
+	if n := r.count("saves", minSaveBytes); n > 0 {
+		m.Saves = make([]SaveSpec, n)
+		for i := range m.Saves {
+			s := &m.Saves[i]
+			s.Req = r.str("req")
+			s.First = r.u32("first")
+			s.Hashes = r.hashes()
+			s.Blocks = r.blocks()
+			if r.err != nil {
+				return nil, r.err
+			}
+		}
+	}
+	m.Finished = r.strs("finished")
+	m.Preempted = r.strs("preempted")
+	if r.err == nil && len(r.b) != 0 {
+		r.fail("%d bytes after the metadata", len(r.b))
+	}
+	if r.err != nil {
+		return nil, r.err
+	}
+	return &m, nil
+}
 
 // DecodeStepMeta parses and checks metadata against chunkBlocks (blocks per
-// chunk) and the number of blocks of the worker's cache.
+// chunk) and the number of blocks of the worker's cache. It reads the
+// binary form (Encode); metadata that starts with '{' is read as the JSON
+// text form instead (hex hashes: hand-written metadata in tests and
+// debugging; the scheduler never writes it). Empty metadata is an empty step.
 func DecodeStepMeta(b []byte, chunkBlocks int, numBlocks int64) (*StepMeta, error) {
-	var m StepMeta
 	if len(b) == 0 {
-		return &m, nil
+		return &StepMeta{}, nil
 	}
-	if err := json.Unmarshal(b, &m); err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrBadMeta, err)
+	var m *StepMeta
+	if b[0] == '{' {
+		m = new(StepMeta)
+		if err := json.Unmarshal(b, m); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrBadMeta, err)
+		}
+	} else {
+		var err error
+		if m, err = decodeBinaryMeta(b); err != nil {
+			return nil, err
+		}
 	}
 	checkBlocks := func(what, req string, ids []int64, chunks int, allowSkip bool) error {
 		if chunks < 0 || len(ids) != chunks*chunkBlocks {
@@ -122,7 +393,7 @@ func DecodeStepMeta(b []byte, chunkBlocks int, numBlocks int64) (*StepMeta, erro
 			return nil, err
 		}
 	}
-	return &m, nil
+	return m, nil
 }
 
 // ErrNoChunkHash: a load names no chunk hash for a chunk, so the object's

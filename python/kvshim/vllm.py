@@ -16,6 +16,7 @@ forked its worker processes.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import json
 import logging
@@ -99,9 +100,78 @@ class KVShimStats(KVConnectorStats):
 
 @dataclass
 class KVShimMetadata(KVConnectorMetadata):
-    """One step's scheduler → worker metadata; the bytes are written and read by Go."""
+    """One step's scheduler → worker metadata; the bytes are written and read
+    by Go (shim/meta.go: a binary form, chunk hashes as raw bytes)."""
 
     data: bytes
+
+
+META_VERSION = 1  # shim.MetaVersion
+
+
+def read_meta(data: bytes) -> dict[str, Any]:
+    """A step's metadata bytes as the dict of its JSON text form (json.Marshal
+    of Go's shim.StepMeta): {"loads": [{"req", "owner", "lookup", "start",
+    "end", "hashes", "blocks"}], "saves": [{"req", "first", "hashes",
+    "blocks"}], "finished": [...], "preempted": [...]}, owner and hashes in
+    hex, empty lists left out as Go leaves them out.
+
+    For tests and debugging only: the connector never reads its metadata in
+    Python; the workers' Go decoder (shim.DecodeStepMeta) is the reference
+    and this reader follows its version-1 layout (see shim.MetaVersion)."""
+    if not data:
+        return {}
+    if data[0] != META_VERSION:
+        raise ValueError(f"step metadata version {data[0]}, this reader knows {META_VERSION}")
+    pos = 1
+
+    def uv() -> int:
+        nonlocal pos
+        v = shift = 0
+        while True:
+            b = data[pos]
+            pos += 1
+            v |= (b & 0x7F) << shift
+            if b < 0x80:
+                return v
+            shift += 7
+
+    def raw(n: int) -> bytes:
+        nonlocal pos
+        if pos + n > len(data):
+            raise IndexError(pos + n)
+        pos += n
+        return data[pos - n : pos]
+
+    def zz() -> int:
+        u = uv()
+        return (u >> 1) ^ -(u & 1)
+
+    def text() -> str:
+        return raw(uv()).decode("utf-8", "surrogateescape")
+
+    def hashes() -> list[str]:
+        return [raw(32).hex() for _ in range(uv())]
+
+    def blocks() -> list[int]:
+        return [zz() for _ in range(uv())]
+
+    try:
+        # (dict displays evaluate left to right: the fields in wire order)
+        loads = [{"req": text(), "owner": raw(16).hex(), "lookup": uv(), "start": uv(), "end": uv(),
+                  "hashes": hashes(), "blocks": blocks()} for _ in range(uv())]
+        saves = [{"req": text(), "first": uv(), "hashes": hashes(), "blocks": blocks()} for _ in range(uv())]
+        finished = [text() for _ in range(uv())]
+        preempted = [text() for _ in range(uv())]
+    except IndexError:
+        raise ValueError(f"step metadata truncated at byte {pos} of {len(data)}") from None
+    if pos != len(data):
+        raise ValueError(f"{len(data) - pos} bytes after the step metadata")
+    for ld in loads:
+        if not ld["hashes"]:
+            del ld["hashes"]
+    m = {"loads": loads, "saves": saves, "finished": finished, "preempted": preempted}
+    return {k: v for k, v in m.items() if v}
 
 
 def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -167,11 +237,64 @@ def _tensor_desc(name: str, t: torch.Tensor, group: int) -> dict[str, Any]:
     }
 
 
+_U32_MAX = 0xFFFFFFFF
+if array.array("I").itemsize != 4 or array.array("q").itemsize != 8:  # pragma: no cover - every platform vLLM runs on
+    raise ImportError("kvshim needs array('I') of 4 bytes and array('q') of 8")
+
+
 def _u32(tokens: Any) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(tokens, dtype=np.uint32))
+    """Token ids as a contiguous uint32 array: what Go reads (a pointer and a
+    length, no copy on its side).
+
+    A list (vLLM's Request.prompt_token_ids) or any other plain sequence is
+    packed by ``array('I', ...)``, one C loop that checks every id's range:
+    about 4x faster than ``np.asarray(tokens, dtype=np.uint32)`` at 16K and
+    128K tokens (``make bench-match`` measures the candidates). vLLM 0.33's
+    Request holds no array of its ids to borrow: prompt_token_ids and
+    _all_token_ids are lists (EngineCoreRequest's too).
+
+    A uint32 array, memoryview or tensor is used as it is; any other integer
+    array is range-checked, then converted. An id outside [0, 2^32) is a
+    ValueError and a non-integer a TypeError, both naming the first bad id:
+    never a silent wrap."""
+    if isinstance(tokens, (str, bytes, bytearray)):
+        raise TypeError(f"token ids must be a sequence or array of integers, not {type(tokens).__name__}")
+    if not isinstance(tokens, (np.ndarray, array.array, memoryview)) and not hasattr(tokens, "__array__"):
+        try:
+            packed = array.array("I", tokens)
+        except (OverflowError, TypeError) as e:
+            raise _bad_token(list(tokens), e) from None
+        return np.frombuffer(packed, dtype=np.uint32)
+    a = np.asarray(tokens)
+    if a.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got an array of {a.dtype}")
+    if a.dtype != np.uint32 and a.size and (a.dtype.kind == "i" or a.dtype.itemsize > 4):
+        if int(a.min()) < 0 or int(a.max()) > _U32_MAX:
+            (i, *_) = np.flatnonzero((a < 0) | (a > _U32_MAX))
+            raise ValueError(f"token id {int(a[i])} at position {i} is outside [0, 2**32)")
+    return np.ascontiguousarray(a, dtype=np.uint32)
+
+
+def _bad_token(tokens: list[Any], cause: Exception) -> Exception:
+    """The error for the first id that array('I') refused (the slow path,
+    only once packing failed)."""
+    for i, t in enumerate(tokens):
+        try:
+            v = int(t.__index__())
+        except (AttributeError, TypeError):
+            return TypeError(f"token id {t!r} at position {i} is not an integer")
+        if not 0 <= v <= _U32_MAX:
+            return ValueError(f"token id {v} at position {i} is outside [0, 2**32)")
+    return ValueError(f"token ids are not uint32: {cause}")
 
 
 def _i64(ids: Any) -> np.ndarray:
+    """Block ids as a contiguous int64 array (a list: packed by array('q'),
+    about 10 % faster than numpy at 1K-8K ids)."""
+    if isinstance(ids, (list, tuple)):
+        return np.frombuffer(array.array("q", ids), dtype=np.int64)
     return np.ascontiguousarray(np.asarray(ids, dtype=np.int64))
 
 
@@ -231,23 +354,33 @@ class KVShimConnector(KVConnectorBase_V1):
         rid = request.request_id
         tokens = self._tokens.get(rid)
         if tokens is None:
-            tokens = self._tokens[rid] = _u32(request.prompt_token_ids or [])
+            # Once per request: vLLM asks again while a lookup is pending.
+            ids = request.prompt_token_ids
+            try:
+                tokens = _u32(ids if ids is not None else ())
+            except (ValueError, TypeError) as e:  # an id that is no uint32
+                return self._miss(rid, e)
+            self._tokens[rid] = tokens
         out = ctypes.c_int64()
         try:
             self._h.check(self._lib.kvshim_sched_match(
                 self._h.value, rid.encode(), _ptr(tokens, ctypes.c_uint32), len(tokens),
                 _extras(request), num_computed_tokens, ctypes.byref(out)))
         except KVShimError as e:
-            # A request kvshim cannot key (a LoRA path past the length limit,
-            # a malformed input) is computed by vLLM: a miss, never a dead
-            # scheduler. Logged at most a few times, then sparsely.
-            self._match_errors += 1
-            if self._match_errors <= 10 or self._match_errors % 1000 == 0:
-                logger.warning("kvshim: request %s is a miss (%d so far): %s", rid, self._match_errors, e)
-            return 0, False
+            return self._miss(rid, e)
         if out.value < 0:
             return None, False  # pending: vLLM asks again next step
         return out.value, out.value > 0
+
+    def _miss(self, rid: str, why: Exception) -> tuple[int, bool]:
+        """A request kvshim cannot key (a token id outside uint32, a LoRA
+        path past the length limit, a malformed input) is computed by vLLM: a
+        miss, never a dead scheduler. Logged at most a few times, then
+        sparsely."""
+        self._match_errors += 1
+        if self._match_errors <= 10 or self._match_errors % 1000 == 0:
+            logger.warning("kvshim: request %s is a miss (%d so far): %s", rid, self._match_errors, why)
+        return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         ids = _i64(blocks.get_block_ids()[0])

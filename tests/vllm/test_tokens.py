@@ -1,0 +1,203 @@
+"""The connector's Python hot path (issue 12, item 5).
+
+Token ids reach Go as one contiguous uint32 buffer: a Python list (what
+vLLM's Request holds) is packed by array('I'), an array or tensor is used as
+it is or range-checked, and an id that is no uint32 is a clear error, never
+a silent wrap (np.asarray(int64 array, dtype=uint32) wraps -1 to
+4294967295). In the connector such a request is a miss, not an exception out
+of vLLM's scheduler.
+
+The step metadata is binary, chunk hashes as raw bytes; kvshim.vllm.read_meta
+(tests and debugging) reads it as its JSON text form, checked here against
+Go's golden file and against the real scheduler's metadata.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from harness import (
+    CHUNK,
+    ModelRunner,
+    SchedulerHarness,
+    kvshim_config,
+    make_kv_cache_config,
+    prompt,
+    store,
+)
+from kvshim.vllm import _i64, _u32
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_list_is_packed_as_uint32():
+    toks = [0, 1, 2**32 - 1, 151_935, 7]
+    for src in (toks, tuple(toks), range(5)):
+        a = _u32(src)
+        assert a.dtype == np.uint32 and a.flags.c_contiguous
+        assert a.tolist() == list(src)
+    assert _u32([]).size == 0
+
+
+def test_uint32_buffers_are_not_copied():
+    a = np.arange(10, dtype=np.uint32)
+    assert _u32(a) is a
+    ar = array.array("I", range(10))
+    got = _u32(ar)
+    assert np.shares_memory(got, np.frombuffer(ar, dtype=np.uint32)) and got.tolist() == list(range(10))
+    mv = memoryview(ar)
+    assert np.shares_memory(_u32(mv), np.frombuffer(ar, dtype=np.uint32))
+
+
+@pytest.mark.parametrize(
+    "src",
+    [
+        np.array([5, 0, 2**32 - 1], dtype=np.int64),
+        np.array([5, 0, 2**32 - 1], dtype=np.uint64),
+        np.array([5, 0, 7], dtype=np.int32),
+        np.array([5, 0, 7], dtype=np.uint16),
+        np.array([5, 0, 7], dtype=">u4"),
+        array.array("q", [5, 0, 2**32 - 1]),
+        torch.tensor([5, 0, 7], dtype=torch.int64),
+        torch.tensor([5, 0, 7], dtype=torch.int32),
+    ],
+    ids=lambda s: f"{type(s).__name__}-{getattr(s, 'dtype', getattr(s, 'typecode', ''))}",
+)
+def test_integer_arrays_in_range_convert(src):
+    a = _u32(src)
+    assert a.dtype == np.uint32 and a.flags.c_contiguous
+    assert a.tolist() == [int(x) for x in src]
+
+
+@pytest.mark.parametrize(
+    ("src", "bad", "pos"),
+    [
+        ([3, -1, 4], -1, 1),
+        ([3, 4, 2**32], 2**32, 2),
+        ([2**64], 2**64, 0),
+        (np.array([3, 4, -7], dtype=np.int64), -7, 2),  # np.asarray(..., dtype=uint32) wraps this silently
+        (np.array([2**32 + 5], dtype=np.int64), 2**32 + 5, 0),
+        (np.array([1, 2**40], dtype=np.uint64), 2**40, 1),
+        (np.array([-2], dtype=np.int32), -2, 0),
+        (array.array("q", [1, -1]), -1, 1),
+        (torch.tensor([9, -3]), -3, 1),
+    ],
+    ids=["list-neg", "list-2^32", "list-2^64", "i64-neg", "i64-big", "u64-big", "i32-neg", "array-q-neg", "torch-neg"],
+)
+def test_out_of_range_id_is_a_clear_error(src, bad, pos):
+    with pytest.raises(ValueError, match=rf"token id {bad} at position {pos} is outside \[0, 2\*\*32\)"):
+        _u32(src)
+
+
+def test_non_integers_are_refused():
+    with pytest.raises(TypeError, match=r"token id 1\.5 at position 1 is not an integer"):
+        _u32([1, 1.5])
+    with pytest.raises(TypeError, match="integers, got an array of float32"):
+        _u32(np.array([1.0], dtype=np.float32))
+    with pytest.raises(TypeError, match="not bytes"):
+        _u32(b"\x01\x02")
+    with pytest.raises(ValueError, match="one-dimensional"):
+        _u32(np.zeros((2, 2), dtype=np.uint32))
+
+
+def test_block_ids():
+    a = _i64([3, -1, 2**40])
+    assert a.dtype == np.int64 and a.tolist() == [3, -1, 2**40]
+    assert _i64(np.array([1, 2], dtype=np.int32)).tolist() == [1, 2]
+    with pytest.raises(OverflowError):
+        _i64([2**63])
+
+
+# ---- in the connector ------------------------------------------------------
+
+
+@pytest.fixture
+def kv(tiny_model_dir):
+    made: list[SchedulerHarness] = []
+
+    def make():
+        cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False)
+        kvc = make_kv_cache_config(num_blocks=128)
+        h = SchedulerHarness(cfg, kvc)
+        h.runners = [ModelRunner(cfg, kvc)]
+        made.append(h)
+        return h, h.runners[0]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def test_request_with_an_id_past_uint32_is_a_miss(kv, caplog):
+    """Not an exception out of vLLM's scheduler (nor a wrapped id that keys
+    another prompt's chunks): vLLM computes the request."""
+    h, _ = kv()
+    p = prompt(5, 2 * CHUNK + 3)
+    store(h, h.runners[0], p, max_tokens=1)
+    conn = h.connector
+    good = h.make_request(p, max_tokens=1)
+    assert conn.get_num_new_matched_tokens(good, 0) == (2 * CHUNK, True)
+    conn.request_finished(good, [])
+    bad = h.make_request([*p[:5], 2**32 + p[5], *p[6:]], max_tokens=1)  # wrapped, this is p
+    with caplog.at_level(logging.WARNING, logger="kvshim.vllm"):
+        assert conn.get_num_new_matched_tokens(bad, 0) == (0, False)
+    assert f"token id {2**32 + p[5]} at position 5 is outside" in caplog.text
+    conn.request_finished(bad, [])
+    assert conn.stats()["requests"] == 0
+
+
+# ---- the step metadata ------------------------------------------------------
+
+
+def _nulls_empty(x):
+    if isinstance(x, dict):
+        return {k: _nulls_empty(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nulls_empty(v) for v in x]
+    return [] if x is None else x
+
+
+def test_read_meta_matches_go_golden():
+    from kvshim.vllm import META_VERSION, read_meta
+
+    g = json.loads((ROOT / "shim" / "testdata" / "meta_v1_golden.json").read_text())
+    assert g["version"] == META_VERSION
+    data = bytes.fromhex(g["binary"])
+    assert read_meta(data) == _nulls_empty(g["text"])
+    for cut in (1, len(data) // 2, len(data) - 1):
+        with pytest.raises(ValueError, match="truncated"):
+            read_meta(data[:cut])
+    with pytest.raises(ValueError, match="1 bytes after"):
+        read_meta(data + b"\x00")
+    with pytest.raises(ValueError, match="version 123"):
+        read_meta(b"{" + data[1:])
+
+
+def test_metadata_carries_raw_hashes(kv):
+    """The scheduler's metadata is the binary form: hashes as 32 raw bytes
+    each, no hex and no JSON, and it reads back as what vLLM scheduled."""
+    from kvshim.vllm import META_VERSION, read_meta
+
+    h, r = kv()
+    p = prompt(8, 3 * CHUNK + 8)
+    a, blocks = store(h, r, p, max_tokens=1)
+    metas = [s.connector_meta.data for s in h.steps]
+    (data,) = [d for d in metas if read_meta(d).get("saves")]
+    assert data[0] == META_VERSION
+    with pytest.raises(ValueError):
+        json.loads(data)
+    (sv,) = read_meta(data)["saves"]
+    assert sv["req"] == a.request_id and sv["first"] == 0 and len(sv["hashes"]) == 3
+    assert sv["blocks"] == blocks[: 3 * CHUNK // 16]
+    for hx in sv["hashes"]:
+        assert bytes.fromhex(hx) in data and hx.encode() not in data
+    # 3 hashes of 32 bytes, 12 one- or two-byte block ids, the request id: no
+    # room for 64 hex digits a hash
+    assert len(data) < 3 * 32 + 12 * 2 + len(a.request_id) + 16
