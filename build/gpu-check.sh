@@ -83,14 +83,16 @@ secs=""
 took() { secs="$secs${secs:+,}\"$1\":$2"; }
 
 torch="missing"
-torch_cuda="skipped: no torch"
-if python3 -c 'import torch' >/dev/null 2>&1; then
-	torch_cuda="skipped: no torch CUDA (torch $(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null))"
-fi
-if python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
-	torch_cuda=yes
+# One probe (importing torch takes seconds): "VERSION 1" with CUDA, "VERSION 0" without.
+probe=$(timeout 60 python3 -c 'import torch; print(torch.__version__, int(torch.cuda.is_available()))' 2>/dev/null)
+case "$probe" in
+"") torch_cuda="skipped: no torch" ;;
+*" 1") torch_cuda=yes ;;
+*) torch_cuda="skipped: no torch CUDA (torch ${probe% *})" ;;
+esac
+if [ "$torch_cuda" = yes ]; then
 	if timeout 60 python3 build/torch_geometry.py --device cuda:0 "$RES/torch_geometry.json" >&2; then
-		torch=$(python3 -c 'import torch; print(torch.__version__)')
+		torch=${probe% *}
 		KVSHIM_TORCH_GEOMETRY="$(cd "$RES" && pwd)/torch_geometry.json"
 		export KVSHIM_TORCH_GEOMETRY
 	else
