@@ -89,3 +89,17 @@ def test_demo_refuses_a_bad_device_and_numpy_on_cuda(repo_root):
     assert refused(demo(repo_root, "--device", "tpu")) == "kvshim demo: --device 'tpu': want cpu, cuda or cuda:N"
     line = refused(demo(repo_root, "--device", "cuda", "--tensors", "numpy"))
     assert "--tensors torch" in line
+
+
+def test_demo_sh_runs_cuda_under_the_plain_interpreter(repo_root):
+    # build/demo.sh --device cuda uses $PYTHON as it is (a GPU machine has
+    # torch and no network for a venv), not the numpy-only demo venv: the
+    # refusal comes from torch itself (no CUDA here), not from its absence.
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    env = {**os.environ, "PYTHON": sys.executable}
+    r = subprocess.run([str(repo_root / "build" / "demo.sh"), "--device", "cuda"], capture_output=True, text=True,
+                       timeout=120, cwd=repo_root, env=env)
+    line = refused(r)
+    assert line.startswith("kvshim demo: --device cuda: no CUDA here"), line
