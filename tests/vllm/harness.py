@@ -914,9 +914,12 @@ def wait_stat(h: SchedulerHarness, name: str, want: float, timeout: float = 5.0)
 
 def loads_of(step: StepResult | SchedulerOutput, req_id: str) -> list[dict[str, Any]]:
     """The load specs kvshim put in this step's connector metadata (Go
-    writes it as JSON: {"loads": [{"req", "start", "end", "blocks", ...}]})."""
+    writes it in a binary form; read_meta gives its JSON text form:
+    {"loads": [{"req", "start", "end", "hashes", "blocks", ...}]})."""
+    from kvshim.vllm import read_meta
+
     so = step.scheduler_output if isinstance(step, StepResult) else step
-    meta = json.loads(so.kv_connector_metadata.data or b"{}")
+    meta = read_meta(so.kv_connector_metadata.data)
     return [ld for ld in meta.get("loads", []) if ld["req"] == req_id]
 
 
