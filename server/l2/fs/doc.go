@@ -37,14 +37,98 @@
 // Exists opens the file and checks size and trailer as Load does (the
 // payload is not read): a file that cannot be an object is a miss, never a
 // hit that Load would then refuse. Delete is unlink (ENOENT ⇒ miss). Holds are
-// the l2 layer's client-side counts: the fs adapter has no L2 eviction of its
-// own, so a hold only blocks Delete through the same adapter.
+// the l2 layer's client-side counts: a hold blocks Delete through the same
+// adapter and, with max_bytes, this server's eviction (below).
 //
 // Config keys: "base_path" (required), "fsync" (bool, default false),
 // "sweep_tmp_older_than_s" (default 0 = off: when > 0, temporary files of
 // crashed writers older than that are removed once, in the background,
-// after open; Backend.SweepTmp runs it on demand), and the permission pair
-// "dir_mode" / "file_mode".
+// after open, and by every capacity scan; Backend.SweepTmp runs it on
+// demand), the permission pair "dir_mode" / "file_mode", and the capacity
+// keys "max_bytes", "eviction", "scan_interval_s", "touch_interval_ms".
+//
+// # Capacity
+//
+// Without "max_bytes" the directory grows without bound (an operator or
+// a cron job prunes it). With "max_bytes": N the adapter keeps the object
+// files under base_path at N bytes or less, evicting the least recently
+// used objects. The adapter-owned key "eviction" may say so in LMCache's
+// form, {"eviction_policy": "LRU"}; any other policy or key in it is
+// refused (LRU is the only one implemented), and so are "eviction",
+// "scan_interval_s" and "touch_interval_ms" without "max_bytes".
+//
+// Bytes counted: the sizes of the object files (payload + 16-byte trailer)
+// in the shard directories, and of the writes in flight (a store's size is
+// counted from before its temporary file exists). Directories, block
+// rounding, files that are not objects and temporary files of writers
+// that crashed are not counted (sweep_tmp_older_than_s removes the last).
+//
+// Nothing is kept in memory across restarts and nothing is shared between
+// servers but the files, so the same directory can be shared NFS-style
+// by several servers and survives restarts:
+//
+//   - Recency is the object file's mtime. It is set when the file is
+//     written and set again ("touched") on every hit: a load that
+//     verified, or a store of an object already present. atime is not
+//     used (relatime and noatime mounts do not keep it). The touch is
+//     futimens(UTIME_NOW) on the open file, so on NFS the server's clock
+//     stamps it and every host orders hits the same way, and it is
+//     rate-limited: a file whose mtime is less than "touch_interval_ms"
+//     old (default 1000; 0 touches on every hit) is not touched again, so
+//     recency has that granularity and a hot object costs at most one
+//     SETATTR per interval per server. Touching needs write permission on
+//     the file or ownership: a group member with file_mode 0640 cannot
+//     touch another uid's files (EvictStats.TouchErrors counts it), and
+//     those objects age by their write time.
+//   - Usage is an estimate per server: the total found by its last scan
+//     of base_path plus what it wrote and removed since. A scan (a walk of
+//     the shard directories, stat of every object file) runs at open, in
+//     the background, every "scan_interval_s" (default 60), and under
+//     pressure when the last one is older than max(1 s, 4 × its duration).
+//     A scan keeps the oldest files (up to half of max_bytes of them) as
+//     eviction candidates, oldest mtime first.
+//   - A store reserves its file's size before writing it. When the
+//     estimate would pass max_bytes, the store waits (within its
+//     operation deadline) for an eviction pass, which removes candidates
+//     until the estimate is at 90% of max_bytes (or lower, so the waiting
+//     store fits). When a pass cannot make room the store fails with
+//     ErrFull, like an object larger than max_bytes; a failed store is a
+//     lost save (best effort), never an error for the request. Stores
+//     that run before the first scan has ended are not held back (the scan
+//     counts them).
+//   - Eviction never removes a file it did not mean to remove. A candidate
+//     is checked with lstat (same inode, size and mtime as the scan saw:
+//     a file touched by a hit since, or replaced by another server's store,
+//     is skipped), then renamed to a private name (".evict.<key>.<pid>.<random>"
+//     in the same directory, atomic), then the inode moved is checked again
+//     and only then unlinked. A file that another server published or
+//     touched between the check and the rename is linked back under its
+//     name (or dropped when the name holds the same object again). A
+//     ".evict." file left by an evictor that died is removed by the next
+//     scan after a minute. Removing a file another server is reading is
+//     the POSIX unlink: that reader keeps its open file (on NFS a read may
+//     fail with ESTALE, which its load reports as a miss).
+//   - Holds: a key found by a lookup of this server is not evicted by this
+//     server until the lookup releases it (at most 60 s), so a planned load
+//     is not undone by its own server. Other servers do not know these holds:
+//     their eviction can remove an object between this server's lookup and
+//     load, and the load is then a miss (the lookup's answer is shorter,
+//     never wrong).
+//
+// Bounds. With one server, once its first scan has ended, the files it
+// writes, temporary ones included, never pass max_bytes together (the
+// estimate errs high: a file published while a scan walks may count twice
+// until the next scan, and the pass then evicts a little early). With
+// several servers sharing
+// base_path, each sees the others' writes at its next scan: the directory
+// can pass max_bytes by what the other servers wrote since this server's
+// last scan (at most max_bytes per other server, since each one's own
+// estimate stays under it), and every server that scans brings it back.
+// Set scan_interval_s lower when several servers write at once. Evicting
+// needs write permission on the shard directories (dir_mode 0770 for a
+// group); without it a candidate is skipped. EvictStats reports the
+// estimate, scans, evictions, skipped candidates and refused stores;
+// Rescan forces a scan and pass.
 //
 // Permissions. KV files are as private as the server's socket: by default
 // directories are 0700 and files 0600, for every directory the adapter

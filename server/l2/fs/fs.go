@@ -12,6 +12,7 @@ import (
 	"io"
 	iofs "io/fs"
 	"log/slog"
+	"math"
 	"os"
 	"path/filepath"
 	"slices"
@@ -67,6 +68,8 @@ type Backend struct {
 	dirMode  os.FileMode
 	fileMode os.FileMode
 	pid      string
+	sweepAge time.Duration
+	ev       *evictor // nil without max_bytes
 }
 
 // Config is the fs backend's own config.
@@ -83,8 +86,17 @@ type Config struct {
 	// SweepTmpAge > 0 removes, once in the background after Open,
 	// temporary files of crashed writers older than this.
 	SweepTmpAge time.Duration
-	// Logger gets Open's warning about a base_path more open than DirMode;
-	// nil means slog.Default().
+	// MaxBytes > 0 bounds the bytes of the object files under BasePath,
+	// with least-recently-used eviction (doc.go, "Capacity").
+	MaxBytes int64
+	// ScanInterval is the period of the scan of BasePath with MaxBytes
+	// (0: DefaultScanInterval); TouchInterval the least age of an object
+	// file's mtime before a hit updates it (0: DefaultTouchInterval; < 0:
+	// every hit).
+	ScanInterval  time.Duration
+	TouchInterval time.Duration
+	// Logger gets Open's warning about a base_path more open than DirMode
+	// and the capacity's messages; nil means slog.Default().
 	Logger *slog.Logger
 }
 
@@ -99,6 +111,27 @@ func New(cfg *l2.Config, env l2.Env) (l2.Backend, error) {
 	var sweep int
 	if ex.Int("sweep_tmp_older_than_s", &sweep, 0, 1<<30) {
 		c.SweepTmpAge = time.Duration(sweep) * time.Second
+	}
+	var maxBytes, scanS, touchMS int
+	ex.Int("max_bytes", &maxBytes, 1, math.MaxInt)
+	scanSet := ex.Int("scan_interval_s", &scanS, 1, 86400)
+	touchSet := ex.Int("touch_interval_ms", &touchMS, 0, 86400000)
+	evictionSet := evictionKey(cfg, ex)
+	c.MaxBytes = int64(maxBytes)
+	c.ScanInterval = time.Duration(scanS) * time.Second
+	c.TouchInterval = time.Duration(touchMS) * time.Millisecond
+	if touchSet && touchMS == 0 {
+		c.TouchInterval = -1 // every hit
+	}
+	if maxBytes == 0 {
+		for _, k := range []struct {
+			key string
+			set bool
+		}{{"eviction", evictionSet}, {"scan_interval_s", scanSet}, {"touch_interval_ms", touchSet}} {
+			if k.set {
+				ex.Fail(k.key, `has no effect without "max_bytes" (the capacity that LRU eviction keeps the directory under)`)
+			}
+		}
 	}
 	if c.BasePath == "" {
 		ex.Fail("base_path", "missing")
@@ -175,6 +208,9 @@ func (c *Config) check() error {
 			return fmt.Errorf("%w: key %q: %s", l2.ErrBadConfig, m.key, why)
 		}
 	}
+	if c.MaxBytes < 0 {
+		return fmt.Errorf("%w: key \"max_bytes\": %d, want > 0", l2.ErrBadConfig, c.MaxBytes)
+	}
 	if (c.FileMode&0o070 != 0) != (c.DirMode&0o070 != 0) {
 		return fmt.Errorf("%w: key \"dir_mode\": file_mode %04o and dir_mode %04o disagree: give the group access in both (0640 with 0750 or 0770) or in neither",
 			l2.ErrBadConfig, uint32(c.FileMode), uint32(c.DirMode))
@@ -211,7 +247,11 @@ func Open(c Config) (*Backend, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	b := &Backend{base: c.BasePath, fsync: c.Fsync, dirMode: c.DirMode, fileMode: c.FileMode,
-		pid: strconv.Itoa(os.Getpid()), stop: cancel, swept: make(chan struct{})}
+		pid: strconv.Itoa(os.Getpid()), stop: cancel, swept: make(chan struct{}), sweepAge: c.SweepTmpAge}
+	if c.MaxBytes > 0 {
+		b.ev = newEvictor(b, c)
+		go b.ev.run(ctx)
+	}
 	if c.SweepTmpAge > 0 {
 		go func() {
 			defer close(b.swept)
@@ -307,7 +347,7 @@ func (b *Backend) Store(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.
 			r.FailAll(len(keys), err)
 			return
 		}
-		if err := b.store(k, bufs[i]); err != nil {
+		if err := b.store(ctx, k, bufs[i]); err != nil {
 			r.Fail(i, err)
 			continue
 		}
@@ -315,17 +355,21 @@ func (b *Backend) Store(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.
 	}
 }
 
-func (b *Backend) store(k l2.Key, payload []byte) error {
+func (b *Backend) store(ctx context.Context, k l2.Key, payload []byte) (err error) {
 	final := b.Path(k)
 	// An intact object of this size is the same object (content-addressed
-	// keys): skip. A file that cannot be it (empty, truncated, bad
-	// trailer, another size) is replaced, so the key heals. The payload
-	// is not read here: loads verify it.
+	// keys): skip (a store of it is a use: with max_bytes its mtime is
+	// touched like a hit's). A file that cannot be it (empty, truncated,
+	// bad trailer, another size) is replaced, so the key heals. The
+	// payload is not read here: loads verify it.
 	replace := false
 	if st, err := os.Stat(final); err == nil {
 		if st.Mode().IsRegular() && st.Size() == int64(len(payload))+trailerSize {
-			f, _, _, _, err := openObject(final)
+			f, ost, _, _, err := openObject(final)
 			if err == nil {
+				if b.ev != nil {
+					b.ev.touch(f, ost)
+				}
 				_ = f.Close()
 				return nil
 			}
@@ -334,6 +378,15 @@ func (b *Backend) store(k l2.Key, payload []byte) error {
 			}
 		}
 		replace = true
+	}
+	if b.ev != nil {
+		// Room under max_bytes first (counted from now: the usage estimate
+		// never lags a file this server writes).
+		size := int64(len(payload)) + trailerSize
+		if err := b.ev.reserve(ctx, size); err != nil {
+			return fmt.Errorf("fs: store %s: %w", k, err)
+		}
+		defer func() { b.ev.published(size, err == nil) }()
 	}
 	dir := filepath.Dir(final)
 	var rnd [8]byte
@@ -456,6 +509,9 @@ func (b *Backend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
 		switch {
 		case err == nil:
 			_ = f.Close()
+			if b.ev != nil {
+				b.ev.hold(k)
+			}
 			r.Report(i, l2.Result{Status: l2.StatusOK, Bytes: int(n)})
 		case errors.Is(err, os.ErrNotExist) || errors.Is(err, errInvalid):
 			r.Report(i, l2.Result{Status: l2.StatusMiss})
@@ -483,14 +539,14 @@ func (b *Backend) load(k l2.Key, dst []byte) l2.Result {
 	case errors.Is(err, os.ErrNotExist):
 		return l2.Result{Status: l2.StatusMiss}
 	case errors.Is(err, errInvalid):
-		discard(path, st)
+		b.discard(path, st)
 		return l2.Result{Status: l2.StatusMiss, Err: fmt.Errorf("%w: %s: %v", ErrCorrupt, k, err)}
 	case err != nil:
 		return l2.Result{Status: l2.StatusFailed, Err: fmt.Errorf("fs: load %s: %w", k, err)}
 	}
 	defer f.Close()
 	corrupt := func(why string, args ...any) l2.Result {
-		discard(path, st)
+		b.discard(path, st)
 		return l2.Result{Status: l2.StatusMiss, Err: fmt.Errorf("%w: %s: %s", ErrCorrupt, k, fmt.Sprintf(why, args...))}
 	}
 	if n != int64(len(dst)) {
@@ -502,14 +558,19 @@ func (b *Backend) load(k l2.Key, dst []byte) l2.Result {
 	if crc32.Checksum(dst, castagnoli) != crc {
 		return corrupt("crc32c mismatch")
 	}
+	if b.ev != nil {
+		b.ev.touch(f, st)
+	}
 	return l2.Result{Status: l2.StatusOK, Bytes: len(dst)}
 }
 
 // discard removes a file found not to be a valid object, unless path names
 // another file by now (a store replaced it meanwhile).
-func discard(path string, st os.FileInfo) {
+func (b *Backend) discard(path string, st os.FileInfo) {
 	if cur, err := os.Stat(path); err == nil && st != nil && os.SameFile(st, cur) {
-		_ = os.Remove(path)
+		if os.Remove(path) == nil && b.ev != nil {
+			b.ev.account(-cur.Size())
+		}
 	}
 }
 
@@ -520,9 +581,19 @@ func (b *Backend) Delete(ctx context.Context, keys []l2.Key, r l2.Reporter) {
 			r.FailAll(len(keys), err)
 			return
 		}
-		err := os.Remove(b.Path(k))
+		path := b.Path(k)
+		var size int64 = -1
+		if b.ev != nil {
+			if st, err := os.Lstat(path); err == nil {
+				size = st.Size()
+			}
+		}
+		err := os.Remove(path)
 		switch {
 		case err == nil:
+			if size >= 0 {
+				b.ev.account(-size)
+			}
 			r.Report(i, l2.Result{Status: l2.StatusOK})
 		case errors.Is(err, os.ErrNotExist):
 			r.Report(i, l2.Result{Status: l2.StatusMiss})
@@ -532,12 +603,19 @@ func (b *Backend) Delete(ctx context.Context, keys []l2.Key, r l2.Reporter) {
 	}
 }
 
-// Close implements l2.Backend; it stops a running sweep.
+// Close implements l2.Backend; it stops a running sweep and the eviction.
 func (b *Backend) Close() error {
 	b.stop()
+	timeout := time.After(10 * time.Second)
 	select {
 	case <-b.swept:
-	case <-time.After(10 * time.Second):
+	case <-timeout:
+	}
+	if b.ev != nil {
+		select {
+		case <-b.ev.stopped:
+		case <-timeout:
+		}
 	}
 	return nil
 }

@@ -79,6 +79,47 @@
 // staging buffer for another object before closing the adapter (or until
 // the lease window, default 10 s, has passed).
 //
+// # Capacity
+//
+// Mooncake Store evicts by itself; the adapter adds nothing (no wheel
+// setting exists for it: setup() takes none, the master's flags do). The
+// pool is the sum of the global segments mounted on the master: every
+// client's "global_segment_size" (each kvshim server's helper mounts one,
+// and so does any other client of the same master), in the memory of the
+// process that mounted it. What the master does when the pool fills
+// (Mooncake's mooncake-store.md, "Eviction Policy" and "Lease", and
+// mooncake_master --help of the 0.3.13.post1 wheel):
+//
+//   - Its eviction thread evicts when usage passes
+//     --eviction_high_watermark_ratio (0.9 in this wheel; the docs say
+//     0.95), and a put that finds no space fails with -200
+//     NO_AVAILABLE_HANDLE and triggers an eviction. Each eviction removes
+//     --eviction_ratio (0.05) of the objects. Evicted objects are only
+//     marked deleted: no data moves.
+//   - The order is approximately least recently used. Objects with an
+//     active lease are never evicted: an exists or a get grants one for
+//     --default_kv_lease_ttl (10 s in this wheel), so a kvshim lookup
+//     protects what it found until its load is done (or the lease ends).
+//     Objects whose put has not completed are never evicted either, and
+//     soft-pinned ones go last (kvshim does not soft-pin;
+//     --allow_evict_soft_pinned_objects, --default_kv_soft_pin_ttl).
+//     Space of puts that never completed is reclaimed after
+//     --put_start_release_timeout_sec (600).
+//   - Here a put failing with NO_AVAILABLE_HANDLE is that key's failed
+//     store: a lost save, not retried (the request is not affected), and
+//     later puts succeed once the master has evicted.
+//     TestMooncakeEvictsWhenFull (64 objects of 1 MiB into a 16 MiB
+//     segment, default flags) saw 52 puts succeed and 12 fail, 13 objects
+//     left, the newest, and the objects a lookup kept leased all along
+//     survived.
+//
+// To size it: give each helper the global_segment_size its host can
+// spare; to have fewer failed puts under a stream of saves, start the
+// master with a lower --eviction_high_watermark_ratio (e.g. 0.8) and a
+// larger --eviction_ratio, so that the eviction thread makes room before
+// puts find none. The adapter-owned "eviction" key of --l2-adapter does
+// not configure any of this (the master's flags do).
+//
 // Config: adapter-owned keys are "helper_python" (default python3),
 // "bounce_buffer_size" (bytes, default 64 MiB), "setup_timeout_ms"
 // (60000), "helper_log" (file for the helper's stderr) and LMCache's

@@ -8,9 +8,10 @@
 // client); each command's reply is that key's result, so a partial failure
 // names exactly the failed keys.
 //
-//	store   SET <key> <payload> NX   (nil reply = already present = success)
+//	store   SET <key> <payload> NX [EX ttl_s]   (nil reply = already present = success)
 //	lookup  STRLEN <key>             (> 0 = present, its size; no server-side hold)
 //	load    GET <key>                (nil = miss; length must equal len(dst))
+//	        GETEX <key> EX ttl_s     (with ttl_s: a hit extends the object's life)
 //	delete  DEL <key>                (0 = miss)
 //
 // The Redis key is key_prefix + l2.Key.String(); values are the raw object
@@ -20,8 +21,28 @@
 // (ContextTimeoutEnabled) and the socket read/write timeouts, so a dead or
 // hung server turns into failed keys, never a hang.
 //
+// Capacity. The adapter evicts nothing itself: Redis's own memory limit
+// does. Give the Redis server maxmemory and a maxmemory-policy that evicts
+// (allkeys-lru or allkeys-lfu: every object is a cache entry that kvshim
+// can recompute); the adapter-owned key "eviction" is refused, since it
+// would be silently ignored. Optionally, "ttl_s" (seconds, default 0 = no
+// expiry) makes every object expire ttl_s after its store, and every hit
+// (a load) extends it to ttl_s from then (GETEX, Redis 6.2 or later), so
+// objects not used for ttl_s go away even without memory pressure.
+//
+// A Redis that is full and cannot evict (noeviction, the default policy,
+// or a volatile-* policy with nothing to evict) answers OOM to SET. Such a
+// store fails with ErrOOM (not l2.ErrUnavailable: Redis is up, it serves
+// lookups, loads and deletes); like every failed store it is a lost save,
+// not retried, and the request still succeeds. For OOMBackoff (1 s) after
+// an OOM answer, stores fail with ErrOOM at once, without sending their
+// payloads to a Redis that would refuse them. Both are counted
+// (Backend.Stats: OOM, OOMSkipped) and logged as one WARN at the first
+// OOM, then at most one per 10 s with the counts since the last.
+//
 // Config keys: "addrs" (list of host:port, or one string), or LMCache's
 // "host" + "port"; "username", "password", "db", "key_prefix",
 // "master_name", "dial_timeout_ms" (default 2000), "read_timeout_ms" and
-// "write_timeout_ms" (default 5000), "max_retries" (default 1).
+// "write_timeout_ms" (default 5000), "max_retries" (default 1), "ttl_s"
+// (default 0).
 package redis

@@ -1,11 +1,15 @@
 package redis
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"strconv"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	goredis "github.com/redis/go-redis/v9"
@@ -18,10 +22,44 @@ const Type = "redis"
 
 func init() { l2.Register(Type, New) }
 
+// ErrOOM marks a store refused because Redis is full: it answered OOM
+// (used memory over maxmemory under the noeviction policy, or a volatile-*
+// policy with nothing to evict), or did less than OOMBackoff ago.
+var ErrOOM = errors.New("redis: out of memory (maxmemory reached)")
+
+// OOMBackoff is how long stores fail at once, without sending their
+// payloads, after Redis answered OOM.
+const OOMBackoff = time.Second
+
+// oomWarnEvery rate-limits the OOM warning.
+const oomWarnEvery = 10 * time.Second
+
 // Backend is the redis backend.
 type Backend struct {
 	c      goredis.UniversalClient
 	prefix string
+	ttl    time.Duration // 0: objects do not expire
+	log    *slog.Logger
+
+	oomUntil   atomic.Int64 // unix ns: stores fail fast until then
+	ooms       atomic.Int64 // stores Redis answered OOM
+	oomSkipped atomic.Int64 // stores failed during the backoff, not sent
+
+	warnMu             sync.Mutex
+	warnAt             time.Time
+	warnOOMs, warnSkip int64 // counts at the last warning
+}
+
+// Stats are the OOM counters.
+type Stats struct {
+	// OOM: stores Redis answered OOM. OOMSkipped: stores failed with
+	// ErrOOM without being sent, within OOMBackoff of an OOM answer.
+	OOM, OOMSkipped int64
+}
+
+// Stats returns the counters now.
+func (b *Backend) Stats() Stats {
+	return Stats{OOM: b.ooms.Load(), OOMSkipped: b.oomSkipped.Load()}
 }
 
 // New is the l2 factory for type "redis".
@@ -34,6 +72,7 @@ func New(cfg *l2.Config, env l2.Env) (l2.Backend, error) {
 		port, db              int
 		dialMS, readMS, wrMS  = 2000, 5000, 5000
 		retries               = 1
+		ttlS                  int
 	)
 	ex.Strings("addrs", &addrs)
 	ex.String("host", &host)
@@ -47,6 +86,10 @@ func New(cfg *l2.Config, env l2.Env) (l2.Backend, error) {
 	ex.Int("read_timeout_ms", &readMS, 1, 600000)
 	ex.Int("write_timeout_ms", &wrMS, 1, 600000)
 	ex.Int("max_retries", &retries, 0, 100)
+	ex.Int("ttl_s", &ttlS, 0, 1<<31-1)
+	if e := bytes.TrimSpace(cfg.Eviction); len(e) > 0 && string(e) != "null" {
+		ex.Fail("eviction", `the redis adapter evicts nothing itself: give the Redis server maxmemory and a maxmemory-policy (e.g. allkeys-lru), or set "ttl_s"`)
+	}
 	switch {
 	case len(addrs) > 0 && host != "":
 		ex.Fail("host", "give either addrs or host/port, not both")
@@ -81,7 +124,11 @@ func New(cfg *l2.Config, env l2.Env) (l2.Backend, error) {
 		MinIdleConns:          0,
 		// Replies of up to an object's size; the default buffers are fine.
 	})
-	return &Backend{c: c, prefix: pfx}, nil
+	log := env.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Backend{c: c, prefix: pfx, ttl: time.Duration(ttlS) * time.Second, log: log}, nil
 }
 
 // Client is the underlying go-redis client.
@@ -111,18 +158,56 @@ func keyErr(op string, k l2.Key, err error) error {
 	return fmt.Errorf("redis: %s %s: %w: %w", op, k, l2.ErrUnavailable, err)
 }
 
-// Store implements l2.Backend.
+// Store implements l2.Backend. With ttl_s the object expires ttl_s after
+// its store (SET ... NX EX), unless loads extend it. An OOM answer fails
+// that key with ErrOOM (a full Redis is a lost save, not an outage); for
+// OOMBackoff after one, stores fail with ErrOOM without being sent.
 func (b *Backend) Store(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
-	cmds := pipelined(ctx, b, keys, func(p goredis.Pipeliner, i int, k string) *goredis.StatusCmd {
-		return p.SetArgs(ctx, k, bufs[i], goredis.SetArgs{Mode: "NX"})
-	})
-	for i, cmd := range cmds {
-		if err := cmd.Err(); err != nil && !errors.Is(err, goredis.Nil) {
-			r.Fail(i, keyErr("store", keys[i], err))
-			continue
+	if until := b.oomUntil.Load(); until != 0 && time.Now().UnixNano() < until {
+		b.oomSkipped.Add(int64(len(keys)))
+		b.warnOOM()
+		for i, k := range keys {
+			r.Fail(i, fmt.Errorf("redis: store %s: %w: not sent, Redis answered OOM less than %v ago", k, ErrOOM, OOMBackoff))
 		}
-		r.Report(i, l2.Result{Status: l2.StatusOK, Bytes: len(bufs[i])})
+		return
 	}
+	args := goredis.SetArgs{Mode: "NX", TTL: b.ttl}
+	cmds := pipelined(ctx, b, keys, func(p goredis.Pipeliner, i int, k string) *goredis.StatusCmd {
+		return p.SetArgs(ctx, k, bufs[i], args)
+	})
+	oom := false
+	for i, cmd := range cmds {
+		err := cmd.Err()
+		switch {
+		case err == nil || errors.Is(err, goredis.Nil):
+			r.Report(i, l2.Result{Status: l2.StatusOK, Bytes: len(bufs[i])})
+		case goredis.IsOOMError(err):
+			oom = true
+			b.ooms.Add(1)
+			r.Fail(i, fmt.Errorf("redis: store %s: %w: %w", keys[i], ErrOOM, err))
+		default:
+			r.Fail(i, keyErr("store", keys[i], err))
+		}
+	}
+	if oom {
+		b.oomUntil.Store(time.Now().Add(OOMBackoff).UnixNano())
+		b.warnOOM()
+	}
+}
+
+// warnOOM logs that Redis is full: the first time at once, then at most
+// once per oomWarnEvery, with the counts since the previous line.
+func (b *Backend) warnOOM() {
+	b.warnMu.Lock()
+	defer b.warnMu.Unlock()
+	now := time.Now()
+	if !b.warnAt.IsZero() && now.Sub(b.warnAt) < oomWarnEvery {
+		return
+	}
+	ooms, skipped := b.ooms.Load(), b.oomSkipped.Load()
+	b.log.Warn("redis L2: Redis is full (OOM: used memory over maxmemory): stores fail and are not retried; give Redis a maxmemory-policy that evicts (allkeys-lru) or set ttl_s",
+		"oom_answers", ooms-b.warnOOMs, "not_sent", skipped-b.warnSkip)
+	b.warnAt, b.warnOOMs, b.warnSkip = now, ooms, skipped
 }
 
 // Exists implements l2.Backend with STRLEN: as cheap as EXISTS, and it
@@ -143,9 +228,16 @@ func (b *Backend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
 	}
 }
 
-// Load implements l2.Backend.
+// Load implements l2.Backend. With ttl_s a hit extends the object's life
+// to ttl_s from now (GETEX ... EX, Redis 6.2 or later), so objects in use
+// do not expire.
 func (b *Backend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
-	cmds := pipelined(ctx, b, keys, func(p goredis.Pipeliner, _ int, k string) *goredis.StringCmd { return p.Get(ctx, k) })
+	cmds := pipelined(ctx, b, keys, func(p goredis.Pipeliner, _ int, k string) *goredis.StringCmd {
+		if b.ttl > 0 {
+			return p.GetEx(ctx, k, b.ttl)
+		}
+		return p.Get(ctx, k)
+	})
 	for i, cmd := range cmds {
 		v, err := cmd.Bytes()
 		switch {
