@@ -39,6 +39,9 @@ type connectorConfig struct {
 	L1SizeGB   float64  `json:"l1_size_gb"`
 	HoldTTLS   float64  `json:"hold_ttl_s"`
 	L2Adapters []string `json:"l2_adapters"` // one --l2-adapter JSON each
+	// The embedded server's --l1-prefault-gb (server.Config.L1PrefaultGB):
+	// absent, the default; 0, lazy L1.
+	L1PrefaultGB *float64 `json:"l1_prefault_gb"`
 }
 
 type namespaceJSON struct {
@@ -141,6 +144,9 @@ func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error,
 		sc.Socket = socket
 		if cfg.L1SizeGB > 0 {
 			sc.L1SizeGB = cfg.L1SizeGB
+		}
+		if cfg.L1PrefaultGB != nil {
+			sc.L1PrefaultGB = *cfg.L1PrefaultGB
 		}
 		if cfg.HoldTTLS > 0 {
 			sc.HoldTTL = time.Duration(cfg.HoldTTLS * float64(time.Second))

@@ -3,7 +3,9 @@ package ipc
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -189,6 +191,7 @@ type SegmentTable struct {
 	mu      sync.Mutex // serialises writers
 	m       atomic.Pointer[map[uint32]*Segment]
 	changed chan struct{} // closed and replaced on every Add
+	subs    map[*func(*Segment)]struct{}
 }
 
 // NewSegmentTable returns an empty table.
@@ -215,7 +218,36 @@ func (t *SegmentTable) Add(s *Segment) error {
 	t.m.Store(&m)
 	close(t.changed)
 	t.changed = make(chan struct{})
+	for f := range t.subs {
+		(*f)(s)
+	}
 	return nil
+}
+
+// Subscribe calls f for every segment in the table now (by id) and for
+// every one added later (a client's: as each announcement is mapped), each
+// once, until cancel. f runs under the table's lock, on the goroutine that
+// adds the segment: it must not block or call back into the table (a GPU
+// worker only queues the segment for registration with the driver on a
+// goroutine of its own). cancel is idempotent; f is not called once it has
+// returned.
+func (t *SegmentTable) Subscribe(f func(*Segment)) (cancel func()) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.subs == nil {
+		t.subs = map[*func(*Segment)]struct{}{}
+	}
+	key := &f
+	t.subs[key] = struct{}{}
+	m := *t.m.Load()
+	for _, id := range slices.Sorted(maps.Keys(m)) {
+		f(m[id])
+	}
+	return func() {
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		delete(t.subs, key)
+	}
 }
 
 // Get returns the segment with this id, if mapped.

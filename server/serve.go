@@ -10,16 +10,29 @@ import (
 
 // IPCSource is the production SegmentSource: memfd segments from
 // ipc.CreateSegment, each announced to every session (open and future)
-// through the listener before the store hands out a Loc in it.
+// through the listener before the store hands out a Loc in it. With
+// Prefault set, the store's allocator has it prepare segments ahead of
+// demand (readySource): each is created, its pages allocated (faultIn) and
+// announced from a background goroutine, and handed to the store by the
+// NewSegment that follows.
 type IPCSource struct {
-	ln    *ipc.Listener
-	mu    sync.Mutex
-	segs  []*ipc.Segment
-	onNew func(seg *ipc.Segment) // L2 segment registration; must not block
+	// Prefault is how many bytes of L1 to keep created, faulted in and
+	// announced ahead of use (Config.L1PrefaultGB; 0: lazy). Set it before
+	// the store is created.
+	Prefault uint64
+
+	ln      *ipc.Listener
+	mu      sync.Mutex
+	segs    []*ipc.Segment
+	ready   map[uint32]*ipc.Segment // prepared, not yet handed to the store
+	onNew   func(seg *ipc.Segment)  // L2 segment registration; must not block
+	closers []func()                // run first in Close (the grower's stop)
+	closed  bool
 }
 
 // setOnNew sets the new-segment hook and calls it for the segments that
-// already exist.
+// already exist (handed to the store; a prepared one gets it when the
+// store takes it, as a new one does).
 func (s *IPCSource) setOnNew(f func(seg *ipc.Segment)) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -32,15 +45,21 @@ func (s *IPCSource) setOnNew(f func(seg *ipc.Segment)) {
 // NewIPCSource returns a source announcing its segments on ln.
 func NewIPCSource(ln *ipc.Listener) *IPCSource { return &IPCSource{ln: ln} }
 
-// NewSegment creates, maps and announces segment id.
+// NewSegment creates, maps and announces segment id, or hands over the
+// one prepare made ready.
 func (s *IPCSource) NewSegment(id uint32, size uint64) ([]byte, error) {
-	seg, err := ipc.CreateSegment(id, size)
-	if err != nil {
-		return nil, err
-	}
-	if err := s.ln.AddSegment(seg); err != nil {
+	s.mu.Lock()
+	seg := s.ready[id]
+	delete(s.ready, id)
+	s.mu.Unlock()
+	if seg == nil {
+		var err error
+		if seg, err = s.create(id, size, false); err != nil {
+			return nil, err
+		}
+	} else if seg.Size() < size {
 		seg.Close()
-		return nil, err
+		return nil, fmt.Errorf("prepared segment %d has %d bytes, want %d", id, seg.Size(), size)
 	}
 	s.mu.Lock()
 	s.segs = append(s.segs, seg)
@@ -51,15 +70,80 @@ func (s *IPCSource) NewSegment(id uint32, size uint64) ([]byte, error) {
 	return seg.Mem(), nil
 }
 
-// Close unmaps every segment. Close the listener first.
-func (s *IPCSource) Close() error {
+// create makes segment id, faulted in when asked, and announces it.
+func (s *IPCSource) create(id uint32, size uint64, fault bool) (*ipc.Segment, error) {
+	seg, err := ipc.CreateSegment(id, size)
+	if err != nil {
+		return nil, err
+	}
+	if fault {
+		if err := faultIn(seg.Fd(), seg.Mem()); err != nil {
+			seg.Close()
+			return nil, fmt.Errorf("fault in segment %d: %w", id, err)
+		}
+	}
+	if err := s.ln.AddSegment(seg); err != nil {
+		seg.Close()
+		return nil, err
+	}
+	return seg, nil
+}
+
+func (s *IPCSource) readyAhead() uint64 { return s.Prefault }
+
+// prepare creates, faults in and announces segment id for a NewSegment to
+// come (readySource).
+func (s *IPCSource) prepare(id uint32, size uint64) error {
+	s.mu.Lock()
+	closed := s.closed
+	s.mu.Unlock()
+	if closed {
+		return ipc.ErrClosed
+	}
+	seg, err := s.create(id, size, true)
+	if err != nil {
+		return err
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.closed { // Close ran meanwhile; cannot happen while the grower runs
+		seg.Close()
+		return ipc.ErrClosed
+	}
+	if s.ready == nil {
+		s.ready = map[uint32]*ipc.Segment{}
+	}
+	s.ready[id] = seg
+	return nil
+}
+
+func (s *IPCSource) onClose(f func()) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closers = append(s.closers, f)
+}
+
+// Close stops preparing segments, then unmaps every segment. Close the
+// listener first.
+func (s *IPCSource) Close() error {
+	s.mu.Lock()
+	closers := s.closers
+	s.closers = nil
+	s.mu.Unlock()
+	for _, f := range closers {
+		f()
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed = true
 	var errs []error
 	for _, seg := range s.segs {
 		errs = append(errs, seg.Close())
 	}
-	s.segs = nil
+	for _, seg := range s.ready {
+		errs = append(errs, seg.Close())
+	}
+	s.segs, s.ready = nil, nil
 	return errors.Join(errs...)
 }
 
@@ -193,10 +277,13 @@ func Start(cfg Config, ipcCfg *ipc.ServerConfig, o Options) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	o.Source = NewIPCSource(ln)
+	src := NewIPCSource(ln)
+	src.Prefault = cfg.prefaultBytes()
+	o.Source = src
 	st, err := NewStore(cfg, o)
 	if err != nil {
 		ln.Close()
+		src.Close() // segments prepared meanwhile
 		return nil, err
 	}
 	srv := &Server{Store: st, Listener: ln, done: make(chan error, 1)}
