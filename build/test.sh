@@ -34,6 +34,7 @@ echo "== go test -race: Mooncake Store (real mooncake_master on loopback)"
 mc=$(build/venv.sh python/requirements-mooncake.txt)
 KVSHIM_MOONCAKE_PYTHON="$mc/bin/python" go test -race -count=1 -p 1 -timeout 10m \
   ./server/l2/mooncake ./server/tier -run 'Mooncake|RoundTrip|HelperDeath|Config'
+KVSHIM_MOONCAKE_PYTHON="$mc/bin/python" go test -race -count=1 -p 1 -timeout 10m ./shim -run 'TwoHosts'
 
 echo "== GPU check script, dry run against the emulated CUDA driver"
 make gpu-check-dry
