@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 CONFIG_KEYS: dict[str, tuple[Any, str]] = {
     "kvshim.server": ("embedded", '"embedded" (server inside vLLM\'s engine process) or the socket of a `kvshim serve`'),
     "kvshim.chunk_size": (256, "tokens per stored chunk; a multiple of vLLM's block size"),
-    "kvshim.l1_size_gb": (16.0, "L1 host memory of the embedded server, GiB"),
+    "kvshim.l1_size_gb": (16.0, "L1 host memory of the embedded server, GiB (> 0)"),
+    "kvshim.l1_prefault_gb": (None, "embedded server: L1 created and faulted in ahead of use, GiB (default min(L1, 4); 0: lazy)"),
     "kvshim.timeout_ms": (5000, "longest wait for the server or a copy; past it a lookup is a miss, a load an error"),
     "kvshim.hold_ttl_s": (1800.0, "embedded server: last-resort release of holds a live client forgot"),
     "kvshim.model": (None, "model identity in the namespace (default: the model name and revision)"),
@@ -66,14 +67,84 @@ CONFIG_KEYS: dict[str, tuple[Any, str]] = {
 KV_CACHE_LAYOUTS = tuple(m.name for m in KVCacheLayout)
 
 
+def _positive(kind: type, *, zero: bool = False) -> Any:
+    def check(key: str, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise ValueError(f"{key}: want a number, got {v!r}")
+        try:
+            x = kind(v)
+        except ValueError:
+            raise ValueError(f"{key}: want a number, got {v!r}") from None
+        if not (x > 0 or (zero and x == 0)):
+            raise ValueError(f"{key}: must be {'>= 0' if zero else '> 0'}, got {v!r}")
+        return x
+    return check
+
+
+def _string(key: str, v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"{key}: want a non-empty string, got {v!r}")
+    return v
+
+
+def _adapters(key: str, v: Any) -> list[Any]:
+    # vLLM's dotted CLI form delivers a JSON list as a string.
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"{key}: not a JSON list of adapters: {e}") from None
+    if isinstance(v, dict):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(a, (dict, str)) for a in v):
+        raise ValueError(f'{key}: want a list of adapters such as [{{"type": "fs", "base_path": "/mnt/kv"}}], got {v!r}')
+    return v
+
+
+def _choice(*valid: Any) -> Any:
+    def check(key: str, v: Any) -> Any:
+        if v not in valid:
+            raise ValueError(f"{key}: {v!r} is not one of {list(valid)}")
+        return v
+    return check
+
+
+# How each key's value is checked and converted (the default is not checked).
+_CHECKS: dict[str, Any] = {
+    "kvshim.server": _string,
+    "kvshim.chunk_size": _positive(int),
+    "kvshim.l1_size_gb": _positive(float),
+    "kvshim.l1_prefault_gb": _positive(float, zero=True),
+    "kvshim.timeout_ms": _positive(int),
+    "kvshim.hold_ttl_s": _positive(float),
+    "kvshim.model": _string,
+    "kvshim.l2_adapters": _adapters,
+    "kvshim.verify": _choice("l2", "always", "off"),
+    "kvshim.kv_cache_layout": _choice(*KV_CACHE_LAYOUTS),
+}
+
+
 def read_config(extra: dict[str, Any]) -> dict[str, Any]:
-    """The kvshim.* keys with defaults; an unknown kvshim.* key is an error."""
-    unknown = sorted(k for k in extra if k.startswith("kvshim.") and k not in CONFIG_KEYS)
+    """The kvshim.* keys with defaults, checked. vLLM's dotted CLI form
+    (--kv-transfer-config.kv_connector_extra_config.kvshim.l1_size_gb=4)
+    arrives nested, {"kvshim": {"l1_size_gb": 4}}: the same setting. An
+    unknown key or a bad value is an error that names the key."""
+    flat = {k: v for k, v in extra.items() if k != "kvshim"}
+    nested = extra.get("kvshim", {})
+    if not isinstance(nested, dict):
+        raise ValueError(f"kvshim: want an object of kvshim settings, got {nested!r}")
+    for k, v in nested.items():
+        key = f"kvshim.{k}"
+        if key in flat and flat[key] != v:
+            raise ValueError(f"{key} is given twice, as {flat[key]!r} and {v!r}")
+        flat[key] = v
+    unknown = sorted(k for k in flat if k.startswith("kvshim.") and k not in CONFIG_KEYS)
     if unknown:
         raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; valid keys: {sorted(CONFIG_KEYS)}")
-    cfg = {k: extra.get(k, default) for k, (default, _) in CONFIG_KEYS.items()}
-    if cfg["kvshim.kv_cache_layout"] not in (None, *KV_CACHE_LAYOUTS):
-        raise ValueError(f"kvshim.kv_cache_layout {cfg['kvshim.kv_cache_layout']!r} is not one of {list(KV_CACHE_LAYOUTS)}")
+    cfg = {k: default for k, (default, _) in CONFIG_KEYS.items()}
+    for k in CONFIG_KEYS:
+        if k in flat and flat[k] is not None:
+            cfg[k] = _CHECKS[k](k, flat[k])
     return cfg
 
 
@@ -322,6 +393,7 @@ class KVShimConnector(KVConnectorBase_V1):
                 "role": "scheduler",
                 "block_size": vllm_config.cache_config.block_size,
                 "l1_size_gb": float(self._cfg["kvshim.l1_size_gb"]),
+                **({} if self._cfg["kvshim.l1_prefault_gb"] is None else {"l1_prefault_gb": self._cfg["kvshim.l1_prefault_gb"]}),
                 "hold_ttl_s": float(self._cfg["kvshim.hold_ttl_s"]),
                 "l2_adapters": [a if isinstance(a, str) else json.dumps(a) for a in self._cfg["kvshim.l2_adapters"]],
             }

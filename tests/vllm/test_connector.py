@@ -503,5 +503,5 @@ def test_layouts_do_not_share_a_namespace(tiny_model_dir):
 
     assert ns("LBNHC") == ns("LBNHC")
     assert ns("LBNHC")["layout"] != ns("BLNHC")["layout"]
-    with pytest.raises(ValueError, match=r"kvshim.kv_cache_layout 'NHD' is not one of"):
+    with pytest.raises(ValueError, match=r"kvshim.kv_cache_layout: 'NHD' is not one of"):
         read_config({"kvshim.kv_cache_layout": "NHD"})

@@ -1,0 +1,55 @@
+"""kv_connector_extra_config: no setting is silently ignored (issue 15, item 1).
+
+Each case failed before: the nested form vLLM's dotted CLI produces was
+ignored (16 GiB instead of 4), l1_size_gb <= 0 became 16 GiB, a JSON string
+of adapters gave one error per character, a non-number gave a bare
+`invalid literal for int()` that did not name the key.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshim.vllm import read_config
+
+
+def test_nested_form_is_the_same_setting():
+    assert read_config({"kvshim": {"l1_size_gb": 4}})["kvshim.l1_size_gb"] == 4.0
+    assert read_config({"kvshim": {"l1_size_gb": 4}, "kvshim.l1_size_gb": 4})["kvshim.l1_size_gb"] == 4.0
+    with pytest.raises(ValueError, match=r"unknown .*'kvshim.l1_size'"):
+        read_config({"kvshim": {"l1_size": 4}})
+    with pytest.raises(ValueError, match="given twice"):
+        read_config({"kvshim": {"l1_size_gb": 4}, "kvshim.l1_size_gb": 8})
+    with pytest.raises(ValueError, match="kvshim: want an object"):
+        read_config({"kvshim": 3})
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"kvshim.l1_size_gb": 0}, "kvshim.l1_size_gb: must be > 0, got 0"),
+        ({"kvshim.l1_size_gb": -1}, "kvshim.l1_size_gb: must be > 0"),
+        ({"kvshim.chunk_size": "abc"}, "kvshim.chunk_size: want a number, got 'abc'"),
+        ({"kvshim.timeout_ms": True}, "kvshim.timeout_ms: want a number"),
+        ({"kvshim.l2_adapters": "[{"}, "kvshim.l2_adapters: not a JSON list"),
+        ({"kvshim.l2_adapters": 3}, "kvshim.l2_adapters: want a list of adapters"),
+        ({"kvshim.verify": "sometimes"}, "kvshim.verify: 'sometimes' is not one of"),
+        ({"kvshim.l1_prefault_gb": -2}, "kvshim.l1_prefault_gb: must be >= 0"),
+        ({"kvshim.server": ""}, "kvshim.server: want a non-empty string"),
+    ],
+)
+def test_bad_values_name_their_key(extra, message):
+    with pytest.raises(ValueError) as e:
+        read_config(extra)
+    assert message in str(e.value)
+
+
+def test_values_are_converted():
+    cfg = read_config({"kvshim.chunk_size": "512", "kvshim.l2_adapters": '[{"type": "fs", "base_path": "/x"}]',
+                       "kvshim.l1_prefault_gb": 0})
+    assert cfg["kvshim.chunk_size"] == 512
+    assert cfg["kvshim.l2_adapters"] == [{"type": "fs", "base_path": "/x"}]
+    assert cfg["kvshim.l1_prefault_gb"] == 0.0
+    assert read_config({"kvshim.l2_adapters": {"type": "fs", "base_path": "/x"}})["kvshim.l2_adapters"] == [
+        {"type": "fs", "base_path": "/x"}]
+    assert read_config({})["kvshim.l1_size_gb"] == 16.0
