@@ -58,6 +58,8 @@ func fetchStats(socket string, timeout time.Duration) (*snapshot, error) {
 // explainDial turns a dial failure into a sentence for the operator.
 func explainDial(socket string, timeout time.Duration, err error) error {
 	switch {
+	case errors.Is(err, syscall.ENOTSOCK):
+		return fmt.Errorf("%s is not a socket: pass the socket of a 'kvshim serve' (--socket)", socket)
 	case errors.Is(err, syscall.ENOENT):
 		return fmt.Errorf("no kvshim server at %s (no socket file; start one with 'kvshim serve')", socket)
 	case errors.Is(err, syscall.ECONNREFUSED):

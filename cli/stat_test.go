@@ -3,6 +3,8 @@ package cli
 import (
 	"bytes"
 	"net"
+	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -149,4 +151,13 @@ func TestUsage(t *testing.T) {
 	code, _, errOut = runCmd("demo")
 	assert.Equal(t, code, 2, "demo is Python's; the library reports it unknown")
 	assert.Check(t, is.Contains(errOut, `unknown command "demo"`))
+}
+
+// A path that is not a socket is named as such, not as a stale socket.
+func TestStatOnARegularFile(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "file")
+	assert.NilError(t, os.WriteFile(f, nil, 0o600))
+	code, _, errOut := runCmd("stat", "--socket", f)
+	assert.Equal(t, code, 1)
+	assert.Check(t, is.Contains(errOut, f+" is not a socket"))
 }

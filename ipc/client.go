@@ -9,6 +9,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/google/uuid"
@@ -86,6 +87,12 @@ func DialConfig(path string, hello Hello, timeout time.Duration, cfg *ClientConf
 	}
 	if hello.Instance == uuid.Nil {
 		hello.Instance = uuid.New()
+	}
+	if err := CheckSocketPath(path); err != nil {
+		return nil, err
+	}
+	if fi, err := os.Stat(path); err == nil && fi.Mode()&os.ModeSocket == 0 {
+		return nil, fmt.Errorf("ipc: dial %s: not a socket (%s): %w", path, fi.Mode().Type(), syscall.ENOTSOCK)
 	}
 	deadline := time.Now().Add(timeout)
 	nc, err := net.DialTimeout("unixpacket", path, timeout)

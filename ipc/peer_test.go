@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -99,4 +100,31 @@ func TestSessionsPerUIDLimit(t *testing.T) {
 		assert.Assert(t, time.Now().Before(deadline), "no room after a session ended: %v", err)
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// Paths the kernel would refuse with "invalid argument", and paths that are
+// not sockets, get errors that say so; a missing parent directory of the
+// socket is a reported typo, not created.
+func TestSocketPathErrors(t *testing.T) {
+	long := "/tmp/" + strings.Repeat("d", MaxSocketPath) + ".sock"
+	_, err := Listen(long, nil)
+	assert.ErrorContains(t, err, "holds at most 107")
+	_, err = Dial(long, Hello{Role: RoleTool}, time.Second)
+	assert.ErrorContains(t, err, "holds at most 107")
+
+	dir := t.TempDir()
+	file := filepath.Join(dir, "regular")
+	assert.NilError(t, os.WriteFile(file, []byte("x"), 0o600))
+	_, err = Dial(file, Hello{Role: RoleTool}, time.Second)
+	assert.Assert(t, errors.Is(err, syscall.ENOTSOCK), "%v", err)
+	_, err = Listen(file, nil)
+	assert.ErrorContains(t, err, "is not a socket")
+	_, statErr := os.Stat(file)
+	assert.NilError(t, statErr, "the regular file was removed")
+
+	_, err = Listen(filepath.Join(dir, "typo", "sub", "kvshim.sock"), nil)
+	assert.ErrorContains(t, err, "does not exist (a typo?)")
+	l, err := Listen(filepath.Join(dir, "sub", "kvshim.sock"), nil)
+	assert.NilError(t, err)
+	l.Close()
 }

@@ -115,13 +115,19 @@ func Listen(path string, cfg *ServerConfig) (*Listener, error) {
 			return nil, fmt.Errorf("ipc: ring capacity %d must be a power of two in [%d, %d]", capv, MinRingCapacity, MaxRingCapacity)
 		}
 	}
+	if err := CheckSocketPath(path); err != nil {
+		return nil, err
+	}
 	dir := filepath.Dir(path)
 	if dir == DefaultSocketDir() {
 		if err := EnsureSocketDir(dir); err != nil {
 			return nil, err
 		}
-	} else if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("ipc: listen: %w", err)
+	} else if err := makeSocketDir(dir); err != nil {
+		return nil, err
+	}
+	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket == 0 {
+		return nil, fmt.Errorf("ipc: listen %s: the path exists and is not a socket (%s); kvshim does not remove it", path, fi.Mode().Type())
 	}
 	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket != 0 {
 		if c, derr := net.DialTimeout("unixpacket", path, time.Second); derr == nil {

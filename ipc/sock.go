@@ -3,6 +3,7 @@ package ipc
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -42,12 +43,41 @@ func DefaultSocketDir() string {
 // DefaultSocketPath is DefaultSocketDir()/kvshim.sock.
 func DefaultSocketPath() string { return filepath.Join(DefaultSocketDir(), "kvshim.sock") }
 
+// MaxSocketPath is the longest socket path a sockaddr_un holds (108 bytes
+// with the terminating NUL).
+const MaxSocketPath = 107
+
+// CheckSocketPath refuses a path the kernel cannot bind or connect to, with
+// a message that says why (the kernel's own answer is "invalid argument").
+func CheckSocketPath(path string) error {
+	if len(path) > MaxSocketPath {
+		return fmt.Errorf("ipc: socket path %q is %d bytes; a Unix socket path holds at most %d: choose a shorter directory", path, len(path), MaxSocketPath)
+	}
+	return nil
+}
+
+// makeSocketDir creates dir (mode 0700) if missing, but never its parents:
+// a missing parent is reported as the likely typo it is.
+func makeSocketDir(dir string) error {
+	err := os.Mkdir(dir, 0o700)
+	switch {
+	case err == nil:
+		slog.Info("kvshim ipc: created the socket directory", "dir", dir)
+		return nil
+	case errors.Is(err, os.ErrExist):
+		return nil
+	case errors.Is(err, os.ErrNotExist):
+		return fmt.Errorf("ipc: socket dir %s: its parent %s does not exist (a typo?); kvshim creates only the socket's own directory", dir, filepath.Dir(dir))
+	}
+	return fmt.Errorf("ipc: socket dir: %w", err)
+}
+
 // EnsureSocketDir creates dir with mode 0700 if missing, and checks that it
 // is a directory owned by this user with no group/other access (a
 // pre-created /tmp/kvshim-UID owned by someone else is refused).
 func EnsureSocketDir(dir string) error {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("ipc: socket dir: %w", err)
+	if err := makeSocketDir(dir); err != nil {
+		return err
 	}
 	var st unix.Stat_t
 	if err := unix.Lstat(dir, &st); err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"sync"
 	"time"
@@ -32,7 +33,12 @@ type link struct {
 	ended   []*ipc.Client // earlier clients whose mappings may still be in use
 	lastTry time.Time
 	lastErr error
+	warned  time.Time // last "cannot reach" warning (at most one per warnEvery)
+	down    bool      // the last dial failed: say so again when it comes back
 }
+
+// warnEvery rate-limits the warning of a link that cannot reach its server.
+const warnEvery = 30 * time.Second
 
 func newLink(path string, role ipc.Role, instance uuid.UUID, timeout time.Duration) *link {
 	return &link{
@@ -64,7 +70,17 @@ func (l *link) client() (*ipc.Client, error) {
 	c, err := ipc.Dial(l.path, l.helloLocked(), l.timeout)
 	if err != nil {
 		l.lastErr = err
+		if time.Since(l.warned) >= warnEvery {
+			l.warned = time.Now()
+			slog.Warn("kvshim: cannot reach the server; lookups are misses and saves are skipped until it is back",
+				"socket", l.path, "role", l.hello.Role.String(), "err", err)
+		}
+		l.down = true
 		return nil, fmt.Errorf("%w: %s: %v", ErrUnavailable, l.path, err)
+	}
+	if l.down {
+		slog.Info("kvshim: server reachable again", "socket", l.path, "role", l.hello.Role.String())
+		l.down, l.warned = false, time.Time{}
 	}
 	l.c, l.lastErr = c, nil
 	return c, nil

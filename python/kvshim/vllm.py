@@ -403,6 +403,15 @@ class KVShimConnector(KVConnectorBase_V1):
         # The first native call of this process: after vLLM's fork.
         self._h = native.Handle(json.dumps(open_cfg))
         self._lib = native.library()
+        # One line that says kvshim is active, and with what.
+        logger.info(
+            "kvshim %s active: role=%s server=%s chunk_size=%d verify=%s%s",
+            native.version(), open_cfg["role"], self._cfg["kvshim.server"], int(self._cfg["kvshim.chunk_size"]),
+            self._cfg["kvshim.verify"],
+            f" l1_size_gb={self._cfg['kvshim.l1_size_gb']:g} l2_adapters={len(self._cfg['kvshim.l2_adapters'])}"
+            f" kv_cache_layout={open_cfg['namespace'].get('layout', '?')[:120]}" if open_cfg["role"] == "scheduler" else
+            f" rank={open_cfg.get('rank')}",
+        )
         self._tokens: dict[str, np.ndarray] = {}
         self._bound: KVShimMetadata | None = None
         self._load_errors: set[int] = set()

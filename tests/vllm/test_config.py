@@ -53,3 +53,25 @@ def test_values_are_converted():
     assert read_config({"kvshim.l2_adapters": {"type": "fs", "base_path": "/x"}})["kvshim.l2_adapters"] == [
         {"type": "fs", "base_path": "/x"}]
     assert read_config({})["kvshim.l1_size_gb"] == 16.0
+
+
+def test_connector_says_it_is_active_and_warns_once_when_the_server_is_away(tiny_model_dir, tmp_path, caplog, capfd):
+    """One INFO line at start-up names the version, role and settings; a
+    server that cannot be reached is one WARNING (rate-limited), not silence
+    and not a line per request."""
+    from harness import ModelRunner, SchedulerHarness, kvshim_config, make_kv_cache_config, prompt
+
+    cfg = kvshim_config(tiny_model_dir, server=str(tmp_path / "none.sock"), timeout_ms=300, enable_prefix_caching=False)
+    kvc = make_kv_cache_config(num_blocks=64)
+    with caplog.at_level("INFO", logger="kvshim.vllm"):
+        h = SchedulerHarness(cfg, kvc)
+    try:
+        assert "active: role=scheduler server=" + str(tmp_path / "none.sock") in caplog.text
+        h.runners = [ModelRunner(cfg, kvc)]
+        for i in range(3):
+            h.add_request(h.make_request(prompt(40 + i, 200), max_tokens=1))
+            h.settle()
+        err = capfd.readouterr().err
+        assert err.count("cannot reach the server") == 2, err  # the scheduler's link and the worker's, once each
+    finally:
+        h.close()

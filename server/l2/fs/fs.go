@@ -231,11 +231,23 @@ func Open(c Config) (*Backend, error) {
 	if err := c.check(); err != nil {
 		return nil, err
 	}
-	created, err := mkdirs(c.BasePath, c.DirMode)
+	// kvshim creates base_path itself, never its parents: a missing parent
+	// is far more often a typo than a wish (say so instead of creating it).
+	created, err := mkdir1(c.BasePath, c.DirMode)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("%w: fs: base_path %s: its parent directory %s does not exist (a typo?); kvshim creates only base_path itself",
+			l2.ErrBadConfig, c.BasePath, filepath.Dir(c.BasePath))
+	}
 	if err != nil {
 		return nil, fmt.Errorf("fs: base_path: %w", err)
 	}
-	if !created {
+	if created {
+		log := c.Logger
+		if log == nil {
+			log = slog.Default()
+		}
+		log.Info("fs L2: created base_path", "base_path", c.BasePath, "dir_mode", fmt.Sprintf("%04o", uint32(c.DirMode)))
+	} else {
 		if st, err := os.Stat(c.BasePath); err == nil && st.Mode().Perm()&^c.DirMode != 0 {
 			log := c.Logger
 			if log == nil {

@@ -47,9 +47,8 @@ func openAt(t *testing.T, base, extra string, logger *slog.Logger) *l2.Adapter {
 	return a
 }
 
-// Every directory the adapter creates (base_path and its missing parents,
-// the shard directories) and every object file (linked into place, or
-// renamed over a broken file) has the configured mode exactly, whatever
+// Every directory the adapter creates (base_path, the shard directories)
+// and every object file (linked into place, or renamed over a broken file) has the configured mode exactly, whatever
 // the umask: a permissive one must not widen it, a strict one must not
 // narrow the group setting.
 func TestModesWhateverTheUmask(t *testing.T) {
@@ -65,7 +64,8 @@ func TestModesWhateverTheUmask(t *testing.T) {
 			t.Run(fmt.Sprintf("umask%04o/%s", mask, tc.name), func(t *testing.T) {
 				withUmask(t, mask)
 				top := t.TempDir()
-				base := filepath.Join(top, "kv", "base") // both made by the adapter
+				base := filepath.Join(top, "kv", "base")
+				assert.NilError(t, os.Mkdir(filepath.Join(top, "kv"), 0o755)) // the operator's; base is the adapter's
 				a := openAt(t, base, tc.extra, nil)
 				ctx := context.Background()
 				be := a.Backend().(*fs.Backend)
@@ -75,7 +75,7 @@ func TestModesWhateverTheUmask(t *testing.T) {
 				for _, r := range wait(t, a.Store(ctx, []l2.Key{key(1), healed}, [][]byte{payload(1, 64), payload(2, 64)})) {
 					assert.Equal(t, r.Status, l2.StatusOK, "%v", r.Err)
 				}
-				for _, d := range []string{filepath.Join(top, "kv"), base,
+				for _, d := range []string{base,
 					filepath.Dir(filepath.Dir(be.Path(key(1)))), filepath.Dir(be.Path(key(1)))} {
 					assert.Equal(t, modeOf(t, d), tc.dir, "directory %s", d)
 				}
@@ -336,4 +336,17 @@ func TestOtherLengthObjectIsReplacedOnStore(t *testing.T) {
 	assert.Assert(t, bytes.Equal(dst, src))
 	_, err := os.Stat(b.Path(k))
 	assert.NilError(t, err)
+}
+
+// kvshim creates base_path, never its parents: a typo in the path is
+// reported (naming the missing parent), not silently created.
+func TestBasePathParentMustExist(t *testing.T) {
+	top := t.TempDir()
+	_, err := l2.OpenJSON(fmt.Sprintf(`{"type":"fs","base_path":%q}`, filepath.Join(top, "typo", "kv")),
+		l2.Options{Registerer: prometheus.NewRegistry()})
+	assert.Assert(t, errors.Is(err, l2.ErrBadConfig), "%v", err)
+	assert.ErrorContains(t, err, filepath.Join(top, "typo")+" does not exist")
+	_, statErr := os.Stat(filepath.Join(top, "typo"))
+	assert.Assert(t, os.IsNotExist(statErr), "the parent was created")
+	openAt(t, filepath.Join(top, "kv"), "", nil) // base_path itself is created
 }
