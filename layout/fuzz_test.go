@@ -295,7 +295,7 @@ func FuzzVerifyObject(f *testing.F) {
 			// SealObject writes for a payload with that CRC.
 			n = HeaderSize
 			h := Header{PayloadSize: size - HeaderSize, ChunkTokens: tBS, Fingerprint: l.Fingerprint(), Key: key,
-				PayloadCRC: binary.LittleEndian.Uint32(obj[20:])}
+				PayloadCRC: binary.LittleEndian.Uint32(obj[120:]), HasPayloadCRC: string(obj[124:128]) == "CRC1"}
 			h.Encode(want)
 		} else if err := l.SealObject(want, key); err != nil {
 			t.Fatal(err)
