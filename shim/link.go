@@ -33,8 +33,9 @@ type link struct {
 	ended   []*ipc.Client // earlier clients whose mappings may still be in use
 	lastTry time.Time
 	lastErr error
-	warned  time.Time // last "cannot reach" warning (at most one per warnEvery)
-	down    bool      // the last dial failed: say so again when it comes back
+	onDial  func(*ipc.Client) // called with each new client (e.g. to pin its L1 ahead of copies)
+	warned  time.Time         // last "cannot reach" warning (at most one per warnEvery)
+	down    bool              // the last dial failed: say so again when it comes back
 }
 
 // warnEvery rate-limits the warning of a link that cannot reach its server.
@@ -83,6 +84,9 @@ func (l *link) client() (*ipc.Client, error) {
 		l.down, l.warned = false, time.Time{}
 	}
 	l.c, l.lastErr = c, nil
+	if l.onDial != nil {
+		l.onDial(c)
+	}
 	return c, nil
 }
 
@@ -144,6 +148,16 @@ func (l *link) callOn(c *ipc.Client, fn func(ctx context.Context, c *ipc.Client)
 		return fmt.Errorf("%w: %v", ErrUnavailable, err)
 	}
 	return err
+}
+
+// setOnDial calls f with the current client, if any, and every later one.
+func (l *link) setOnDial(f func(*ipc.Client)) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.onDial = f
+	if l.c != nil {
+		f(l.c)
+	}
 }
 
 func (l *link) close() error {

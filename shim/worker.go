@@ -114,6 +114,11 @@ func (w *Worker) Register(descs []layout.TensorDesc) error {
 		return fmt.Errorf("%w: KV caches registered twice", layout.ErrGeometry)
 	}
 	w.layout, w.engine, w.pins = l, eng, pins
+	if pins != nil {
+		// Register each session's L1 as soon as it is dialled, not on the
+		// first copy (the first copy would wait on cuMemHostRegister).
+		w.link.setOnDial(pins.watch)
+	}
 	return nil
 }
 
