@@ -15,6 +15,7 @@ func (st *Store) evictOne() bool {
 		if o.holds != 0 {
 			continue
 		}
+		st.traceEvict(i)
 		st.cnt.evictions++
 		st.cnt.evictedBytes += o.size
 		st.freeObject(i)

@@ -158,6 +158,7 @@ func (st *Store) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
 		lk.chunks = p
 		lk.state = lkFinal
 	}
+	st.traceRegistered(lk, p)
 	return t, nil
 }
 
@@ -257,6 +258,7 @@ func (st *Store) LookupResult(s *Session, req *ipc.LookupResultReq) (*ipc.Lookup
 		return &ipc.LookupResultResp{Status: ipc.StatusUnknown}, nil
 	}
 	lk.state = lkConsumed
+	st.traceConsumed(lk)
 	resp := &ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: lk.chunks}
 	st.maybeForget(lk)
 	return resp, nil
@@ -280,6 +282,7 @@ func (st *Store) Free(s *Session, req *ipc.FreeReq) error {
 		return fmt.Errorf("%w: free: lookup %d", ErrUnknownLookup, req.LookupID)
 	}
 	end := min(req.End, uint32(len(lk.hashes)))
+	st.traceFree(lk, req.Start, end)
 	if lk.state == lkPending && req.Start < end {
 		if lk.freed == nil {
 			lk.freed = make([]bool, len(lk.hashes))
@@ -394,6 +397,7 @@ func (st *Store) dropLookup(lk *lookup) {
 		return
 	}
 	lk.dropped = true
+	st.traceDrop(lk)
 	for r := range lk.held {
 		st.releaseRow(lk, lk.held[r], 0, ^uint32(0))
 	}

@@ -192,6 +192,7 @@ func (t *FillTask) answerLocked() {
 	st.cnt.missedChunks -= uint64(p - from)
 	lk.chunks = p
 	lk.state = lkFinal
+	st.traceFinal(lk)
 	st.cnt.pending--
 	lk.fill = nil
 	t.lk = nil

@@ -45,6 +45,7 @@ type Store struct {
 	onCommit   func(objs []tier.Object)
 	tier       *l2Tier // nil: L1 only
 	metrics    *metrics
+	trace      traceSink // lifecycle records (trace.go)
 
 	mu         sync.Mutex
 	closed     bool

@@ -77,6 +77,7 @@ func (st *Store) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
 func (st *Store) Commit(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
 	defer st.metrics.observe(opCommit, time.Now())
 	resp, pins, err := st.finishWrite(s, req, true)
+	st.traceCommit(s, req, resp, err)
 	if len(pins) > 0 {
 		st.onCommit(pins) // outside the lock
 	}

@@ -1,0 +1,193 @@
+package server
+
+import (
+	"encoding/hex"
+	"fmt"
+	"sync/atomic"
+
+	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/trace"
+)
+
+// The server's lifecycle records (package trace; doc.go there lists the
+// columns). Every hook is one call from the code it observes and costs one
+// atomic load and a branch when tracing is off.
+
+// traceSink is the Store's trace writer (nil: off).
+type traceSink struct{ w atomic.Pointer[trace.Writer] }
+
+// SetTrace makes the store write lifecycle records to w (nil: stop). The
+// caller closes w after the store.
+func (st *Store) SetTrace(w *trace.Writer) { st.trace.w.Store(w) }
+
+func (st *Store) tracer() *trace.Writer { return st.trace.w.Load() }
+
+func hexTag(t ipc.Tag) string      { return hex.EncodeToString(t[:]) }
+func hexNS(n ipc.Namespace) string { return hex.EncodeToString(n[:]) }
+func lookupRecord(k trace.Kind, ev string, lk *lookup) trace.Record {
+	return trace.Record{Kind: k, Event: ev, LookupID: lk.id, Owner: hexTag(lk.owner.id), Namespace: hexNS(lk.ns),
+		Rank: -1, Chunk: -1, StopRank: -1, World: lk.world, Chunks: uint32(len(lk.hashes))}
+}
+
+// traceRegistered: the ack of a LOOKUP, with the per-chunk fold across
+// ranks (mu held), then "final" or "pending".
+func (st *Store) traceRegistered(lk *lookup, p uint32) {
+	w := st.tracer()
+	if w == nil {
+		return
+	}
+	var sh *shard
+	if i, ok := st.shardOf(lk.ns, false); ok {
+		sh = &st.shards[i]
+	}
+	n := len(lk.hashes)
+	found := make([]uint32, lk.ranks())
+	l1 := make([]bool, n)
+	stop, stopRank := int32(-1), int32(-1)
+	for c := range n {
+		st.findRanks(sh, &lk.hashes[c], found)
+		l1[c] = true
+		for r, i := range found {
+			if i == nilIdx {
+				l1[c] = false
+				if stop < 0 {
+					stop, stopRank = int32(c), int32(r)
+				}
+				break
+			}
+		}
+	}
+	r := lookupRecord(trace.KindLookup, "registered", lk)
+	r.L1 = trace.Bitmap(n, func(i int) bool { return l1[i] })
+	r.Missing = trace.Bitmap(n, func(i int) bool { return !l1[i] })
+	r.Matched, r.Chunk, r.StopRank = p, stop, stopRank
+	w.Emit(r)
+	if lk.state == lkPending {
+		r := lookupRecord(trace.KindLookup, "pending", lk)
+		r.Matched = p
+		r.Reason = fmt.Sprintf("L2 fill of chunks [%d, %d)", p, n)
+		w.Emit(r)
+		return
+	}
+	st.traceFinal(lk)
+}
+
+// traceFinal: a lookup's answer and why it stopped (mu held).
+func (st *Store) traceFinal(lk *lookup) {
+	w := st.tracer()
+	if w == nil {
+		return
+	}
+	r := lookupRecord(trace.KindLookup, "final", lk)
+	r.Matched = lk.chunks
+	n := uint32(len(lk.hashes))
+	if lk.chunks >= n {
+		r.Result = "full"
+	} else {
+		r.Result, r.Chunk = "missing", int32(lk.chunks)
+		var sh *shard
+		if i, ok := st.shardOf(lk.ns, false); ok {
+			sh = &st.shards[i]
+		}
+		found := make([]uint32, lk.ranks())
+		st.findRanks(sh, &lk.hashes[lk.chunks], found)
+		for rk, i := range found {
+			if i == nilIdx {
+				r.StopRank = int32(rk)
+				break
+			}
+		}
+		r.Reason = fmt.Sprintf("chunk %d absent on rank %d", lk.chunks, r.StopRank)
+	}
+	w.Emit(r)
+}
+
+// traceConsumed: the scheduler read the answer (mu held).
+func (st *Store) traceConsumed(lk *lookup) {
+	if w := st.tracer(); w != nil {
+		r := lookupRecord(trace.KindLookup, "consumed", lk)
+		r.Matched = lk.chunks
+		w.Emit(r)
+	}
+}
+
+var lookupStates = [...]string{lkPending: "pending", lkFinal: "final", lkConsumed: "consumed"}
+
+// traceFree: FREE of chunks [start, end): the holds it is about to release
+// were never loaded (mu held; called before the release).
+func (st *Store) traceFree(lk *lookup, start, end uint32) {
+	w := st.tracer()
+	if w == nil {
+		return
+	}
+	r := lookupRecord(trace.KindCancel, "free", lk)
+	r.Start, r.End = start, end
+	for _, row := range lk.held {
+		for c := start; c < min(end, uint32(len(row))); c++ {
+			if row[c] != nilIdx {
+				r.Matched++
+			}
+		}
+	}
+	r.Result = lookupStates[lk.state]
+	w.Emit(r)
+}
+
+// traceDrop: a lookup forgotten with holds or a fill outstanding (session
+// end, hold TTL, close); a lookup that ends normally (answer read, nothing
+// held) has no drop record (mu held; called before the release).
+func (st *Store) traceDrop(lk *lookup) {
+	w := st.tracer()
+	if w == nil || (lk.holds == 0 && lk.state != lkPending) {
+		return
+	}
+	r := lookupRecord(trace.KindCancel, "drop", lk)
+	r.Matched = uint32(min(lk.holds, 1<<32-1))
+	r.Result = lookupStates[lk.state]
+	r.Reason = "lookup forgotten while holding (session ended, hold TTL or store closed)"
+	w.Emit(r)
+}
+
+// traceCommit: the objects a COMMIT published (L1 readable).
+func (st *Store) traceCommit(s *Session, req *ipc.CommitReq, resp *ipc.CommitResp, err error) {
+	w := st.tracer()
+	if w == nil {
+		return
+	}
+	r := trace.Record{Kind: trace.KindSave, Event: "committed", Owner: hexTag(s.id), Namespace: hexNS(req.Namespace),
+		Rank: int32(req.Rank), Chunks: uint32(len(req.Hashes)), Result: "ok"}
+	if err != nil {
+		r.Result, r.Reason, r.Failed = "error", err.Error(), r.Chunks
+	} else {
+		for _, s := range resp.Status {
+			if s == ipc.StatusOK {
+				r.Matched++
+			} else {
+				r.Failed++
+			}
+		}
+		if r.Failed > 0 {
+			r.Result, r.Reason = "partial", "keys not staged by this session (aborted, fenced or reaped)"
+		}
+	}
+	w.Emit(r)
+}
+
+// traceEvict: an object evicted from L1 (mu held).
+func (st *Store) traceEvict(i uint32) {
+	w := st.tracer()
+	if w == nil {
+		return
+	}
+	o := st.objs.get(i)
+	r := trace.Record{Kind: trace.KindEvict, Event: "evict", Rank: int32(o.rank), Chunks: 1, Bytes: o.size, Reason: "lru watermark", Chunk: -1}
+	if int(o.shard) < len(st.shards) {
+		for ns, idx := range st.shardIdx {
+			if idx == o.shard {
+				r.Namespace = hexNS(ns)
+				break
+			}
+		}
+	}
+	w.Emit(r)
+}
