@@ -85,3 +85,11 @@ gpu-check-dry:
 	$(CC) -std=c11 -O1 -shared -fPIC -pthread -o $(OUT)/libcuda-fake.so internal/fakecuda/testdata/fakecuda.c
 	KVSHIM_LIBCUDA=$(CURDIR)/$(OUT)/libcuda-fake.so KVSHIM_GPU_CHECK_GIB=0.25 OUT=$(CURDIR)/$(OUT)/gpu-check-dry \
 		build/gpu-check.sh | tail -n 1 | grep -q '^{"ok":true' || { cat $(OUT)/gpu-check-dry/*.log; exit 1; }
+
+# The standalone server for storage hosts without Python (issue 15, item 6):
+# a static binary, no cgo (the CUDA loader lives only in the .so).
+BIN := $(OUT)/kvshim
+all: $(BIN)
+$(BIN): $(SOURCES)
+	@mkdir -p $(OUT)
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/kvshim

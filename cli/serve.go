@@ -58,11 +58,16 @@ func parseServe(args []string, stdout, stderr io.Writer) (o serveOptions, code i
 	maxLookups := fs.Int("max-lookups-per-session", server.DefaultMaxLookupsPerSession, "the most live lookups (`N`) one client session may have; more are refused (the client sees a miss)")
 	maxCells := fs.Int("max-lookup-cells-per-session", server.DefaultMaxLookupCellsPerSession, "the most hold cells (`N` chunks × readers, each at most 37 bytes of server memory) one session's live lookups may have; more are refused (a miss)")
 	maxSessions := fs.Int("max-sessions-per-uid", ipc.DefaultMaxSessionsPerUID, "the most live client sessions (`N`) of one uid; more are refused (each costs a 12 MiB ring pair)")
+	config := fs.String("config", "", "read the flags from `FILE` first, one \"key = value\" a line, keys spelled as the flags\n"+
+		"without dashes (l1-size-gb = 64; l2-adapter repeats); flags given here override it")
 	if code, ok := fs.parse(args, stdout, stderr); !ok {
 		return o, code, false
 	}
 
 	var problems []string
+	if *config != "" {
+		problems = applyConfig(fs, *config, "config")
+	}
 	cfg := def
 	cfg.Socket = *socket
 	cfg.L1SizeGB = *l1
@@ -158,6 +163,7 @@ func serve(args []string, stop <-chan os.Signal, hooks serveHooks, stdout, stder
 		}
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", srv.Store.MetricsHandler())
+		mux.Handle("/healthz", srv.Store.HealthHandler())
 		hs = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 		go func() { httpErr <- hs.Serve(ln) }()
 		metricsURL = "http://" + ln.Addr().String() + "/metrics"

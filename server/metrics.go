@@ -63,6 +63,24 @@ func (st *Store) MetricsHandler() http.Handler {
 	return promhttp.HandlerFor(st.metrics.reg, promhttp.HandlerOpts{Registry: st.metrics.reg})
 }
 
+// HealthHandler answers liveness probes (mount it at /healthz): 200 "ok"
+// while the store is open, 503 "closed" once Close has begun.
+func (st *Store) HealthHandler() http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		st.mu.Lock()
+		closed := st.closed
+		st.mu.Unlock()
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.Header().Set("Cache-Control", "no-store")
+		if closed {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = w.Write([]byte("closed\n"))
+			return
+		}
+		_, _ = w.Write([]byte("ok\n"))
+	})
+}
+
 // metric is one number of the store's snapshot: the same value is exported
 // as a Prometheus metric and as a STATS entry named Name (with the labels
 // folded in, e.g. "kvshim_l1_objects{state=resident}").
