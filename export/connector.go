@@ -17,6 +17,7 @@ import (
 	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/shim"
+	"github.com/kvshim/kvshim/trace"
 )
 
 // connectorConfig is the JSON of kvshim_open for roles "scheduler" and
@@ -34,6 +35,10 @@ type connectorConfig struct {
 	// Verify is kvshim.verify (worker role): "l2" (default), "always" or
 	// "off" (objfmt.ParseVerifyPolicy).
 	Verify string `json:"verify"`
+
+	// TraceDir is kvshim.trace_dir: lifecycle records (package trace) of
+	// the worker and of the embedded server go there ("": off).
+	TraceDir string `json:"trace_dir"`
 
 	// The embedded server's settings (scheduler role only).
 	L1SizeGB   float64  `json:"l1_size_gb"`
@@ -128,8 +133,9 @@ var embedded struct {
 }
 
 type embeddedServer struct {
-	srv  *server.Server
-	refs int
+	srv   *server.Server
+	trace *trace.Writer // nil: off
+	refs  int
 }
 
 func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error, err error) {
@@ -160,6 +166,13 @@ func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error,
 			return nil, fmt.Errorf("embedded server: %w", err)
 		}
 		e = &embeddedServer{srv: srv}
+		if cfg.TraceDir != "" {
+			if e.trace, err = trace.Open(cfg.TraceDir, trace.Options{Source: "server"}); err != nil {
+				srv.Close()
+				return nil, fmt.Errorf("kvshim.trace_dir: %w", err)
+			}
+			srv.Store.SetTrace(e.trace)
+		}
 		embedded.m[socket] = e
 	}
 	e.refs++
@@ -170,7 +183,7 @@ func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error,
 			return nil
 		}
 		delete(embedded.m, socket)
-		return e.srv.Close()
+		return errors.Join(e.srv.Close(), e.trace.Close())
 	}, nil
 }
 
@@ -233,8 +246,12 @@ func openWorker(in *instance, raw []byte) error {
 	if err != nil {
 		return fmt.Errorf("%v: %w", err, errInvalid)
 	}
+	if err := w.OpenTrace(cfg.TraceDir); err != nil {
+		w.Close()
+		return fmt.Errorf("kvshim.trace_dir: %w", err)
+	}
 	in.state = &workerState{w: w}
-	in.closers = append(in.closers, w.Close)
+	in.closers = append(in.closers, w.CloseTrace, w.Close) // run in reverse: the trace closes last
 	return nil
 }
 

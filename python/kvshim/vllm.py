@@ -62,6 +62,8 @@ CONFIG_KEYS: dict[str, tuple[Any, str]] = {
                       '"always" (also computed at every save and checked at every load) or "off" (unsafe with L2)'),
     "kvshim.kv_cache_layout": (None, 'KV cache layout to ask vLLM for: "BLNHC" or "BLHNC" put all layers of a block side by '
                                "side, so a chunk is copied as one span per block (default: vLLM's choice)"),
+    "kvshim.trace_dir": (None, "directory for lifecycle traces (Arrow IPC files, `kvshim trace DIR` reads them) of the "
+                         "workers and the embedded server (default: off)"),
 }
 
 KV_CACHE_LAYOUTS = tuple(m.name for m in KVCacheLayout)
@@ -121,6 +123,7 @@ _CHECKS: dict[str, Any] = {
     "kvshim.l2_adapters": _adapters,
     "kvshim.verify": _choice("l2", "always", "off"),
     "kvshim.kv_cache_layout": _choice(*KV_CACHE_LAYOUTS),
+    "kvshim.trace_dir": _string,
 }
 
 
@@ -387,6 +390,7 @@ class KVShimConnector(KVConnectorBase_V1):
             "instance": str(uuid.uuid4()),
             "namespace": _namespace(vllm_config, kv_cache_config, self._cfg),
             "timeout_ms": self._timeout_ms,
+            **({} if self._cfg["kvshim.trace_dir"] is None else {"trace_dir": self._cfg["kvshim.trace_dir"]}),
         }
         if role == KVConnectorRole.SCHEDULER:
             open_cfg |= {
