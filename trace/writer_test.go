@@ -119,3 +119,20 @@ func TestNilWriterIsOff(t *testing.T) {
 	assert.Assert(t, !w.On())
 	assert.NilError(t, w.Close())
 }
+
+// TestWriteSample writes a sample trace into $KVSHIM_TRACE_SAMPLE_DIR (for
+// tests/test_trace_pyarrow.py, which reads it with pyarrow and pandas).
+func TestWriteSample(t *testing.T) {
+	dir := os.Getenv("KVSHIM_TRACE_SAMPLE_DIR")
+	if dir == "" {
+		t.Skip("KVSHIM_TRACE_SAMPLE_DIR not set")
+	}
+	w, err := Open(dir, Options{Source: "server"})
+	assert.NilError(t, err)
+	w.Emit(Record{Kind: KindLookup, Event: "registered", LookupID: 1, Owner: "aa", Rank: -1, Chunks: 4, Matched: 3,
+		L1: Bitmap(4, func(i int) bool { return i < 3 }), Missing: Bitmap(4, func(i int) bool { return i >= 3 }), Chunk: 3, StopRank: 0})
+	for c := range 3 {
+		w.Emit(Record{Kind: KindLoad, Event: "chunk", RequestID: "req-A", LookupID: 1, Owner: "aa", Chunk: int32(c), Result: "ok", Bytes: 1024})
+	}
+	assert.NilError(t, w.Close())
+}
