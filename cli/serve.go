@@ -17,6 +17,7 @@ import (
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/trace"
 )
 
 // validEvictionPolicies are the values --eviction-policy accepts.
@@ -26,6 +27,7 @@ var validEvictionPolicies = []string{"LRU"}
 type serveOptions struct {
 	cfg         server.Config
 	metricsHost string
+	traceDir    string // --trace-dir ("": off)
 }
 
 // parseServe parses and checks the flags of `kvshim serve`. Every problem
@@ -46,6 +48,7 @@ func parseServe(args []string, stdout, stderr io.Writer) (o serveOptions, code i
 	holdTTL := fs.Duration("hold-ttl", def.HoldTTL, "last-resort reclaim of read holds nobody released (a `duration`: 90s, 30m)")
 	port := fs.Int("metrics-port", 0, "serve Prometheus metrics at http://HOST:`PORT`/metrics (0: off)")
 	host := fs.String("metrics-host", "127.0.0.1", "address the metrics listener binds")
+	traceDir := fs.String("trace-dir", "", "write lifecycle traces (Arrow IPC files, read by kvshim trace) into `DIR` (default: off)")
 	var l2 stringList
 	fs.Var(&l2, "l2-adapter", "L2 adapter as a `JSON` object, LMCache style (repeatable), e.g.\n"+
 		`'{"type": "fs", "base_path": "/mnt/kv", "num_workers": 4}'`)
@@ -104,7 +107,7 @@ func parseServe(args []string, stdout, stderr io.Writer) (o serveOptions, code i
 		fmt.Fprintln(stderr, "run 'kvshim serve --help' for the flags")
 		return o, 2, false
 	}
-	return serveOptions{cfg: cfg, metricsHost: *host}, 0, true
+	return serveOptions{cfg: cfg, metricsHost: *host, traceDir: *traceDir}, 0, true
 }
 
 func contains(xs []string, x string) bool {
@@ -150,6 +153,16 @@ func serve(args []string, stop <-chan os.Signal, hooks serveHooks, stdout, stder
 		}
 		fmt.Fprintf(stderr, "kvshim serve: %v\n", err)
 		return 1
+	}
+	if o.traceDir != "" {
+		tw, err := trace.Open(o.traceDir, trace.Options{Source: "server"})
+		if err != nil {
+			fmt.Fprintf(stderr, "kvshim serve: --trace-dir: %v\n", err)
+			srv.Close()
+			return 1
+		}
+		srv.Store.SetTrace(tw)
+		defer tw.Close() // after the server's shutdown below
 	}
 	metricsURL := "off"
 	var hs *http.Server

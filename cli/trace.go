@@ -404,4 +404,6 @@ func init() {
 }
 
 // Trace runs `kvshim trace` with args (for tests and embedders).
-func Trace(args []string, stdout, stderr io.Writer) int { return runTrace(args, Info{}, stdout, stderr) }
+func Trace(args []string, stdout, stderr io.Writer) int {
+	return runTrace(args, Info{}, stdout, stderr)
+}
