@@ -74,6 +74,11 @@ bench-l2:
 bench-keys:
 	$(GO) run ./cmd/kvshim-bench-keys
 
+# kvshim serve beside the real LMCache 0.5.6 MP server (python/requirements-bench-peer.txt): lookups and 32 MiB store/retrieve.
+.PHONY: bench-peer
+bench-peer: $(LIB)
+	KVSHIM_LIBRARY=$(CURDIR)/$(LIB) PYTHONPATH=$(CURDIR)/python KVSHIM_PEER_KVSHIM_PYTHON=$$(build/venv.sh python/requirements-test.txt)/bin/python $$(build/venv.sh python/requirements-bench-peer.txt)/bin/python build/bench_peer.py
+
 # Builds the GPU check's binaries here; build/gpu-check.sh runs them on a GPU machine.
 gpu-check:
 	build/gpu-check.sh --prepare
