@@ -78,6 +78,21 @@ func (st *Store) traceFinal(lk *lookup) {
 	if w == nil {
 		return
 	}
+	if t := lk.fill; t != nil {
+		// The L2 fill's outcome: chunks [Start, Start+chunks) were asked of
+		// L2; matched of them now count (filled, or found resident).
+		f := lookupRecord(trace.KindFill, "done", lk)
+		f.Start, f.Chunks = t.Start, uint32(len(t.Hashes))
+		f.Matched = lk.chunks - min(lk.chunks, t.Start)
+		f.Failed = f.Chunks - f.Matched
+		f.Result = "done"
+		if t.cancelled {
+			f.Result = "cancelled"
+		} else if !t.done {
+			f.Result, f.Reason = "answered_early", "the lookup was answered before the fill ended (prefetch timeout)"
+		}
+		w.Emit(f)
+	}
 	r := lookupRecord(trace.KindLookup, "final", lk)
 	r.Matched = lk.chunks
 	n := uint32(len(lk.hashes))

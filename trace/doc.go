@@ -81,9 +81,16 @@
 // drop (the lookup was forgotten: session ended, hold TTL; chunks held
 // still released).
 //
-// evict (server): chunks (objects), bytes, reason. fill (server, L2
-// prefetch): start, chunks, matched (filled), failed, bytes, result
-// (admitted | rejected | done), reason.
+// evict (server): one record per object evicted from L1 (event evict):
+// chunks (1), bytes, reason (lru watermark), rank, namespace.
+//
+// fill (server, L2 prefetch), event done, written with the lookup's final
+// record when a pending lookup is answered: start, chunks (asked of L2:
+// chunks [start, start+chunks)), matched (of those, now in the prefix),
+// failed (the rest), result done | answered_early (prefetch timeout) |
+// cancelled, reason. Per-chunk admission decisions (budget, staging, worst
+// case) and the reason a chunk was rejected are not recorded yet: the
+// prefetch controller's counters (kvshim stat) have them in aggregate.
 //
 // writer: written, dropped uint64 (event "close").
 //
