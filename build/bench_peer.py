@@ -692,7 +692,8 @@ def main() -> int:
             c.close()
         for s in servers.values():
             s.stop()
-        Path(f"/dev/shm/{shm_name}").unlink(missing_ok=True)
+        for leftover in (shm_name, f"lmcache_l1_pool_{shm_name}"):  # LMCache prefixes the name it is given
+            Path(f"/dev/shm/{leftover}").unlink(missing_ok=True)
     load_after = os.getloadavg()
 
     import lmcache
