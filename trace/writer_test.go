@@ -136,3 +136,27 @@ func TestWriteSample(t *testing.T) {
 	}
 	assert.NilError(t, w.Close())
 }
+
+// BenchmarkEmit is the cost of one record on the caller's thread (the
+// queue send; encoding runs on the writer's goroutine).
+func BenchmarkEmit(b *testing.B) {
+	w, err := Open(b.TempDir(), Options{Source: "bench"})
+	assert.NilError(b, err)
+	defer w.Close()
+	r := Record{Kind: KindLoad, Event: "chunk", RequestID: "req-0123456789", Owner: "00112233445566778899aabbccddeeff", Result: "ok", Bytes: 32 << 20}
+	b.ResetTimer()
+	for range b.N {
+		w.Emit(r)
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(w.Stats().Dropped)/float64(b.N), "dropped/op")
+}
+
+// BenchmarkEmitOff: a nil writer (tracing off).
+func BenchmarkEmitOff(b *testing.B) {
+	var w *Writer
+	r := Record{Kind: KindLoad}
+	for range b.N {
+		w.Emit(r)
+	}
+}
