@@ -205,6 +205,7 @@ func kvshim_stats(h C.int64_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.
 		}
 	case *workerState:
 		out["worker"] = st.w.Stats()
+		out["jobs"] = st.w.Jobs()
 	default:
 		return C.int(fail(in.id, fmt.Errorf("handle %d has no stats: %w", int64(h), errInvalid)))
 	}

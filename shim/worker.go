@@ -52,6 +52,7 @@ type Worker struct {
 	errBlock []int64         // blocks whose load failed since the last Poll
 	stats    WorkerStats
 	wg       sync.WaitGroup
+	jobs     atomic.Int64 // background jobs running (Jobs)
 }
 
 // WorkerStats are cumulative counters of one worker.
@@ -585,12 +586,18 @@ func (w *Worker) background(req string, f func(free func())) {
 		})
 	}
 	w.wg.Add(1)
+	w.jobs.Add(1)
 	go func() {
 		defer w.wg.Done()
+		defer w.jobs.Add(-1)
 		defer free()
 		f(free)
 	}()
 }
+
+// Jobs is the number of load and save jobs still running, including saves
+// whose blocks were already handed back and that have yet to COMMIT.
+func (w *Worker) Jobs() int64 { return w.jobs.Load() }
 
 // copyStuckAfter bounds the wait for a copy that outlived the timeout.
 var copyStuckAfter = time.Minute

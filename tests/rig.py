@@ -92,13 +92,26 @@ class Rig:
         self.sched.check(self.lib.kvshim_sched_finished(self.sched.value, req.encode(), ctypes.byref(delay)))
         return bool(delay.value)
 
+    def accounted_saves(self) -> int:
+        """Chunks the worker has finished with: saved, skipped or failed."""
+        w = json.loads(self.worker.output("kvshim_stats"))["worker"]
+        return w["SavedChunks"] + w["SkippedChunks"] + w["FailedSaves"]
+
     def save(self, req: str, tokens: np.ndarray, blocks: list[int]) -> None:
-        """A request that misses, is computed into blocks, is saved, finishes."""
+        """A request that misses, is computed into blocks, is saved, finishes;
+        returns once its chunks are committed (or failed)."""
+        before = self.accounted_saves()
         assert self.match(req, tokens) == 0
         self.alloc(req, blocks, 0)
         self.step([{"req": req, "blocks": blocks, "computed": 0, "scheduled": len(tokens)}], saves=True)
         assert self.finished(req)  # delay-free until the saves have read the blocks
         self.drain(req, "sending")
+        # The blocks are free once the copies have read them; COMMIT (what
+        # makes the chunks visible to lookups) may come a moment later.
+        deadline = time.monotonic() + 5
+        while self.accounted_saves() < before + len(tokens) // CHUNK:
+            assert time.monotonic() < deadline, "saves not accounted for within 5 s"
+            time.sleep(0.002)
 
     def restore(self, req: str, tokens: np.ndarray, blocks: list[int]) -> tuple[int, list[int]]:
         """A request that hits: its prefix is loaded into blocks; returns the

@@ -938,7 +938,24 @@ def store(h: SchedulerHarness, r: ModelRunner, tokens: Sequence[int], **kw: Any)
     assert s.num_scheduled_tokens[req.request_id] == len(tokens)
     blocks = list(r.reqs[req.request_id].blocks)
     h.settle()
+    wait_jobs(h)
     return req, blocks
+
+
+def wait_jobs(h: SchedulerHarness, timeout: float = 5.0) -> None:
+    """vLLM gets a save's blocks back once the copy has read them; the
+    COMMIT that makes the chunks visible to lookups follows. Wait until
+    every worker has no job left (saves committed, loads reported)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    for r in getattr(h, "runners", ()):
+        conn = getattr(r, "connector", None)
+        if conn is None or not hasattr(conn, "stats"):
+            continue
+        while conn.stats().get("jobs", 0):
+            assert time.monotonic() < deadline, f"worker jobs still running after {timeout}s"
+            time.sleep(0.002)
 
 
 def run_until_scheduled(h: SchedulerHarness, req: Request, timeout_s: float = 10.0, **kw: Any) -> StepResult:
