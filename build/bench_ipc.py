@@ -56,7 +56,7 @@ def bench_kvshim(n: int, warmup: int) -> dict[str, float]:
     from kvshim import native
 
     engine = f"bench-{uuid.uuid4().hex[:8]}"
-    ns = {"model": "bench", "dtype": "bf16", "layout": "x", "object_format": 1, "world_size": 1, "chunk_size": 256}
+    ns = {"model": "bench", "dtype": "bf16", "layout": "x", "world_size": 1, "chunk_size": 256}
     server = spawn(f"""
         import json, sys
         import kvshim.native as n
