@@ -87,6 +87,7 @@ type StoreController struct {
 	skippedClosed, skippedCorrupt atomic.Int64
 	checksummed, checksummedBytes atomic.Int64   // payload CRCs this controller set
 	saved, savedBytes, errs       []atomic.Int64 // per adapter
+	errLog                        []warnLimiter  // per adapter: a full or dead L2 is not a line per key
 }
 
 // NewStoreController returns a controller over adapters; reg may be nil.
@@ -105,7 +106,7 @@ func NewStoreController(l1 L1, adapters []*l2.Adapter, cfg StoreConfig, reg prom
 	}
 	sc := &StoreController{l1: l1, adapters: adapters, cfg: cfg, log: log,
 		saved: make([]atomic.Int64, len(adapters)), savedBytes: make([]atomic.Int64, len(adapters)),
-		errs: make([]atomic.Int64, len(adapters))}
+		errs: make([]atomic.Int64, len(adapters)), errLog: make([]warnLimiter, len(adapters))}
 	sc.ctx, sc.cancel = context.WithCancel(context.Background())
 	c := &collector{}
 	c.add("kvshim_l2_store_pending_objects", "Objects pinned in L1 for L2 writes not yet finished (store queue depth).", true, &sc.pendingObjs)
@@ -248,7 +249,10 @@ func (sc *StoreController) write(a int, bs []*batchObj) {
 			sc.savedBytes[a].Add(int64(len(b.o.Mem)))
 		} else {
 			sc.errs[a].Add(1)
-			sc.log.Warn("tier: L2 write failed (not retried)", "adapter", sc.adapters[a].Name(), "key", ev.Key, "err", ev.Err)
+			if n, ok := sc.errLog[a].allow(time.Now()); ok {
+				sc.log.Warn("tier: L2 write failed (not retried)", "adapter", sc.adapters[a].Name(), "key", ev.Key, "err", ev.Err,
+					"suppressed_since_last", n)
+			}
 		}
 		sc.unref(b)
 	}
@@ -333,4 +337,28 @@ func (sc *StoreController) Close() {
 		}
 	}
 	sc.cancel()
+}
+
+// warnEvery rate-limits per-adapter warnings.
+const warnEvery = 10 * time.Second
+
+// warnLimiter lets the first event through, then at most one per
+// warnEvery, counting the ones it held back.
+type warnLimiter struct {
+	mu         sync.Mutex
+	last       time.Time
+	suppressed int
+}
+
+// allow reports whether to log now and how many were held back since.
+func (w *warnLimiter) allow(now time.Time) (suppressed int, ok bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.last.IsZero() && now.Sub(w.last) < warnEvery {
+		w.suppressed++
+		return 0, false
+	}
+	n := w.suppressed
+	w.last, w.suppressed = now, 0
+	return n, true
 }
