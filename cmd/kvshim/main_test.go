@@ -76,6 +76,17 @@ func TestStaticBinary(t *testing.T) {
 	assert.Check(t, is.Len(libs, 0), "shared libraries: %v", libs)
 }
 
+// `make` (its default goal, all) builds out/kvshim this way.
+func TestMakeBuildsStaticBinary(t *testing.T) {
+	if _, err := exec.LookPath("make"); err != nil {
+		t.Skip("no make")
+	}
+	out, err := exec.Command("make", "-n", "-B", "-C", "../..", "all").CombinedOutput()
+	assert.NilError(t, err, "%s", out)
+	want := regexp.MustCompile(`(?m)^CGO_ENABLED=0 \S*go build .*-o out/kvshim \./cmd/kvshim$`)
+	assert.Check(t, want.Match(out), "make -n all:\n%s", out)
+}
+
 func TestVersionAndDoctor(t *testing.T) {
 	bin := binary(t)
 	out, err := exec.Command(bin, "--version").Output()
