@@ -172,3 +172,20 @@ func TestEvictionKeyRefused(t *testing.T) {
 		assert.Assert(t, is.Contains(err.Error(), `"ttl_s"`))
 	}
 }
+
+// An L2 Redis that cannot be reached is said in the log at open, once.
+func TestUnreachableRedisIsLogged(t *testing.T) {
+	h := &countingHandler{}
+	a, err := l2.OpenJSON(`{"type":"redis","addrs":["127.0.0.1:1"],"num_workers":1}`, l2.Options{Logger: slog.New(h)})
+	assert.NilError(t, err)
+	defer a.Close()
+	deadline := time.Now().Add(8 * time.Second)
+	for h.count() == 0 {
+		assert.Assert(t, time.Now().Before(deadline), "no warning for an unreachable Redis")
+		time.Sleep(20 * time.Millisecond)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	assert.Equal(t, len(h.warns), 1)
+	assert.Assert(t, strings.Contains(h.warns[0], "cannot reach Redis"), h.warns[0])
+}

@@ -128,6 +128,15 @@ func New(cfg *l2.Config, env l2.Env) (l2.Backend, error) {
 	if log == nil {
 		log = slog.Default()
 	}
+	// Say at once, and in the log, when Redis cannot be reached: without
+	// this the first sign would be every save failing silently as a miss.
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := c.Ping(ctx).Err(); err != nil && !errors.Is(err, goredis.ErrClosed) {
+			log.Warn("redis L2: cannot reach Redis; its stores and loads fail (misses) until it answers", "addrs", addrs, "err", err)
+		}
+	}()
 	return &Backend{c: c, prefix: pfx, ttl: time.Duration(ttlS) * time.Second, log: log}, nil
 }
 
