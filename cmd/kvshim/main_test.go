@@ -137,8 +137,10 @@ func TestServeStatSIGTERM(t *testing.T) {
 	sock := filepath.Join(dir, "kvshim.sock")
 	port := freePort(t)
 	conf := filepath.Join(dir, "kvshim.conf")
+	l2dir := filepath.Join(dir, "l2")
 	assert.NilError(t, os.WriteFile(conf, []byte("socket = "+sock+"\nl1-size-gb = 0.0625\nl1-prefault-gb = 0\n"+
-		"metrics-port = "+strconv.Itoa(port)+"\n"), 0o600))
+		"metrics-port = "+strconv.Itoa(port)+"\n"+
+		`l2-adapter = {"type": "fs", "base_path": "`+l2dir+`", "max_bytes": 1048576}`+"\n"), 0o600))
 
 	cmd := exec.Command(bin, "serve", "--config", conf)
 	stdout, err := cmd.StdoutPipe()
@@ -157,6 +159,12 @@ func TestServeStatSIGTERM(t *testing.T) {
 	}()
 	select {
 	case l := <-lines:
+		assert.Check(t, is.Equal(l, "kvshim serve: L2 adapters: fs"))
+	case <-time.After(20 * time.Second):
+		t.Fatalf("serve did not start; stderr: %s", stderr.String())
+	}
+	select {
+	case l := <-lines:
 		assert.Check(t, is.Contains(l, "kvshim serve: listening on "+sock+", L1 0.0625 GiB, metrics http://127.0.0.1:"+strconv.Itoa(port)+"/metrics"))
 	case <-time.After(20 * time.Second):
 		t.Fatalf("serve did not start; stderr: %s", stderr.String())
@@ -173,6 +181,7 @@ func TestServeStatSIGTERM(t *testing.T) {
 	code, body = httpGet(t, "http://127.0.0.1:"+strconv.Itoa(port)+"/metrics")
 	assert.Check(t, is.Equal(code, 200))
 	assert.Check(t, is.Contains(body, "kvshim_l1_capacity_bytes 6.7108864e+07"))
+	assert.Check(t, is.Contains(body, `kvshim_l2_tasks_total{adapter="fs",op="store"} 0`))
 
 	assert.NilError(t, cmd.Process.Signal(syscall.SIGTERM))
 	done := make(chan error, 1)
