@@ -177,6 +177,7 @@ type loadJob struct {
 }
 
 func (w *Worker) load(ld *LoadSpec) {
+	defer w.traceLoad(ld)()
 	defer func() {
 		w.mu.Lock()
 		w.recving = append(w.recving, ld.Req)
@@ -200,6 +201,7 @@ func (w *Worker) load(ld *LoadSpec) {
 		w.loadFailed(ld, 0, cb, err)
 		return
 	}
+	w.traceLoadRetrieved(ld)
 	// The objects stay mapped while this job reads them (Use), and their
 	// holds are dropped on the same session once the copies have read them
 	// (or failed); both are kept if a copy may still be reading.
@@ -266,6 +268,7 @@ func (w *Worker) load(ld *LoadSpec) {
 		submit(n)
 	}
 	chk.stop() // no more checks: the checkers are done with the mappings
+	w.traceLoadChecked(ld, chk)
 	for _, j := range jobs {
 		if err := w.waitCopy(j.job, cuda.Load, j.spans, stuck); err != nil {
 			fail(j.first, err)
@@ -286,6 +289,7 @@ func (w *Worker) load(ld *LoadSpec) {
 			loaded += j.bytes
 		}
 	}
+	w.traceLoadBytes(ld, loaded)
 	w.count(func(s *WorkerStats) {
 		s.LoadedChunks += uint64(failAt)
 		s.LoadedBytes += loaded
@@ -396,6 +400,7 @@ func inParallel(n int, f func(i int)) {
 // errors: vLLM recomputes from the first failed block on.
 func (w *Worker) loadFailed(ld *LoadSpec, k, cb int, why error) {
 	slog.Warn("kvshim: load failed", "req", ld.Req, "chunk", int(ld.Start)+k, "err", why)
+	w.traceLoadFailed(ld, k, why)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	for _, id := range ld.Blocks[min(k*cb, len(ld.Blocks)):] {
@@ -416,6 +421,7 @@ func (w *Worker) StartSaves(meta *StepMeta, streamEvent uint64) {
 	if !w.writer || len(meta.Saves) == 0 {
 		return
 	}
+	w.traceSaveEvent(meta)
 	// The saves copy blocks the forward pass wrote: the save stream waits
 	// for vLLM's event, enqueued now, while the caller still owns it. (A
 	// save of an earlier step not yet submitted then waits for this step's
@@ -444,6 +450,7 @@ func (w *Worker) StartSaves(meta *StepMeta, streamEvent uint64) {
 // writes, is what COMMIT publishes). A copy that may still be running
 // keeps them until save returns, as before.
 func (w *Worker) save(sv *SaveSpec, free func()) {
+	defer w.traceSave(sv)()
 	l, eng, err := w.ready()
 	if err != nil {
 		return
@@ -531,6 +538,7 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 	default:
 		w.abort(client, tag, hashes)
 	}
+	w.traceSaved(sv, len(hashes), saved, size, err)
 	w.count(func(s *WorkerStats) {
 		s.SavedChunks += uint64(saved)
 		s.SavedBytes += uint64(saved) * size
