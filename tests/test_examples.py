@@ -22,12 +22,8 @@ import pytest
 
 # (tests/vllm alone would also import as a namespace package "vllm", origin None.)
 _spec = importlib.util.find_spec("vllm")
-if _spec is None or _spec.origin is None:  # pragma: no cover - environment
-    pytest.skip("the connector's config is read by kvshim.vllm, which needs vLLM", allow_module_level=True)
-
-from vllm.config import KVTransferConfig  # noqa: E402
-
-from kvshim.vllm import read_config  # noqa: E402
+needs_vllm = pytest.mark.skipif(_spec is None or _spec.origin is None,
+                                reason="the connector's config is read by kvshim.vllm, which needs vLLM")
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -65,6 +61,10 @@ def flag(argv: list[str], name: str) -> str | None:
 
 def check_kv_transfer(raw: str | dict) -> dict:
     """What vLLM and the connector make of a --kv-transfer-config."""
+    from vllm.config import KVTransferConfig
+
+    from kvshim.vllm import read_config
+
     d = json.loads(raw) if isinstance(raw, str) else raw
     kv = KVTransferConfig(**d)
     assert kv.kv_connector == "KVShimConnector"
@@ -81,6 +81,7 @@ def conf_value(key: str) -> str:
     raise KeyError(key)
 
 
+@needs_vllm
 def test_tp2_embedded_launch():
     (argv,) = vllm_launches(EXAMPLES / "vllm-tp2-embedded.sh")
     assert flag(argv, "--tensor-parallel-size") == "2"
@@ -89,6 +90,7 @@ def test_tp2_embedded_launch():
     assert cfg["kvshim.l1_size_gb"] == 32.0
 
 
+@needs_vllm
 def test_shared_server_launches():
     launches = vllm_launches(EXAMPLES / "vllm-shared-server.sh")
     assert len(launches) == 2
@@ -100,6 +102,7 @@ def test_shared_server_launches():
     assert f"--socket {socket}" in text
 
 
+@needs_vllm
 @pytest.mark.parametrize("adapter", ["fs", "redis", "mooncake"])
 def test_connector_extra_config_with_l2(adapter):
     path = EXAMPLES / f"vllm-kv-transfer-config-{adapter}.json"
