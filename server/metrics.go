@@ -131,8 +131,8 @@ func (st *Store) snapshot() []metric {
 		k("kvshim_l1_segment_errors_total", "Failures to obtain a new L1 segment.", c.segmentErrors),
 		k("kvshim_sessions_opened_total", "Sessions opened.", c.sessionsOpened),
 		k("kvshim_sessions_closed_total", "Sessions closed.", c.sessionsClosed),
-		{name: "kvshim_l1_fences_lifted_total", help: "Ended sessions whose fenced staging slots were freed, by what proved the writer done.", label: "by=exit", value: float64(c.fencesExited)},
-		{name: "kvshim_l1_fences_lifted_total", help: "Ended sessions whose fenced staging slots were freed, by what proved the writer done.", label: "by=drained", value: float64(c.fencesDrained)},
+		{name: "kvshim_l1_fences_lifted_total", counter: true, help: "Ended sessions whose fenced staging slots were freed, by what proved the writer done.", label: "by=exit", value: float64(c.fencesExited)},
+		{name: "kvshim_l1_fences_lifted_total", counter: true, help: "Ended sessions whose fenced staging slots were freed, by what proved the writer done.", label: "by=drained", value: float64(c.fencesDrained)},
 	}
 	for s := stStaging; s < numStates; s++ {
 		out = append(out,
