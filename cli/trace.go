@@ -84,6 +84,9 @@ type traceSummary struct {
 	SavesCommitted uint64            `json:"chunks_saved"`
 	SavesSkipped   uint64            `json:"chunks_save_skipped"`
 	SavesFailed    uint64            `json:"chunks_save_failed"`
+	L2Saved        uint64            `json:"chunks_l2_saved"`
+	L2SaveFailed   uint64            `json:"chunks_l2_save_failed"`
+	BytesL2Saved   uint64            `json:"bytes_l2_saved"`
 	Cancels        int               `json:"cancels"`
 	Evictions      uint64            `json:"evictions"`
 	EvictedBytes   uint64            `json:"evicted_bytes"`
@@ -160,7 +163,13 @@ func buildTraceReport(recs []trace.Record, files int) *traceReport {
 		var key string
 		switch {
 		case r.Kind == trace.KindSave && r.RequestID == "":
-			continue // the server's COMMIT records name no request
+			// the server's COMMIT and L2 records name no request
+			if r.Event == "l2_saved" {
+				sum.L2Saved += uint64(r.Matched)
+				sum.L2SaveFailed += uint64(r.Failed)
+				sum.BytesL2Saved += r.Bytes
+			}
+			continue
 		case r.RequestID != "":
 			key = "req:" + r.RequestID
 		case reqOf[lookupKey(r.Owner, r.LookupID)] != "":
@@ -396,6 +405,9 @@ func printTraceReport(w io.Writer, rep *traceReport) {
 		float64(s.PhaseNS.Retrieve)/1e6, float64(s.PhaseNS.Check)/1e6, float64(s.PhaseNS.Copy)/1e6)
 	fmt.Fprintf(w, "  bytes: loaded %d, saved %d; saves: %d chunks committed, %d skipped, %d failed\n",
 		s.BytesLoaded, s.BytesSaved, s.SavesCommitted, s.SavesSkipped, s.SavesFailed)
+	if s.L2Saved+s.L2SaveFailed > 0 {
+		fmt.Fprintf(w, "  L2 writes: %d chunks saved (%d bytes), %d failed\n", s.L2Saved, s.BytesL2Saved, s.L2SaveFailed)
+	}
 	fmt.Fprintf(w, "  cancels %d, evictions %d (%d bytes)\n", s.Cancels, s.Evictions, s.EvictedBytes)
 }
 

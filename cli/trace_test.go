@@ -48,6 +48,8 @@ func writeTrace(t *testing.T, dir string) {
 	sw.Emit(lk("final", 2, 3, "missing"))
 	sw.Emit(at(trace.Record{Kind: trace.KindCancel, Event: "free", LookupID: 2, Owner: "aa", Matched: 3, Result: "final"}))
 	sw.Emit(at(trace.Record{Kind: trace.KindEvict, Event: "evict", Chunks: 1, Bytes: 99}))
+	sw.Emit(at(trace.Record{Kind: trace.KindSave, Event: "l2_saved", Chunks: 1, Matched: 1, Bytes: 2048, Result: "ok"}))
+	sw.Emit(at(trace.Record{Kind: trace.KindSave, Event: "l2_saved", Chunks: 1, Failed: 1, Result: "failed"}))
 	assert.NilError(t, sw.Close())
 	assert.NilError(t, ww.Close())
 }
@@ -84,6 +86,9 @@ func TestTraceJSON(t *testing.T) {
 	assert.Equal(t, s.BytesSaved, uint64(2048))
 	assert.Equal(t, s.Cancels, 1)
 	assert.Equal(t, s.Evictions, uint64(1))
+	assert.Equal(t, s.L2Saved, uint64(1))
+	assert.Equal(t, s.L2SaveFailed, uint64(1))
+	assert.Equal(t, s.BytesL2Saved, uint64(2048))
 }
 
 func TestTraceText(t *testing.T) {

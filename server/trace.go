@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/trace"
 )
 
@@ -203,6 +204,21 @@ func (st *Store) traceEvict(i uint32) {
 				break
 			}
 		}
+	}
+	w.Emit(r)
+}
+
+// TraceL2Saved (tier.L2Tracer): an L2 write ended (the seed's third
+// "done" of a save: L2 saved).
+func (st *Store) TraceL2Saved(adapter string, key l2.Key, bytes int, err error) {
+	w := st.tracer()
+	if w == nil {
+		return
+	}
+	r := trace.Record{Kind: trace.KindSave, Event: "l2_saved", Namespace: hex.EncodeToString(key.Namespace[:]), Rank: int32(key.Rank),
+		Chunks: 1, Matched: 1, Bytes: uint64(bytes), Result: "ok", Reason: adapter, Chunk: -1, StopRank: -1}
+	if err != nil {
+		r.Matched, r.Failed, r.Bytes, r.Result, r.Reason = 0, 1, 0, "failed", adapter+": "+err.Error()
 	}
 	w.Emit(r)
 }

@@ -2,14 +2,22 @@ package shim
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
+	"fmt"
+	"os"
 	"testing"
+	"time"
 
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/cli"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/objfmt"
+	"github.com/kvshim/kvshim/server"
+	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/fs"
+	"github.com/kvshim/kvshim/server/tier"
 	"github.com/kvshim/kvshim/trace"
 )
 
@@ -209,3 +217,114 @@ func TestTraceCancelBetweenLookupAndLoad(t *testing.T) {
 	assert.Equal(t, rep.Summary.Cancels, 1)
 }
 
+
+// The third "done" of a save (L2 saved) and the L2 side of a partial
+// restore: with an fs L2, the server's records show each chunk's L2 write;
+// after a restart with chunk 1 corrupt in L2, the lookup's fill and final
+// records show the prefix stopping at chunk 1.
+func TestTraceL2SavedAndCorruptL2Chunk(t *testing.T) {
+	r := newRig(t, 1)
+	dir, l2dir := t.TempDir(), t.TempDir()
+	var writers []*trace.Writer
+	restart := func() {
+		assert.NilError(t, r.srv.Close())
+		r.cfg.L2Adapters = []string{fmt.Sprintf(`{"type":"fs","base_path":%q}`, l2dir)}
+		srv, err := server.Start(r.cfg, nil, server.Options{})
+		assert.NilError(t, err)
+		t.Cleanup(func() { srv.Close() })
+		r.srv = srv
+		sw, err := trace.Open(dir, trace.Options{Source: "server"})
+		assert.NilError(t, err)
+		srv.Store.SetTrace(sw)
+		writers = append(writers, sw)
+	}
+	restart()
+	assert.NilError(t, r.workers[0].OpenTrace(dir))
+	tokens := tokensOf(53, 2)
+	var saved int
+	for i := 0; saved != 3; i++ { // the worker redials (at most once a second)
+		assert.Assert(t, i < 50, "no save after the restart")
+		time.Sleep(100 * time.Millisecond)
+		_, saved = saveChunks(t, r, fmt.Sprint("save", i), tokens, 3)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	assert.NilError(t, r.srv.Store.StoreController().Flush(ctx))
+	restart()
+
+	// Chunk 1 in L2: one payload byte changed, rewritten through the
+	// adapter (as TestL2CorruptChunkIsNeverRestored does).
+	hs, err := ChunkHashes(r.sched.ns, tokens, tChunk, Extras{})
+	assert.NilError(t, err)
+	be, err := fs.Open(fs.Config{BasePath: l2dir})
+	assert.NilError(t, err)
+	key := tier.Key(r.sched.ns, 0, hs[1])
+	file, err := os.ReadFile(be.Path(key))
+	assert.NilError(t, err)
+	obj := file[:len(file)-16]
+	obj[objfmt.HeaderSize+77] ^= 0x04
+	assert.NilError(t, os.Remove(be.Path(key)))
+	st := r.srv.Store.L2Adapters()[0].Store(ctx, []l2.Key{key}, [][]byte{obj})
+	<-st.Done()
+	assert.Assert(t, st.Results()[0].OK())
+
+	n := 0
+	for i := 0; n == 0; i++ { // the scheduler redials too
+		assert.Assert(t, i < 50, "no hit after the restart")
+		time.Sleep(100 * time.Millisecond)
+		req := fmt.Sprint("load", i)
+		if n = r.match(t, req, tokens, Extras{}, 0); n == 0 {
+			r.sched.Finished(req)
+			continue
+		}
+		assert.Equal(t, n, tChunk)
+		assert.NilError(t, r.sched.AfterAlloc(req, seq(20, 6), -1, n))
+		r.step(t, &Step{})
+		r.sched.Finished(req)
+	}
+	assert.NilError(t, r.workers[0].CloseTrace())
+	for _, w := range writers {
+		r.srv.Store.SetTrace(nil)
+		assert.NilError(t, w.Close())
+	}
+	var out, errb bytes.Buffer
+	assert.Equal(t, cli.Trace([]string{"--json", dir}, &out, &errb), 0, errb.String())
+	var rep struct {
+		Summary struct {
+			L2Saved    uint64 `json:"chunks_l2_saved"`
+			HitsLoaded uint64 `json:"hits_loaded"`
+		} `json:"summary"`
+		Requests []struct {
+			RequestID string  `json:"request_id"`
+			Found     *uint32 `json:"found_chunks"`
+			Loaded    *uint32 `json:"loaded_chunks"`
+			Stop      string  `json:"stop"`
+			Timeline  []struct {
+				Kind    string `json:"kind"`
+				Event   string `json:"event"`
+				Matched uint32 `json:"matched"`
+				Chunks  uint32 `json:"chunks"`
+			} `json:"timeline"`
+		} `json:"requests"`
+	}
+	assert.NilError(t, json.Unmarshal(out.Bytes(), &rep))
+	assert.Equal(t, rep.Summary.L2Saved, uint64(3))
+	assert.Equal(t, rep.Summary.HitsLoaded, uint64(1))
+	var found bool
+	for _, q := range rep.Requests {
+		if q.Loaded == nil {
+			continue
+		}
+		found = true
+		assert.Equal(t, *q.Found, uint32(1))
+		assert.Equal(t, q.Stop, "missing: chunk 1 absent on rank 0")
+		var fill []string
+		for _, e := range q.Timeline {
+			if e.Kind == "lookup" || e.Kind == "fill" {
+				fill = append(fill, fmt.Sprintf("%s %s %d/%d", e.Kind, e.Event, e.Matched, e.Chunks))
+			}
+		}
+		assert.DeepEqual(t, fill, []string{"lookup registered 0/3", "lookup pending 0/3", "fill done 1/3", "lookup final 1/3", "lookup consumed 1/3"})
+	}
+	assert.Assert(t, found, out.String())
+}

@@ -73,7 +73,10 @@
 //   - commit (worker): COMMIT answered: matched chunks now readable in L1,
 //     skipped (resident already or no space), failed (with reason).
 //   - committed (server): the objects the server published.
-//   - l2_saved (server): an L2 write finished (failed > 0 with reason on error).
+//   - l2_saved (server, one per object and adapter): an L2 write ended;
+//     matched 1 and bytes when saved, failed 1 when not; reason is the
+//     adapter's name (and the error). Server save records carry namespace
+//     and rank but no request id.
 //
 // cancel (server): start, end, chunks, matched uint32, result, reason.
 // Events: free (FREE of chunks [start, end): matched holds released without

@@ -244,6 +244,7 @@ func (sc *StoreController) write(a int, bs []*batchObj) {
 	t := sc.adapters[a].Store(sc.ctx, keys, bufs)
 	for ev := range t.Events() {
 		b := kept[ev.Index]
+		sc.traceSaved(a, b.o.Key, len(b.o.Mem), ev.Err)
 		if ev.OK() {
 			sc.saved[a].Add(1)
 			sc.savedBytes[a].Add(int64(len(b.o.Mem)))

@@ -1,0 +1,18 @@
+package tier
+
+import "github.com/kvshim/kvshim/server/l2"
+
+// L2Tracer is implemented by an L1 host that records lifecycle traces
+// (server.Store): the store controller reports each L2 write's end to it.
+type L2Tracer interface {
+	// TraceL2Saved: the L2 write of key (bytes) by adapter ended; err is
+	// nil when it is saved.
+	TraceL2Saved(adapter string, key l2.Key, bytes int, err error)
+}
+
+// traceSaved reports one L2 write's end to the host, if it traces.
+func (sc *StoreController) traceSaved(a int, key l2.Key, bytes int, err error) {
+	if t, ok := sc.l1.(L2Tracer); ok {
+		t.TraceL2Saved(sc.adapters[a].Name(), key, bytes, err)
+	}
+}
