@@ -217,7 +217,6 @@ func TestTraceCancelBetweenLookupAndLoad(t *testing.T) {
 	assert.Equal(t, rep.Summary.Cancels, 1)
 }
 
-
 // The third "done" of a save (L2 saved) and the L2 side of a partial
 // restore: with an fs L2, the server's records show each chunk's L2 write;
 // after a restart with chunk 1 corrupt in L2, the lookup's fill and final
