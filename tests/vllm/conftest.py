@@ -36,3 +36,26 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from harness import write_tiny_model_dir
 
     return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def kv(tiny_model_dir):
+    """Factory of (harness, runner) pairs over the embedded server; closes
+    them after the test. vLLM's own prefix cache is off unless asked for."""
+    from harness import ModelRunner, SchedulerHarness, kvshim_config, make_kv_cache_config
+
+    made = []
+
+    def make(num_blocks: int = 128, layout: str | None = None, **cfg_kw):
+        cfg_kw.setdefault("enable_prefix_caching", False)
+        cfg = kvshim_config(tiny_model_dir, **cfg_kw)
+        cfg.cache_config.kv_cache_layout = layout  # None: LBNHC, FlashAttention's first
+        kvc = make_kv_cache_config(num_blocks=num_blocks)
+        h = SchedulerHarness(cfg, kvc)
+        h.runners = [ModelRunner(cfg, kvc)]
+        made.append(h)
+        return h, h.runners[0]
+
+    yield make
+    for h in made:
+        h.close()

@@ -24,7 +24,6 @@ import pytest
 from harness import (
     CHUNK,
     ModelRunner,
-    SchedulerHarness,
     kvshim_config,
     loads_of,
     make_kv_cache_config,
@@ -41,24 +40,6 @@ from vllm.v1.request import RequestStatus
 BLOCK = 16
 
 
-@pytest.fixture
-def kv(tiny_model_dir):
-    """Factory of (harness, runner) pairs; closes them after the test."""
-    made: list[SchedulerHarness] = []
-
-    def make(num_blocks: int = 128, layout: str | None = None, **cfg_kw):
-        cfg_kw.setdefault("enable_prefix_caching", False)
-        cfg = kvshim_config(tiny_model_dir, **cfg_kw)
-        cfg.cache_config.kv_cache_layout = layout  # None: LBNHC, FlashAttention's first
-        kvc = make_kv_cache_config(num_blocks=num_blocks)
-        h = SchedulerHarness(cfg, kvc)
-        h.runners = [ModelRunner(cfg, kvc)]
-        made.append(h)
-        return h, h.runners[0]
-
-    yield make
-    for h in made:
-        h.close()
 
 
 def test_store_then_hit_restores_bytes_into_other_blocks(kv):

@@ -24,9 +24,6 @@ import pytest
 from harness import (
     CHUNK,
     ModelRunner,
-    SchedulerHarness,
-    kvshim_config,
-    make_kv_cache_config,
     new_req_data,
     prompt,
     run_until_scheduled,
@@ -39,21 +36,6 @@ from kvshim.vllm import _extras
 from vllm.lora.request import LoRARequest
 
 
-@pytest.fixture
-def kv(tiny_model_dir):
-    made: list[SchedulerHarness] = []
-
-    def make():
-        cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False)
-        kvc = make_kv_cache_config(num_blocks=128)
-        h = SchedulerHarness(cfg, kvc)
-        h.runners = [ModelRunner(cfg, kvc)]
-        made.append(h)
-        return h, h.runners[0]
-
-    yield make
-    for h in made:
-        h.close()
 
 
 def test_lora_name_and_path_never_share_kv(kv):

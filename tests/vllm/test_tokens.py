@@ -25,10 +25,6 @@ import torch
 
 from harness import (
     CHUNK,
-    ModelRunner,
-    SchedulerHarness,
-    kvshim_config,
-    make_kv_cache_config,
     prompt,
     store,
 )
@@ -118,21 +114,6 @@ def test_block_ids():
 # ---- in the connector ------------------------------------------------------
 
 
-@pytest.fixture
-def kv(tiny_model_dir):
-    made: list[SchedulerHarness] = []
-
-    def make():
-        cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False)
-        kvc = make_kv_cache_config(num_blocks=128)
-        h = SchedulerHarness(cfg, kvc)
-        h.runners = [ModelRunner(cfg, kvc)]
-        made.append(h)
-        return h, h.runners[0]
-
-    yield make
-    for h in made:
-        h.close()
 
 
 def test_request_with_an_id_past_uint32_is_a_miss(kv, caplog):
