@@ -292,27 +292,23 @@ func (e *evictor) reserve(ctx context.Context, n int64) error {
 				break
 			}
 		}
-		e.passMu.Lock()
-		p := e.next
-		e.passMu.Unlock()
-		select {
-		case e.kick <- struct{}{}:
-		default:
+		p, err := e.runPass(ctx)
+		if err != nil {
+			return err
 		}
-		select {
-		case <-p.done:
-			full = p.full
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-e.stopped:
-			return l2.ErrClosed
-		}
+		full = p.full
 	}
 }
 
 // rescan asks for a pass that scans base_path and waits for its end.
 func (e *evictor) rescan(ctx context.Context) error {
 	e.forceScan.Store(true)
+	_, err := e.runPass(ctx)
+	return err
+}
+
+// runPass kicks the evictor and waits for the end of the next pass.
+func (e *evictor) runPass(ctx context.Context) (*evictPass, error) {
 	e.passMu.Lock()
 	p := e.next
 	e.passMu.Unlock()
@@ -322,11 +318,11 @@ func (e *evictor) rescan(ctx context.Context) error {
 	}
 	select {
 	case <-p.done:
-		return nil
+		return p, nil
 	case <-ctx.Done():
-		return ctx.Err()
+		return nil, ctx.Err()
 	case <-e.stopped:
-		return l2.ErrClosed
+		return nil, l2.ErrClosed
 	}
 }
 
