@@ -379,6 +379,7 @@ func (st *Store) Release(s *Session, req *ipc.ReleaseReq) error {
 	if req.Rank >= lk.world {
 		return fmt.Errorf("%w: release: rank %d >= world size %d", ErrBadRequest, req.Rank, lk.world)
 	}
+	st.traceRelease(lk, req.Rank)
 	st.releaseRow(lk, lk.held[req.Rank], 0, ^uint32(0))
 	st.maybeForget(lk)
 	return nil

@@ -94,6 +94,9 @@ func (st *Store) traceFinal(lk *lookup) {
 		}
 		w.Emit(f)
 	}
+	h := lookupRecord(trace.KindHold, "taken", lk)
+	h.Matched = uint32(min(lk.holds, 1<<32-1))
+	w.Emit(h)
 	r := lookupRecord(trace.KindLookup, "final", lk)
 	r.Matched = lk.chunks
 	n := uint32(len(lk.hashes))
@@ -219,6 +222,23 @@ func (st *Store) TraceL2Saved(adapter string, key l2.Key, bytes int, err error) 
 		Chunks: 1, Matched: 1, Bytes: uint64(bytes), Result: "ok", Reason: adapter, Chunk: -1, StopRank: -1}
 	if err != nil {
 		r.Matched, r.Failed, r.Bytes, r.Result, r.Reason = 0, 1, 0, "failed", adapter+": "+err.Error()
+	}
+	w.Emit(r)
+}
+
+// traceRelease: a worker's RELEASE of its rank's holds after its copies
+// (mu held; called before the release).
+func (st *Store) traceRelease(lk *lookup, rank uint32) {
+	w := st.tracer()
+	if w == nil {
+		return
+	}
+	r := lookupRecord(trace.KindHold, "released", lk)
+	r.Rank = int32(rank)
+	for _, i := range lk.held[rank] {
+		if i != nilIdx {
+			r.Matched++
+		}
 	}
 	w.Emit(r)
 }

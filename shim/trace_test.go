@@ -84,8 +84,9 @@ type traceJSON struct {
 			Source string `json:"source"`
 			Kind   string `json:"kind"`
 			Event  string `json:"event"`
-			Result string `json:"result"`
-			Chunk  *int32 `json:"chunk"`
+			Result  string `json:"result"`
+			Chunk   *int32 `json:"chunk"`
+			Matched uint32 `json:"matched"`
 		} `json:"timeline"`
 	} `json:"requests"`
 }
@@ -137,9 +138,14 @@ func TestTraceSuccessfulRestore(t *testing.T) {
 	assert.Assert(t, !q.Cancelled)
 	assert.Equal(t, q.Stop, "full")
 	assert.DeepEqual(t, rep.events(i), []string{
-		"server lookup registered", "server lookup final=full", "server lookup consumed",
-		"worker_r0 load planned", "worker_r0 load chunk=ok", "worker_r0 load chunk=ok", "worker_r0 load chunk=ok", "worker_r0 load done=ok",
+		"server lookup registered", "server hold taken", "server lookup final=full", "server lookup consumed",
+		"worker_r0 load planned", "server hold released", "worker_r0 load chunk=ok", "worker_r0 load chunk=ok", "worker_r0 load chunk=ok", "worker_r0 load done=ok",
 	})
+	for _, e := range q.Timeline {
+		if e.Kind == "hold" { // 3 chunks × 1 reader taken, then released by rank 0
+			assert.Equal(t, e.Matched, uint32(3), e.Event)
+		}
+	}
 	s := rep.Requests[rep.request(t, "save")]
 	assert.Equal(t, s.Saved, uint32(3))
 	assert.Equal(t, rep.Summary.HitsLoaded, uint64(3))
@@ -213,7 +219,7 @@ func TestTraceCancelBetweenLookupAndLoad(t *testing.T) {
 	q := rep.Requests[i]
 	assert.Equal(t, u32p(q.Found), 3)
 	assert.Equal(t, u32p(q.Used), -1) // no load
-	assert.DeepEqual(t, rep.events(i), []string{"server lookup registered", "server lookup final=full", "server lookup consumed", "server cancel free=consumed"})
+	assert.DeepEqual(t, rep.events(i), []string{"server lookup registered", "server hold taken", "server lookup final=full", "server lookup consumed", "server cancel free=consumed"})
 	assert.Equal(t, rep.Summary.Cancels, 1)
 }
 

@@ -58,7 +58,8 @@
 // uint32, chunk int32, matched uint32, result, reason string, bytes uint64,
 // retrieve_ns, check_ns, copy_ns int64. Events:
 //   - planned: chunks and blocks to restore.
-//   - chunk: one per chunk: result ok | not_loaded (after a failed chunk) |
+//   - chunk: one per chunk, written when the load ends (mono_ns is the
+//     load's end, not the chunk's): result ok | not_loaded (after a failed chunk) |
 //     missing | checksum | key_mismatch | copy_error | timeout |
 //     unavailable | error, reason the error text.
 //   - done: matched = chunks restored (a prefix), bytes copied, the phase
@@ -94,6 +95,12 @@
 // cancelled, reason. Per-chunk admission decisions (budget, staging, worst
 // case) and the reason a chunk was rejected are not recorded yet: the
 // prefetch controller's counters (kvshim stat) have them in aggregate.
+//
+// hold (server): chunks, world, matched uint32, result, reason. Events:
+// taken (with a lookup's final answer: matched = read holds the lookup
+// owns, one per held chunk and reader rank), released (RELEASE by a
+// worker after its copies: rank, matched = holds that rank dropped).
+// Holds dropped by FREE or with a forgotten lookup are cancel records.
 //
 // writer: written, dropped uint64 (event "close").
 //

@@ -17,10 +17,11 @@ const (
 	KindEvict
 	KindFill
 	KindWriter
+	KindHold
 	NumKinds
 )
 
-var kindNames = [NumKinds]string{"lookup", "load", "save", "cancel", "evict", "fill", "writer"}
+var kindNames = [NumKinds]string{"lookup", "load", "save", "cancel", "evict", "fill", "writer", "hold"}
 
 func (k Kind) String() string {
 	if k < NumKinds {
@@ -160,6 +161,7 @@ var kindColumns = [NumKinds][]column{
 	KindEvict:  {cChunks, cBytes, cReason},
 	KindFill:   {cStart, cChunks, cMatched, cFailed, cBytes, cResult, cReason},
 	KindWriter: {cWritten, cDropped},
+	KindHold:   {cChunks, cWorld, cMatched, cResult, cReason},
 }
 
 var schemas [NumKinds]*arrow.Schema
