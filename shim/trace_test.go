@@ -81,9 +81,9 @@ type traceJSON struct {
 			Reason string `json:"reason"`
 		} `json:"failures"`
 		Timeline []struct {
-			Source string `json:"source"`
-			Kind   string `json:"kind"`
-			Event  string `json:"event"`
+			Source  string `json:"source"`
+			Kind    string `json:"kind"`
+			Event   string `json:"event"`
 			Result  string `json:"result"`
 			Chunk   *int32 `json:"chunk"`
 			Matched uint32 `json:"matched"`
