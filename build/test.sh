@@ -6,7 +6,7 @@ cache=${KVSHIM_CACHE:-$HOME/.cache/kvshim}
 echo "== make test installs what this machine lacks, each step saying what before it installs:"
 echo "   Debian packages (build/deps.sh: gcc, libc6-dev, redis-server, redis-tools, libibverbs1, libnuma1, libcurl4; no service is enabled),"
 echo "   Go modules (go mod download, into $(go env GOMODCACHE)),"
-echo "   virtualenvs under $cache from python/requirements-mooncake.txt and python/requirements-test.txt"
+echo "   virtualenvs under $cache from python/requirements-mooncake.txt, python/requirements-trace.txt and python/requirements-test.txt"
 echo "   (the latter vLLM 0.33.0 + PyTorch: ~4.6 GB and 7-8 minutes the first time, reused after)."
 build/deps.sh
 echo "== Go modules (go mod download)"
@@ -38,6 +38,10 @@ KVSHIM_MOONCAKE_PYTHON="$mc/bin/python" go test -race -count=1 -p 1 -timeout 10m
 
 echo "== GPU check script, dry run against the emulated CUDA driver"
 make gpu-check-dry
+
+echo "== pytest: trace files read by real pyarrow and pandas (their own small venv)"
+tv=$(build/venv.sh python/requirements-trace.txt)
+"$tv/bin/python" -m pytest -q -rs tests/test_trace_pyarrow.py
 
 echo "== pytest"
 venv=$(build/venv.sh python/requirements-test.txt)

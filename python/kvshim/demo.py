@@ -425,6 +425,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--l1-size-gb", type=float, help="embedded server's L1 (default 4 on the CPU, 8 on CUDA)")
     ap.add_argument("--raw-copy-gib", type=float, default=1.0, help="CUDA: size of the large pinned reference copy")
+    ap.add_argument("--trace-dir", help="write lifecycle traces (Arrow IPC) of the server and the worker here; "
+                    "read them with `kvshim trace DIR`")
     ap.add_argument("--verify", choices=("l2", "always", "off"),
                     help="the worker's kvshim.verify (default: the library's, l2: payload checks on bytes from L2)")
     ap.add_argument("--seed", type=int, default=1)
@@ -461,7 +463,8 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
                  "layout": f"paged {args.layout} 32x(B,8,16,256)",
                  "world_size": 1, "tp_size": 1, "chunk_size": ct, "kv_group": 0, "mla": False}
     engine_id = f"demo-{uuid.uuid4().hex[:12]}"
-    common = {"server": "embedded", "engine_id": engine_id, "namespace": namespace, "timeout_ms": 10_000}
+    common = {"server": "embedded", "engine_id": engine_id, "namespace": namespace, "timeout_ms": 10_000,
+              **({"trace_dir": args.trace_dir} if args.trace_dir else {})}
     sched_cfg = {**common, "role": "scheduler", "block_size": BLOCK_TOKENS, "l1_size_gb": l1_size_gb}
 
     hit_tokens = restored_bytes = seen = saved_bytes = engine_save_bytes = engine_restore_bytes = 0
