@@ -143,7 +143,7 @@ class NumpyCache(Cache):
         try:
             import numpy as np
         except ImportError as e:
-            raise Refused(f"--tensors numpy needs numpy ({e}); use --tensors torch") from None
+            raise Refused(f"--tensors numpy needs numpy ({e}); pip install 'kvshim[demo]', or use --tensors torch") from None
         self.np = np
         self.buf = np.zeros(self.shape(), dtype=np.uint16)  # bf16 bits
         self.pattern = np.frombuffer(PATTERN, dtype=np.uint8).reshape(-1, DIGEST)
