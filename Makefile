@@ -6,6 +6,10 @@ OUT     := out
 LIB     := $(OUT)/libkvshim.so
 VERSION := $(shell cat VERSION)+$(shell git rev-parse --short HEAD 2>/dev/null || echo nogit)
 SOURCES := $(shell find . -path ./$(OUT) -prune -o \( -name '*.go' -o -name '*.c' -o -name '*.h' \) -print) go.mod go.sum
+# The stamp holds VERSION+commit and is rewritten only when that changes, so
+# a new commit rebuilds what carries the stamp (the .so and out/kvshim).
+STAMP   := $(OUT)/version.stamp
+$(shell mkdir -p $(OUT); [ "$$(cat $(STAMP) 2>/dev/null)" = "$(VERSION)" ] || echo "$(VERSION)" > $(STAMP))
 
 .PHONY: all lib ctest test chaos demo wheel bench-ipc bench-match bench-server bench-copy bench-l2 bench-keys gpu-check gpu-check-dry clean
 
@@ -13,7 +17,7 @@ all: lib
 
 lib: $(LIB)
 
-$(LIB): $(SOURCES)
+$(LIB): $(SOURCES) $(STAMP)
 	@mkdir -p $(OUT)
 	CGO_ENABLED=1 $(GO) build -buildmode=c-shared -trimpath \
 		-ldflags "-X main.version=$(VERSION)" -o $(LIB) ./export
@@ -95,6 +99,6 @@ gpu-check-dry:
 # a static binary, no cgo (the CUDA loader lives only in the .so).
 BIN := $(OUT)/kvshim
 all: $(BIN)
-$(BIN): $(SOURCES)
+$(BIN): $(SOURCES) $(STAMP)
 	@mkdir -p $(OUT)
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/kvshim
