@@ -1,12 +1,10 @@
 package cli
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"os"
 	"os/signal"
 	"strconv"
@@ -123,15 +121,17 @@ func contains(xs []string, x string) bool {
 type serveHooks struct {
 	// listen binds the metrics listener (default net.Listen).
 	listen func(network, addr string) (net.Listener, error)
+	// info names the build in kvshim_build_info.
+	info Info
 }
 
-func runServe(args []string, _ Info, stdout, stderr io.Writer) int {
+func runServe(args []string, info Info, stdout, stderr io.Writer) int {
 	sig := make(chan os.Signal, 1)
 	// In libkvshim.so (c-shared, inside Python) Go installs its handlers
 	// only for the signals passed to Notify; Stop puts Python's back.
 	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
 	defer signal.Stop(sig)
-	return serve(args, sig, serveHooks{}, stdout, stderr)
+	return serve(args, sig, serveHooks{info: info}, stdout, stderr)
 }
 
 // serve runs the server until a value arrives on stop, then shuts it down.
@@ -165,8 +165,8 @@ func serve(args []string, stop <-chan os.Signal, hooks serveHooks, stdout, stder
 		defer tw.Close() // after the server's shutdown below
 	}
 	metricsURL := "off"
-	var hs *http.Server
-	httpErr := make(chan error, 1)
+	var ms *server.MetricsServer
+	var httpErr <-chan error
 	if o.cfg.MetricsPort != 0 {
 		ln, err := hooks.listen("tcp", net.JoinHostPort(o.metricsHost, strconv.Itoa(o.cfg.MetricsPort)))
 		if err != nil {
@@ -174,12 +174,9 @@ func serve(args []string, stop <-chan os.Signal, hooks serveHooks, stdout, stder
 			srv.Close()
 			return 1
 		}
-		mux := http.NewServeMux()
-		mux.Handle("/metrics", srv.Store.MetricsHandler())
-		mux.Handle("/healthz", srv.Store.HealthHandler())
-		hs = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-		go func() { httpErr <- hs.Serve(ln) }()
-		metricsURL = "http://" + ln.Addr().String() + "/metrics"
+		ms = srv.Store.ServeMetrics(ln, server.BuildInfo{Version: hooks.info.Version, ABI: hooks.info.ABI})
+		httpErr = ms.Failed()
+		metricsURL = ms.URL()
 	}
 	if as := srv.Store.L2Adapters(); len(as) > 0 {
 		names := make([]string, len(as))
@@ -207,11 +204,7 @@ func serve(args []string, stop <-chan os.Signal, hooks serveHooks, stdout, stder
 	commits, evictions := stat("kvshim_l1_commits_total"), stat("kvshim_l1_evictions_total")
 	closed := make(chan error, 1)
 	go func() {
-		if hs != nil {
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			hs.Shutdown(ctx)
-			cancel()
-		}
+		ms.Close()
 		closed <- srv.Close()
 	}()
 	select {

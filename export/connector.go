@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"sync"
 	"time"
 
@@ -47,6 +49,10 @@ type connectorConfig struct {
 	// The embedded server's --l1-prefault-gb (server.Config.L1PrefaultGB):
 	// absent, the default; 0, lazy L1.
 	L1PrefaultGB *float64 `json:"l1_prefault_gb"`
+	// MetricsPort is kvshim.metrics_port: the embedded server serves
+	// /metrics and /healthz on 127.0.0.1:PORT (0: off), as `kvshim serve
+	// --metrics-port` does.
+	MetricsPort int `json:"metrics_port"`
 }
 
 type namespaceJSON struct {
@@ -133,9 +139,10 @@ var embedded struct {
 }
 
 type embeddedServer struct {
-	srv   *server.Server
-	trace *trace.Writer // nil: off
-	refs  int
+	srv     *server.Server
+	trace   *trace.Writer         // nil: off
+	metrics *server.MetricsServer // nil: off
+	refs    int
 }
 
 func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error, err error) {
@@ -158,6 +165,7 @@ func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error,
 			sc.HoldTTL = time.Duration(cfg.HoldTTLS * float64(time.Second))
 		}
 		sc.L2Adapters = cfg.L2Adapters
+		sc.MetricsPort = cfg.MetricsPort
 		if err := ipc.EnsureSocketDir(filepath.Dir(socket)); err != nil {
 			return nil, err
 		}
@@ -173,6 +181,15 @@ func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error,
 			}
 			srv.Store.SetTrace(e.trace)
 		}
+		if sc.MetricsPort != 0 {
+			ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(sc.MetricsPort)))
+			if err != nil {
+				srv.Close()
+				e.trace.Close()
+				return nil, fmt.Errorf("kvshim.metrics_port: %w", err)
+			}
+			e.metrics = srv.Store.ServeMetrics(ln, server.BuildInfo{Version: version, ABI: abiVersion})
+		}
 		embedded.m[socket] = e
 	}
 	e.refs++
@@ -183,7 +200,7 @@ func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error,
 			return nil
 		}
 		delete(embedded.m, socket)
-		return errors.Join(e.srv.Close(), e.trace.Close())
+		return errors.Join(e.metrics.Close(), e.srv.Close(), e.trace.Close())
 	}, nil
 }
 

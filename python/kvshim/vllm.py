@@ -64,6 +64,8 @@ CONFIG_KEYS: dict[str, tuple[Any, str]] = {
                                "side, so a chunk is copied as one span per block (default: vLLM's choice)"),
     "kvshim.trace_dir": (None, "directory for lifecycle traces (Arrow IPC files, `kvshim trace DIR` reads them) of the "
                          "workers and the embedded server (default: off)"),
+    "kvshim.metrics_port": (0, "embedded server: serve Prometheus metrics and /healthz at http://127.0.0.1:PORT "
+                            "(0: off), as `kvshim serve --metrics-port`"),
 }
 
 KV_CACHE_LAYOUTS = tuple(m.name for m in KVCacheLayout)
@@ -103,6 +105,18 @@ def _adapters(key: str, v: Any) -> list[Any]:
     return v
 
 
+def _port(key: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ValueError(f"{key}: want a TCP port (0..65535, 0: off), got {v!r}")
+    try:
+        x = int(v)
+    except ValueError:
+        raise ValueError(f"{key}: want a TCP port (0..65535, 0: off), got {v!r}") from None
+    if not 0 <= x <= 65535:
+        raise ValueError(f"{key}: must be in 0..65535 (0: off), got {v!r}")
+    return x
+
+
 def _choice(*valid: Any) -> Any:
     def check(key: str, v: Any) -> Any:
         if v not in valid:
@@ -124,6 +138,7 @@ _CHECKS: dict[str, Any] = {
     "kvshim.verify": _choice("l2", "always", "off"),
     "kvshim.kv_cache_layout": _choice(*KV_CACHE_LAYOUTS),
     "kvshim.trace_dir": _string,
+    "kvshim.metrics_port": _port,
 }
 
 
@@ -400,6 +415,7 @@ class KVShimConnector(KVConnectorBase_V1):
                 **({} if self._cfg["kvshim.l1_prefault_gb"] is None else {"l1_prefault_gb": self._cfg["kvshim.l1_prefault_gb"]}),
                 "hold_ttl_s": float(self._cfg["kvshim.hold_ttl_s"]),
                 "l2_adapters": [a if isinstance(a, str) else json.dumps(a) for a in self._cfg["kvshim.l2_adapters"]],
+                "metrics_port": int(self._cfg["kvshim.metrics_port"]),
             }
         else:
             open_cfg |= {"role": "worker", "rank": int(vllm_config.parallel_config.rank),
