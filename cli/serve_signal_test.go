@@ -53,7 +53,7 @@ func TestServeSignalProcess(t *testing.T) {
 			assert.Check(t, is.Regexp(readyRE, next("ready line")+"\n"))
 			code, out, errOut := runCmd("stat", "--socket", sock, "--json")
 			assert.Equal(t, code, 0, errOut)
-			assert.Check(t, is.Contains(out, `"kvshim_l1_capacity_bytes":10735616`))
+			assert.Check(t, is.Contains(out, `{"name":"kvshim_l1_capacity_bytes","labels":{},"value":10735616}`))
 
 			assert.NilError(t, cmd.Process.Signal(s))
 			summary := next("summary line")

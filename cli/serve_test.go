@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"regexp"
+	"sort"
 	"strconv"
 	"strings"
 	"syscall"
@@ -135,17 +136,34 @@ func TestServeStatMetrics(t *testing.T) {
 	assert.Equal(t, code, 0, errOut)
 	assert.Equal(t, strings.Count(out, "\n"), 1, "one JSON object on one line")
 	var js struct {
-		Socket string             `json:"socket"`
-		Server string             `json:"server"`
-		Stats  map[string]float64 `json:"stats"`
+		Socket  string `json:"socket"`
+		Server  string `json:"server"`
+		Metrics []struct {
+			Name   string            `json:"name"`
+			Labels map[string]string `json:"labels"`
+			Value  float64           `json:"value"`
+		} `json:"metrics"`
 	}
 	assert.NilError(t, json.Unmarshal([]byte(out), &js))
 	assert.Equal(t, js.Socket, sock)
 	_, err := uuid.Parse(js.Server)
 	assert.NilError(t, err)
-	assert.Equal(t, js.Stats["kvshim_l1_capacity_bytes"], float64(capacity))
-	assert.Equal(t, js.Stats["kvshim_l1_objects{state=resident}"], 1.0)
-	assert.Equal(t, js.Stats["kvshim_l1_used_bytes"], float64(1<<20))
+	stats := map[string]float64{} // Prometheus text form: name{k="v"}
+	for _, m := range js.Metrics {
+		name := m.Name
+		if len(m.Labels) > 0 {
+			var ls []string
+			for k, v := range m.Labels {
+				ls = append(ls, k+`="`+v+`"`)
+			}
+			sort.Strings(ls)
+			name += "{" + strings.Join(ls, ",") + "}"
+		}
+		stats[name] = m.Value
+	}
+	assert.Equal(t, stats["kvshim_l1_capacity_bytes"], float64(capacity))
+	assert.Equal(t, stats[`kvshim_l1_objects{state="resident"}`], 1.0)
+	assert.Equal(t, stats["kvshim_l1_used_bytes"], float64(1<<20))
 
 	// The metrics port exports the same numbers.
 	text := httpGet(t, ready[3])
@@ -153,18 +171,15 @@ func TestServeStatMetrics(t *testing.T) {
 	assert.Check(t, is.Contains(text, "kvshim_l1_capacity_bytes 1.0735616e+07\n"))
 	assert.Check(t, is.Contains(text, `kvshim_l1_objects{state="resident"} 1`+"\n"))
 	assert.Check(t, is.Contains(text, "kvshim_l1_used_bytes 1.048576e+06\n"))
+	assert.Check(t, is.Regexp(`\nkvshim_build_info\{abi="\d+",protocol="\d+",version="[^"]+"\} 1\n`, text))
+	assert.Check(t, is.Contains(text, "\ngo_goroutines "))
 	// Every STATS number is on the metrics page with the same value (the
 	// stat client's own session may have closed in between).
-	for name, v := range js.Stats {
+	for name, v := range stats {
 		if name == "kvshim_sessions" || name == "kvshim_sessions_closed_total" {
 			continue
 		}
-		prom := name
-		if i := strings.IndexByte(name, '{'); i >= 0 {
-			k, val, _ := strings.Cut(strings.TrimSuffix(name[i+1:], "}"), "=")
-			prom = name[:i] + "{" + k + `="` + val + `"}`
-		}
-		assert.Check(t, is.Contains(text, "\n"+prom+" "+strconv.FormatFloat(v, 'g', -1, 64)+"\n"))
+		assert.Check(t, is.Contains(text, "\n"+name+" "+strconv.FormatFloat(v, 'g', -1, 64)+"\n"))
 	}
 
 	// A second server on the same socket is refused; the first keeps going.

@@ -8,6 +8,8 @@ import (
 	"io"
 	"log/slog"
 	"math"
+	"regexp"
+	"strings"
 	"syscall"
 	"time"
 
@@ -15,9 +17,9 @@ import (
 )
 
 // snapshot is one STATS answer: the server's numbers by name, exactly as
-// the metrics export them (labelled ones are named "name{key=value}",
-// e.g. "kvshim_l1_objects{state=resident}"). `kvshim stat --json` prints
-// it as {"socket", "server", "stats": {name: value}}.
+// the metrics export them (on the wire labelled ones are named
+// "name{key=value,key2=value2}", e.g. "kvshim_l1_objects{state=resident}").
+// `kvshim stat --json` prints it with the labels as fields (printJSON).
 type snapshot struct {
 	Socket string
 	Server string // server instance id
@@ -73,7 +75,7 @@ func explainDial(socket string, timeout time.Duration, err error) error {
 func runStat(args []string, _ Info, stdout, stderr io.Writer) int {
 	fs := newFlagSet("stat", "Print a running server's numbers (the same ones its metrics export).")
 	socket := fs.String("socket", ipc.DefaultSocketPath(), "Unix socket of the server")
-	asJSON := fs.Bool("json", false, "print one JSON object: {socket, server, stats: {name: value}}")
+	asJSON := fs.Bool("json", false, "print one JSON object: {socket, server, metrics: [{name, labels: {key: value}, value}]}")
 	timeout := fs.Duration("timeout", 2*time.Second, "give up when the server has not answered within this `duration`")
 	if code, ok := fs.parse(args, stdout, stderr); !ok {
 		return code
@@ -98,26 +100,70 @@ func runStat(args []string, _ Info, stdout, stderr io.Writer) int {
 	return 0
 }
 
+// jsonMetric is one number of `kvshim stat --json`, as the Prometheus
+// exposition names it: jq '.metrics[] | select(.name == "kvshim_l1_objects"
+// and .labels.state == "resident") | .value'.
+type jsonMetric struct {
+	Name   string            `json:"name"`
+	Labels map[string]string `json:"labels"`
+	Value  *float64          `json:"value"` // null for NaN and ±Inf
+}
+
+// printJSON prints s as one line: {"socket", "server", "metrics": [...]},
+// the metrics in the server's order, labels always an object ({} when
+// none).
 func printJSON(w io.Writer, s *snapshot) int {
-	// encoding/json refuses NaN and ±Inf; none is expected, but one odd
-	// number must not hide the others.
-	stats := make(map[string]any, len(s.Stats))
-	for k, v := range s.Stats {
-		if math.IsNaN(v) || math.IsInf(v, 0) {
-			stats[k] = nil
-		} else {
-			stats[k] = v
-		}
-	}
 	out := struct {
-		Socket string         `json:"socket"`
-		Server string         `json:"server"`
-		Stats  map[string]any `json:"stats"`
-	}{s.Socket, s.Server, stats}
+		Socket  string       `json:"socket"`
+		Server  string       `json:"server"`
+		Metrics []jsonMetric `json:"metrics"`
+	}{s.Socket, s.Server, make([]jsonMetric, 0, len(s.order))}
+	for _, n := range s.order {
+		name, labels := splitStatName(n)
+		m := jsonMetric{Name: name, Labels: map[string]string{}}
+		for _, l := range labels {
+			m.Labels[l[0]] = l[1]
+		}
+		// encoding/json refuses NaN and ±Inf; none is expected, but one
+		// odd number must not hide the others.
+		if v := s.Stats[n]; !math.IsNaN(v) && !math.IsInf(v, 0) {
+			m.Value = &v
+		}
+		out.Metrics = append(out.Metrics, m)
+	}
 	if err := json.NewEncoder(w).Encode(out); err != nil {
 		return 1
 	}
 	return 0
+}
+
+// labelStart finds where a label "key=" begins after a comma, so that a
+// comma inside a value (an adapter's name) does not split it.
+var labelStart = regexp.MustCompile(`,[a-zA-Z_][a-zA-Z0-9_]*=`)
+
+// splitStatName splits a STATS name, "name{k=v,k2=v2}", into the metric
+// name and its labels in order.
+func splitStatName(n string) (name string, labels [][2]string) {
+	i := strings.IndexByte(n, '{')
+	if i < 0 || !strings.HasSuffix(n, "}") {
+		return n, nil
+	}
+	name, body := n[:i], n[i+1:len(n)-1]
+	var parts []string
+	for {
+		loc := labelStart.FindStringIndex(body)
+		if loc == nil {
+			parts = append(parts, body)
+			break
+		}
+		parts = append(parts, body[:loc[0]])
+		body = body[loc[0]+1:]
+	}
+	for _, p := range parts {
+		k, v, _ := strings.Cut(p, "=")
+		labels = append(labels, [2]string{k, v})
+	}
+	return name, labels
 }
 
 func init() {

@@ -95,6 +95,7 @@ func printSnapshot(w io.Writer, s *snapshot) {
 	}
 	line("fragments", "%s", strings.Join(fr, ", "))
 	line("errors", "%.0f segment failures", r.get("kvshim_l1_segment_errors_total"))
+	printAdapters(r, line)
 
 	// Numbers this build does not lay out: latencies (any *_seconds*) as
 	// durations, the rest as they are.
@@ -145,4 +146,124 @@ func pct(part, whole float64) string {
 		return "-"
 	}
 	return fmt.Sprintf("%.1f%%", 100*part/whole)
+}
+
+// labelled is one number of a family: its full STATS name and labels.
+type labelled struct {
+	stat   string
+	labels map[string]string
+}
+
+// series returns the numbers of the family name, in the server's order.
+func (r *statReader) series(name string) []labelled {
+	var out []labelled
+	for _, n := range r.s.order {
+		base, ls := splitStatName(n)
+		if base != name || ls == nil {
+			continue
+		}
+		m := map[string]string{}
+		for _, l := range ls {
+			m[l[0]] = l[1]
+		}
+		out = append(out, labelled{n, m})
+	}
+	return out
+}
+
+// sum adds the numbers of family name whose labels include want (all of
+// them), marking them used; ok is false when none matched.
+func (r *statReader) sum(name string, want map[string]string) (v float64, ok bool) {
+next:
+	for _, x := range r.series(name) {
+		for k, w := range want {
+			if x.labels[k] != w {
+				continue next
+			}
+		}
+		v += r.get(x.stat)
+		ok = true
+	}
+	return v, ok
+}
+
+// printAdapters prints one block per L2 adapter, by name: what the L2
+// store and prefetch controllers did with it (objects saved, chunks
+// loaded, missed, failed or rejected), its errors by operation and its
+// latency by operation (p50 and p99 estimated from the histogram, mean).
+func printAdapters(r *statReader, line func(topic, f string, a ...any)) {
+	var names []string
+	seen := map[string]bool{}
+	for _, fam := range []string{"kvshim_l2_store_saved_objects_total", "kvshim_l2_prefetch_chunks_total",
+		"kvshim_l2_errors_total", "kvshim_l2_task_seconds_count"} {
+		for _, x := range r.series(fam) {
+			if a, ok := x.labels["adapter"]; ok && !seen[a] {
+				seen[a] = true
+				names = append(names, a)
+			}
+		}
+	}
+	for _, a := range names {
+		by := map[string]string{"adapter": a}
+		saved, _ := r.sum("kvshim_l2_store_saved_objects_total", by)
+		savedB, _ := r.sum("kvshim_l2_store_saved_bytes_total", by)
+		werr, _ := r.sum("kvshim_l2_store_errors_total", by)
+		chunk := func(res string) float64 {
+			v, _ := r.sum("kvshim_l2_prefetch_chunks_total", map[string]string{"adapter": a, "result": res})
+			return v
+		}
+		loadedB, _ := r.sum("kvshim_l2_prefetch_bytes_total", by)
+		line("L2 adapter", "%s: saved %.0f objects (%s), %.0f write errors; loaded %.0f chunks (%s), %.0f missed, %.0f failed, %.0f rejected",
+			a, saved, fmtBytes(savedB), werr, chunk("ok"), fmtBytes(loadedB), chunk("miss"), chunk("failed"), chunk("rejected"))
+		r.sum("kvshim_l2_prefetch_key_mismatches_total", by) // counted in rejected
+		if v, _ := r.sum("kvshim_l2_prefetch_rejected_deletes_total", map[string]string{"adapter": a, "result": "failed"}); v > 0 {
+			line("", "%s: %.0f deletes of rejected objects failed", a, v)
+		}
+		r.sum("kvshim_l2_prefetch_rejected_deletes_total", by)
+		var errs []string
+		for _, x := range r.series("kvshim_l2_errors_total") {
+			if x.labels["adapter"] == a {
+				errs = append(errs, fmt.Sprintf("%s %.0f", x.labels["op"], r.get(x.stat)))
+			}
+		}
+		if len(errs) > 0 {
+			line("", "%s errors: %s", a, strings.Join(errs, ", "))
+		}
+		var lat []string
+		for _, x := range r.series("kvshim_l2_task_seconds_count") {
+			if x.labels["adapter"] != a {
+				continue
+			}
+			op := x.labels["op"]
+			opBy := map[string]string{"adapter": a, "op": op}
+			n := r.get(x.stat)
+			total, _ := r.sum("kvshim_l2_task_seconds_sum", opBy)
+			p50, _ := r.sum("kvshim_l2_task_seconds", map[string]string{"adapter": a, "op": op, "quantile": "0.5"})
+			p99, _ := r.sum("kvshim_l2_task_seconds", map[string]string{"adapter": a, "op": op, "quantile": "0.99"})
+			if n == 0 {
+				continue
+			}
+			lat = append(lat, fmt.Sprintf("%s p50 %v, p99 %v, mean %v (%.0f tasks)", op,
+				dur(p50), dur(p99), dur(total/n), n))
+		}
+		if len(lat) > 0 {
+			line("", "%s latency: %s", a, strings.Join(lat, "; "))
+		}
+		// The rest of the adapter's families are read here and shown above.
+		r.sum("kvshim_l2_keys_total", by)
+		r.sum("kvshim_l2_bytes_total", by)
+		r.sum("kvshim_l2_task_seconds", by)
+		r.sum("kvshim_l2_task_seconds_sum", by)
+		r.sum("kvshim_l2_task_seconds_count", by)
+	}
+}
+
+// dur is seconds as a duration rounded to 3 significant digits.
+func dur(sec float64) time.Duration {
+	d := time.Duration(sec * float64(time.Second))
+	p := time.Duration(1)
+	for d/p >= 1000 {
+		p *= 10
+	}
+	return d.Round(p)
 }

@@ -2,14 +2,19 @@ package cli
 
 import (
 	"bytes"
+	"context"
+	"encoding/json"
+	"math"
 	"net"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/ipc"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 )
@@ -160,4 +165,74 @@ func TestStatOnARegularFile(t *testing.T) {
 	code, _, errOut := runCmd("stat", "--socket", f)
 	assert.Equal(t, code, 1)
 	assert.Check(t, is.Contains(errOut, f+" is not a socket"))
+}
+
+// TestStatJSONPlainKeys: --json names each number by its metric name with
+// its labels as fields, as a jq user selects them.
+func TestStatJSONPlainKeys(t *testing.T) {
+	s := &snapshot{Socket: "/s", Server: "id", Stats: map[string]float64{}}
+	for _, n := range []string{"kvshim_l1_capacity_bytes", "kvshim_l1_objects{state=resident}",
+		"kvshim_l2_task_seconds{adapter=a,b,op=store,quantile=0.99}", "kvshim_odd"} {
+		s.order = append(s.order, n)
+		s.Stats[n] = float64(len(s.order))
+	}
+	s.Stats["kvshim_odd"] = math.NaN()
+	var b bytes.Buffer
+	assert.Equal(t, printJSON(&b, s), 0)
+	var js struct {
+		Socket, Server string
+		Metrics        []struct {
+			Name   string            `json:"name"`
+			Labels map[string]string `json:"labels"`
+			Value  *float64          `json:"value"`
+		} `json:"metrics"`
+	}
+	assert.NilError(t, json.Unmarshal(b.Bytes(), &js))
+	assert.Equal(t, len(js.Metrics), 4)
+	for _, m := range js.Metrics {
+		assert.Check(t, !strings.ContainsAny(m.Name, "{}="), "labels inside the name %q", m.Name)
+	}
+	assert.Check(t, is.Equal(js.Metrics[0].Name, "kvshim_l1_capacity_bytes"))
+	assert.Check(t, is.DeepEqual(js.Metrics[0].Labels, map[string]string{}))
+	assert.Check(t, is.Equal(*js.Metrics[0].Value, 1.0))
+	assert.Check(t, is.Equal(js.Metrics[1].Name, "kvshim_l1_objects"))
+	assert.Check(t, is.DeepEqual(js.Metrics[1].Labels, map[string]string{"state": "resident"}))
+	assert.Check(t, is.DeepEqual(js.Metrics[2].Labels, map[string]string{"adapter": "a,b", "op": "store", "quantile": "0.99"}))
+	assert.Check(t, js.Metrics[3].Value == nil, "NaN is null")
+	assert.Check(t, is.Contains(b.String(), `{"name":"kvshim_l1_objects","labels":{"state":"resident"},"value":2}`))
+}
+
+// TestStatL2Adapters: a server with an fs L2 adapter named "disk" asked
+// for a chunk it lacks (the prefetch looks it up in L2, finds nothing); `kvshim
+// stat` shows the adapter by name with its errors and latency, and the
+// adapter's numbers are not left under "latency" / "other".
+func TestStatL2Adapters(t *testing.T) {
+	sock := socketPath(t)
+	dir := t.TempDir()
+	_, _, stop := startServe(t, "--socket", sock, "--l1-size-gb", "0.01",
+		"--l2-adapter", `{"type": "fs", "base_path": "`+dir+`", "name": "disk"}`)
+	defer stop(syscall.SIGTERM)
+	c, err := ipc.Dial(sock, ipc.Hello{Role: ipc.RoleScheduler}, 5*time.Second)
+	assert.NilError(t, err)
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	assert.NilError(t, c.Lookup(ctx, &ipc.LookupReq{LookupID: 1, Namespace: ipc.Namespace{7}, WorldSize: 1, Hashes: []ipc.Hash{{9}}}))
+	waitFor(t, 5*time.Second, "the lookup's answer", func() bool {
+		lr, err := c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: 1})
+		assert.NilError(t, err)
+		return lr.Status == ipc.StatusOK
+	})
+
+	code, out, errOut := runCmd("stat", "--socket", sock)
+	assert.Equal(t, code, 0, errOut)
+	assert.Check(t, is.Contains(out, "\nL2 adapter  disk: saved 0 objects (0 B), 0 write errors; loaded 0 chunks (0 B), 0 missed, 0 failed, 0 rejected\n"))
+	assert.Check(t, is.Regexp(`\n            disk errors: [a-z]+ 0(, [a-z]+ 0)+\n`, out))
+	assert.Check(t, is.Regexp(`\n            disk latency: lookup p50 \S+, p99 \S+, mean \S+ \(1 tasks\)\n`, out))
+	assert.Check(t, !strings.Contains(out, "adapter="), "adapter numbers left unformatted:\n%s", out)
+
+	code, js, errOut := runCmd("stat", "--socket", sock, "--json")
+	assert.Equal(t, code, 0, errOut)
+	assert.Check(t, is.Contains(js, `{"name":"kvshim_l2_errors_total","labels":{"adapter":"disk","op":"lookup"},"value":0}`))
+	assert.Check(t, is.Contains(js, `{"name":"kvshim_l2_task_seconds_count","labels":{"adapter":"disk","op":"lookup"},"value":1}`))
 }

@@ -199,6 +199,7 @@ func (st *Store) stats() []metric {
 		}
 		st.tier.sc.Export(add)
 		st.tier.pc.Export(add)
+		out = append(out, st.adapterStats()...)
 	}
 	return out
 }

@@ -6,11 +6,13 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvshim/kvshim/ipc"
 )
@@ -75,4 +77,80 @@ func (m *MetricsServer) Close() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	return m.hs.Shutdown(ctx)
+}
+
+// adapterFamilies are the L2 adapters' own Prometheus families (package
+// l2, label adapter=<name>) that STATS carries too, so that `kvshim stat`
+// shows each adapter's errors and latency.
+var adapterFamilies = map[string]bool{
+	"kvshim_l2_keys_total":   true,
+	"kvshim_l2_errors_total": true,
+	"kvshim_l2_bytes_total":  true,
+	"kvshim_l2_task_seconds": true,
+}
+
+// statQuantiles are the latency quantiles STATS estimates from an
+// adapter's histogram buckets.
+var statQuantiles = []float64{0.5, 0.99}
+
+// adapterStats returns the adapters' families as STATS numbers: counters
+// as they are, the latency histogram as _count, _sum and
+// {quantile=0.5|0.99} estimates (linear within the bucket). Labels are
+// "k=v" joined by ",", in the registry's (sorted) order.
+func (st *Store) adapterStats() []metric {
+	fams, err := st.metrics.reg.Gather()
+	if err != nil && len(fams) == 0 {
+		return nil
+	}
+	var out []metric
+	for _, f := range fams {
+		if !adapterFamilies[f.GetName()] {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			var l []string
+			for _, p := range m.GetLabel() {
+				l = append(l, p.GetName()+"="+p.GetValue())
+			}
+			labels := strings.Join(l, ",")
+			if c := m.GetCounter(); c != nil {
+				out = append(out, metric{name: f.GetName(), label: labels, value: c.GetValue(), counter: true})
+				continue
+			}
+			h := m.GetHistogram()
+			if h == nil {
+				continue
+			}
+			out = append(out,
+				metric{name: f.GetName() + "_count", label: labels, value: float64(h.GetSampleCount()), counter: true},
+				metric{name: f.GetName() + "_sum", label: labels, value: h.GetSampleSum(), counter: true})
+			for _, q := range statQuantiles {
+				out = append(out, metric{name: f.GetName(), label: labels + ",quantile=" + strconv.FormatFloat(q, 'g', -1, 64),
+					value: bucketQuantile(q, h)})
+			}
+		}
+	}
+	return out
+}
+
+// bucketQuantile estimates quantile q of a histogram from its cumulative
+// buckets (as Prometheus' histogram_quantile does); 0 when it is empty.
+func bucketQuantile(q float64, h *dto.Histogram) float64 {
+	n := float64(h.GetSampleCount())
+	if n == 0 {
+		return 0
+	}
+	rank := q * n
+	lower, below := 0.0, 0.0
+	for _, b := range h.GetBucket() {
+		upper, cum := b.GetUpperBound(), float64(b.GetCumulativeCount())
+		if cum >= rank {
+			if cum == below {
+				return upper
+			}
+			return lower + (upper-lower)*(rank-below)/(cum-below)
+		}
+		lower, below = upper, cum
+	}
+	return lower // past the last finite bucket: its bound
 }
