@@ -301,3 +301,20 @@ func (w *Worker) traceSaved(sv *SaveSpec, staged, saved int, size uint64, err er
 	}
 	t.w.Emit(r)
 }
+
+// tracePreempted records vLLM's preemption of reqs (handle_preemptions):
+// the wait for their copies ended (result ok) or timed out.
+func (w *Worker) tracePreempted(reqs []string, err error) {
+	t := w.tracer()
+	if t == nil {
+		return
+	}
+	for _, r := range reqs {
+		rec := trace.Record{Kind: trace.KindCancel, Event: "preempted", RequestID: r, Namespace: hex.EncodeToString(w.ns[:]),
+			Rank: int32(w.kvRank), Chunk: -1, StopRank: -1, Result: "ok"}
+		if err != nil {
+			rec.Result, rec.Reason = "timeout", err.Error()
+		}
+		t.w.Emit(rec)
+	}
+}

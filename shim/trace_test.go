@@ -333,3 +333,13 @@ func TestTraceL2SavedAndCorruptL2Chunk(t *testing.T) {
 	}
 	assert.Assert(t, found, out.String())
 }
+
+// A preemption is on the worker's record: vLLM preempted the request and the
+// worker waited for its copies before vLLM reused the blocks.
+func TestTracePreempted(t *testing.T) {
+	r, read := tracedRig(t, 1)
+	assert.NilError(t, r.workers[0].WaitFor([]string{"P"}, time.Second))
+	rep := read()
+	i := rep.request(t, "P")
+	assert.DeepEqual(t, rep.events(i), []string{"worker_r0 cancel preempted=ok"})
+}

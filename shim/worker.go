@@ -679,7 +679,8 @@ func (w *Worker) Poll() (sending, recving []string, errBlocks []int64) {
 
 // WaitFor blocks until the copies of reqs end or the timeout passes
 // (handle_preemptions: vLLM reuses their blocks next).
-func (w *Worker) WaitFor(reqs []string, timeout time.Duration) error {
+func (w *Worker) WaitFor(reqs []string, timeout time.Duration) (err error) {
+	defer func() { w.tracePreempted(reqs, err) }()
 	deadline := time.Now().Add(timeout)
 	for {
 		w.mu.Lock()

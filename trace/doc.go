@@ -83,7 +83,9 @@
 // Events: free (FREE of chunks [start, end): matched holds released without
 // a load; result is the lookup's state: pending | final | consumed),
 // drop (the lookup was forgotten: session ended, hold TTL; chunks held
-// still released).
+// still released). The worker writes preempted (vLLM preempted the
+// request: its copies were waited for before vLLM reuses its blocks;
+// result ok | timeout).
 //
 // evict (server): one record per object evicted from L1 (event evict):
 // chunks (1), bytes, reason (lru watermark), rank, namespace.
