@@ -149,6 +149,8 @@ type fillBridge struct {
 
 func (f fillBridge) Context() context.Context { return f.ctx }
 
+func (f fillBridge) TraceAdmission(a tier.Admission) { f.t.traceAdmission(a) }
+
 func (f fillBridge) Reserve(rank, chunk uint32, size uint64, temporary bool) ([]byte, bool, error) {
 	mem, _, ok, err := f.t.Reserve(rank, chunk, size, temporary)
 	return mem, ok, err

@@ -4,9 +4,11 @@ import (
 	"encoding/hex"
 	"fmt"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/tier"
 	"github.com/kvshim/kvshim/trace"
 )
 
@@ -241,4 +243,26 @@ func (st *Store) traceRelease(lk *lookup, rank uint32) {
 		}
 	}
 	w.Emit(r)
+}
+
+// traceAdmission records the L2 prefetch's admission decision for t's
+// lookup (fill records, event admission; see trace/doc.go).
+func (t *FillTask) traceAdmission(a tier.Admission) {
+	st := t.st
+	w := st.tracer()
+	if w == nil {
+		return
+	}
+	st.mu.Lock()
+	rec := trace.Record{Kind: trace.KindFill, Namespace: hexNS(t.Namespace), Rank: -1, Chunk: -1, StopRank: -1}
+	if t.lk != nil {
+		rec = lookupRecord(trace.KindFill, "", t.lk)
+	}
+	st.mu.Unlock()
+	rec.Event, rec.Start, rec.Chunks, rec.Matched = "admission", t.Start, uint32(a.Cells), uint32(a.Staged)
+	rec.Bytes, rec.Result = a.Bytes, a.Result
+	if a.Waited > 0 {
+		rec.Reason = fmt.Sprintf("waited %v for the prefetch byte budget", a.Waited.Round(time.Microsecond))
+	}
+	w.Emit(rec)
 }

@@ -329,7 +329,7 @@ func TestTraceL2SavedAndCorruptL2Chunk(t *testing.T) {
 				fill = append(fill, fmt.Sprintf("%s %s %d/%d", e.Kind, e.Event, e.Matched, e.Chunks))
 			}
 		}
-		assert.DeepEqual(t, fill, []string{"lookup registered 0/3", "lookup pending 0/3", "fill done 1/3", "lookup final 1/3", "lookup consumed 1/3"})
+		assert.DeepEqual(t, fill, []string{"lookup registered 0/3", "lookup pending 0/3", "fill admission 3/3", "fill done 1/3", "lookup final 1/3", "lookup consumed 1/3"})
 	}
 	assert.Assert(t, found, out.String())
 }

@@ -94,9 +94,15 @@
 // record when a pending lookup is answered: start, chunks (asked of L2:
 // chunks [start, start+chunks)), matched (of those, now in the prefix),
 // failed (the rest), result done | answered_early (prefetch timeout) |
-// cancelled, reason. Per-chunk admission decisions (budget, staging, worst
-// case) and the reason a chunk was rejected are not recorded yet: the
-// prefetch controller's counters (kvshim stat) have them in aggregate.
+// cancelled, reason. Event admission, once per fill, is the prefetch's
+// admission decision: chunks = cells planned from L2 (chunk × rank, the
+// longest prefix the byte budget allows), bytes = their worst case (what
+// the budget counts), matched = cells that got L1 staging; result
+// admitted | rejected (over the budget after waiting) | l1_full (no staging
+// for the first chunk) | cancelled (the lookup was dropped) | no_l2
+// (nothing to load); reason: the time waited for the budget. The reason a
+// loaded chunk was rejected (corrupt, another key) is in the server log and
+// the prefetch counters (kvshim stat), not in a record yet.
 //
 // hold (server): chunks, world, matched uint32, result, reason. Events:
 // taken (with a lookup's final answer: matched = read holds the lookup

@@ -310,21 +310,28 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 	pc.release(results, keys, cells, planned, true)
 	if planned == 0 {
 		pc.noL2.Add(1)
+		traceAdmission(f, Admission{Result: "no_l2"})
 		f.Done()
 		return
 	}
 	plan := cells[:planned]
 	// 3. Admission.
 	wait := min(pc.cfg.AdmissionWait, time.Until(deadline(ctx)))
+	var waited time.Duration
 	if !pc.ad.acquire(ctx, bytes, 0) {
 		pc.waited.Add(1)
+		t0 := time.Now()
 		ok := pc.ad.acquire(ctx, bytes, wait)
+		waited = time.Since(t0)
 		if !ok {
+			result := "rejected"
 			if dropped() {
 				pc.cancelled.Add(1)
+				result = "cancelled"
 			} else {
 				pc.rejected.Add(1)
 			}
+			traceAdmission(f, Admission{Cells: planned, Bytes: bytes, Result: result, Waited: waited})
 			pc.release(results, keys, plan, 0, false)
 			f.Done()
 			return
@@ -355,17 +362,22 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 	}
 	pc.ad.reserved(bytes)
 	pc.release(results, keys, plan, n, false) // holds of cells not reserved
+	adm := Admission{Cells: len(plan), Bytes: bytes, Staged: n, Result: "admitted", Waited: waited}
 	plan, mems = plan[:n], mems[:n]
 	if n == 0 || dropped() {
 		// Nothing loads into the staging yet: Done frees it.
 		if dropped() {
 			pc.cancelled.Add(1)
+			adm.Result = "cancelled"
 		} else {
 			pc.l1Full.Add(1)
+			adm.Result = "l1_full"
 		}
+		traceAdmission(f, adm)
 		pc.finish(f, results, keys, plan, nil)
 		return
 	}
+	traceAdmission(f, adm)
 	// 5. Load per adapter; admit each key as it arrives.
 	if pc.cfg.BeforeLoad != nil {
 		pc.cfg.BeforeLoad(append([]l2.Key(nil), keys[:n]...))

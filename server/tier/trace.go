@@ -1,6 +1,10 @@
 package tier
 
-import "github.com/kvshim/kvshim/server/l2"
+import (
+	"time"
+
+	"github.com/kvshim/kvshim/server/l2"
+)
 
 // L2Tracer is implemented by an L1 host that records lifecycle traces
 // (server.Store): the store controller reports each L2 write's end to it.
@@ -14,5 +18,29 @@ type L2Tracer interface {
 func (sc *StoreController) traceSaved(a int, key l2.Key, bytes int, err error) {
 	if t, ok := sc.l1.(L2Tracer); ok {
 		t.TraceL2Saved(sc.adapters[a].Name(), key, bytes, err)
+	}
+}
+
+// Admission is a fill's admission decision (traces): Cells (chunk × rank)
+// were planned from L2 at worst-case Bytes; Result admitted (Staged cells
+// got L1 staging, the rest did not), rejected (over the byte budget after
+// waiting), l1_full (admitted, no staging for the first chunk), cancelled
+// (the lookup was dropped) or no_l2 (nothing to load); Waited is the time
+// spent waiting for budget.
+type Admission struct {
+	Cells, Staged int
+	Bytes         uint64
+	Result        string
+	Waited        time.Duration
+}
+
+// AdmissionTracer is implemented by a Fill whose host records traces.
+type AdmissionTracer interface {
+	TraceAdmission(Admission)
+}
+
+func traceAdmission(f Fill, a Admission) {
+	if t, ok := f.(AdmissionTracer); ok {
+		t.TraceAdmission(a)
 	}
 }
