@@ -22,7 +22,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -168,9 +168,21 @@ def read_config(extra: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class KVShimStats(KVConnectorStats):
-    """Worker counters since the last report (chunks and bytes saved and
-    loaded, failures, saves skipped as already stored or for lack of
-    space); aggregated across workers by summing."""
+    """kvshim's counters since the last report, in the form vLLM collects
+    them: each worker's get_kv_connector_stats (chunks and bytes loaded and
+    saved, failed loads and saves, saves skipped as already stored or for
+    lack of space) and the scheduler's (hit_tokens: tokens kvshim was asked
+    to load, hit_requests: requests with such a hit) are summed by
+    aggregate(): across the workers (vLLM's KVOutputAggregator, so with TP
+    each rank's chunks and bytes add up), with the scheduler's (in
+    Scheduler.update_from_output) and over vLLM's logging interval. reduce()
+    is what vLLM's LoggingStatLogger prints, "KV Transfer metrics: k=v, ...":
+    the SUMMARY keys always, in that order, then any other counter."""
+
+    SUMMARY: ClassVar[tuple[str, ...]] = (
+        "hit_tokens", "hit_requests", "loaded_chunks", "loaded_bytes", "failed_loads",
+        "saved_chunks", "saved_bytes", "failed_saves", "skipped_chunks",
+    )
 
     def reset(self) -> None:
         self.data = {}
@@ -181,7 +193,9 @@ class KVShimStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in self.SUMMARY}
+        out.update((k, self.data[k]) for k in sorted(self.data) if k not in out)
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -436,6 +450,7 @@ class KVShimConnector(KVConnectorBase_V1):
         self._bound: KVShimMetadata | None = None
         self._load_errors: set[int] = set()
         self._reported: dict[str, int] = {}  # worker counters already in a stats report
+        self._hits = {"hit_tokens": 0, "hit_requests": 0}  # scheduler: since the last stats report
         self._match_errors = 0
 
     @property
@@ -484,6 +499,9 @@ class KVShimConnector(KVConnectorBase_V1):
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._hits["hit_tokens"] += num_external_tokens
+            self._hits["hit_requests"] += 1
         ids = _i64(blocks.get_block_ids()[0])
         # -1: Go uses the local prefix-cache hit it was given in get_num_new_matched_tokens.
         self._h.check(self._lib.kvshim_sched_after_alloc(
@@ -604,7 +622,11 @@ class KVShimConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVShimStats | None:
         if self.role != KVConnectorRole.WORKER:
-            return None
+            # The scheduler's part: vLLM calls this after every step's
+            # update_from_output and adds it to the workers' stats.
+            hits, self._hits = self._hits, {"hit_tokens": 0, "hit_requests": 0}
+            st = KVShimStats(data=hits)
+            return None if st.is_empty() else st
         now = self.stats()["worker"]
         delta = {_snake(k): v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
