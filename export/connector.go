@@ -240,6 +240,15 @@ func openScheduler(in *instance, raw []byte) error {
 	if err != nil {
 		return fmt.Errorf("%v: %w", err, errInvalid)
 	}
+	if cfg.TraceDir != "" {
+		tw, err := trace.Open(cfg.TraceDir, trace.Options{Source: "scheduler"})
+		if err != nil {
+			s.Close()
+			return fmt.Errorf("kvshim.trace_dir: %w", err)
+		}
+		s.SetTrace(tw)
+		in.closers = append(in.closers, tw.Close) // closers run in reverse: after s.Close
+	}
 	in.state = s
 	in.closers = append(in.closers, s.Close)
 	return nil

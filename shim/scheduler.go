@@ -3,6 +3,7 @@ package shim
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -35,7 +36,9 @@ type Scheduler struct {
 	nextLookup uint64
 	loads      []LoadSpec // dispatched with the next metadata
 	finished   []string   // delay-freed requests, told to workers with the next metadata
+	saves      []SaveSpec // saves of finished requests, dispatched with the next metadata
 	orphans    []uint64   // lookups given up while pending: read once final so the server forgets them
+	trace      schedTrace // lifecycle records (schedtrace.go)
 }
 
 type lookupState uint8
@@ -49,7 +52,8 @@ const (
 type schedReq struct {
 	id        string
 	prompt    int // prompt length in tokens
-	hashes    []ipc.Hash
+	hashes    []ipc.Hash // the prompt's full chunks
+	extras    Extras     // what keyed hashes besides the tokens (extends them at the finish)
 	lookupID  uint64
 	state     lookupState
 	submitted time.Time
@@ -129,7 +133,7 @@ func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, e
 		return nil, err
 	}
 	s.nextLookup++
-	r := &schedReq{id: req, prompt: len(tokens), hashes: hashes, lookupID: s.nextLookup, holdsFreed: true}
+	r := &schedReq{id: req, prompt: len(tokens), hashes: hashes, extras: ex, lookupID: s.nextLookup, holdsFreed: true}
 	s.reqs[req] = r
 	if len(hashes) == 0 {
 		return r, nil
@@ -145,6 +149,7 @@ func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, e
 		return r, nil // no server: a miss
 	}
 	r.state, r.submitted, r.holdsFreed = lookupPending, time.Now(), false
+	s.traceSubmitted(r)
 	return r, nil
 }
 
@@ -309,8 +314,8 @@ type Step struct {
 func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	m := &StepMeta{Loads: s.loads, Finished: s.finished, Preempted: step.Preempted}
-	s.loads, s.finished = nil, nil
+	m := &StepMeta{Loads: s.loads, Saves: s.saves, Finished: s.finished, Preempted: step.Preempted}
+	s.loads, s.saves, s.finished = nil, nil, nil
 	s.reapOrphans()
 	// A preempted request loses its blocks (the workers wait for its copies
 	// before they are reused) and comes back through a new lookup.
@@ -350,27 +355,99 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 	return m.Encode()
 }
 
-// Finished answers request_finished: it releases what the request still
-// holds and reports whether vLLM must keep its blocks until the workers
-// report the request in finished_sending (saves may still read them). A
-// load in flight needs no delay here: vLLM keeps the blocks of a request
-// waiting for remote KV until the workers report it received, and reporting
-// it twice would free it twice. The request's state is dropped either way.
+// Finished answers request_finished for a request whose computed chunks
+// are not saved (an aborted one, or a caller that passes no tokens): see
+// FinishedSaving.
 func (s *Scheduler) Finished(req string) (delay bool) {
+	delay, _ = s.FinishedSaving(req, nil)
+	return delay
+}
+
+// FinishState is what request_finished knows of a request that finished
+// normally (stopped or length-capped): its token ids, prompt and generated,
+// from token First on (Tokens[i] is token First+i; First is at most the
+// prompt's full chunks, whose keys are known from the lookup), Computed
+// (how many of its tokens have KV in its blocks: vLLM's num_computed_tokens
+// less the tokens still in flight; the last sampled token has none yet, and
+// rejected draft tokens are not counted) and Blocks (its block ids, token
+// order, group 0).
+type FinishState struct {
+	Tokens   []uint32
+	First    int
+	Computed int
+	Blocks   []int64
+}
+
+// FinishedSaving answers request_finished: it releases what the request
+// still holds, queues the save of every full chunk the request computed
+// beyond those already saved or stored (with fin: the generated tokens'
+// chunks too, under the same chained keys, so the next turn of a
+// conversation hits its whole prefix; nil saves nothing new) for the next
+// metadata, and reports whether vLLM must keep its blocks until the
+// workers report the request in finished_sending (saves may still read
+// them). A load in flight needs no delay here: vLLM keeps the blocks of a
+// request waiting for remote KV until the workers report it received, and
+// reporting it twice would free it twice. The request's state is dropped
+// either way; an error (tokens that do not fit the request) saves nothing
+// new and still answers delay.
+func (s *Scheduler) FinishedSaving(req string, fin *FinishState) (delay bool, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	r := s.reqs[req]
 	if r == nil {
-		return false
+		return false, nil
 	}
 	delete(s.reqs, req)
 	if !r.loadPlaned {
 		s.free(r, 0)
 	}
+	if fin != nil {
+		var sv *SaveSpec
+		if sv, err = s.finalSave(r, fin); sv != nil {
+			s.saves = append(s.saves, *sv)
+			r.savesOut = true
+		}
+	}
 	if r.savesOut {
 		s.finished = append(s.finished, req)
 	}
-	return r.savesOut
+	return r.savesOut, err
+}
+
+// finalSave is the save of r's full computed chunks [r.saved, n) at its
+// finish, or nil when there is none.
+func (s *Scheduler) finalSave(r *schedReq, fin *FinishState) (*SaveSpec, error) {
+	known := len(r.hashes) * s.chunk
+	if fin.First < 0 || fin.First > known {
+		return nil, fmt.Errorf("%w: finish of %q: tokens from %d, but the lookup keyed only the first %d", ErrBadMeta, r.id, fin.First, known)
+	}
+	end := fin.First + len(fin.Tokens)
+	if end < r.prompt {
+		return nil, fmt.Errorf("%w: finish of %q: %d tokens, fewer than its %d-token prompt", ErrBadMeta, r.id, end, r.prompt)
+	}
+	cb := s.chunk / s.cfg.BlockSize
+	full := min(min(fin.Computed, end)/s.chunk, len(fin.Blocks)/cb)
+	if full <= r.saved {
+		return nil, nil
+	}
+	hashes := r.hashes
+	if full > len(hashes) {
+		// The chunks past the prompt's: chained on from its last key. The
+		// tokens before First are never read (they are in r.hashes).
+		toks := make([]uint32, full*s.chunk)
+		copy(toks[fin.First:], fin.Tokens)
+		var err error
+		if hashes, err = ExtendChunkHashes(s.ns, slices.Clip(r.hashes), toks, s.chunk, r.extras); err != nil {
+			return nil, err
+		}
+	}
+	sv := &SaveSpec{Req: r.id, First: uint32(r.saved), Blocks: make([]int64, 0, (full-r.saved)*cb)}
+	for c := r.saved; c < full; c++ {
+		sv.Hashes = append(sv.Hashes, Hash(hashes[c]))
+		sv.Blocks = append(sv.Blocks, fin.Blocks[c*cb:(c+1)*cb]...)
+	}
+	r.saved = full
+	return sv, nil
 }
 
 // Requests reports how many requests have state (a leak check for tests).

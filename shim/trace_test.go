@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -342,4 +343,32 @@ func TestTracePreempted(t *testing.T) {
 	rep := read()
 	i := rep.request(t, "P")
 	assert.DeepEqual(t, rep.events(i), []string{"worker_r0 cancel preempted=ok"})
+}
+
+// A lookup that is never loaded (a miss, or a request aborted before its
+// load) joins its request through the scheduler's record: the server's
+// records carry no request id.
+func TestTraceSchedulerJoinsUnloadedLookups(t *testing.T) {
+	r := newRig(t, 1)
+	dir := t.TempDir()
+	sw, err := trace.Open(dir, trace.Options{Source: "server"})
+	assert.NilError(t, err)
+	cw, err := trace.Open(dir, trace.Options{Source: "scheduler"})
+	assert.NilError(t, err)
+	r.srv.Store.SetTrace(sw)
+	r.sched.SetTrace(cw)
+	assert.Equal(t, r.match(t, "never-loaded", tokensOf(7, 3), Extras{}, 0), 0) // a miss: nothing stored
+	r.sched.SetTrace(nil)
+	r.srv.Store.SetTrace(nil)
+	assert.NilError(t, sw.Close())
+	assert.NilError(t, cw.Close())
+	var out, errb bytes.Buffer
+	assert.Equal(t, cli.Trace([]string{"--json", dir}, &out, &errb), 0, errb.String())
+	var rep traceJSON
+	assert.NilError(t, json.Unmarshal(out.Bytes(), &rep))
+	i := rep.request(t, "never-loaded")
+	ev := rep.events(i)
+	joined := strings.Join(ev, "|")
+	assert.Assert(t, strings.Contains(joined, "scheduler lookup request"), "%v", ev)
+	assert.Assert(t, strings.Contains(joined, "server lookup registered"), "%v", ev)
 }
