@@ -183,6 +183,41 @@ func kvshim_sched_finished(h C.int64_t, reqID *C.char, delay *C.int) (rc C.int) 
 	return codeOK
 }
 
+//export kvshim_sched_finished_tokens
+func kvshim_sched_finished_tokens(h C.int64_t, reqID *C.char, toks *C.uint32_t, nToks C.size_t, first, numComputed C.int64_t, blocks *C.int64_t, nBlocks C.size_t, delay *C.int) (rc C.int) {
+	defer guard(int64(h), &rc)
+	in, s, err := stateOf[*shim.Scheduler](h, "scheduler")
+	if err != nil {
+		return C.int(fail(int64(h), err))
+	}
+	req, err := goString(reqID, "req_id")
+	var fin shim.FinishState
+	if err == nil {
+		fin.Tokens, err = cSlice[uint32](unsafe.Pointer(toks), uint64(nToks), "tokens")
+	}
+	if err == nil {
+		fin.Blocks, err = cSlice[int64](unsafe.Pointer(blocks), uint64(nBlocks), "blocks")
+	}
+	if err == nil && delay == nil {
+		err = fmt.Errorf("delay is NULL: %w", errInvalid)
+	}
+	if err != nil {
+		return C.int(fail(in.id, err))
+	}
+	fin.First, fin.Computed = int(first), int(numComputed)
+	// The request is finished either way: delay is set even when the
+	// tokens do not fit it (then nothing new is saved and the error says why).
+	d, err := s.FinishedSaving(req, &fin)
+	*delay = 0
+	if d {
+		*delay = 1
+	}
+	if err != nil {
+		return C.int(fail(in.id, fmt.Errorf("%v: %w", err, errInvalid)))
+	}
+	return codeOK
+}
+
 //export kvshim_stats
 func kvshim_stats(h C.int64_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) (rc C.int) {
 	defer guard(int64(h), &rc)

@@ -167,6 +167,22 @@ int kvshim_sched_build_meta(kvshim_handle h, const char *step_json, void *buf, s
  * finished_sending, else 0. */
 int kvshim_sched_finished(kvshim_handle h, const char *req_id, int *delay);
 
+/* Answers request_finished for a request that finished normally (stopped
+ * or length-capped), as kvshim_sched_finished, and also saves every full
+ * chunk it computed, prompt and generated alike, beyond those already
+ * saved, under the same chained keys (so the next turn of a conversation
+ * hits them): tokens[0:n_tokens] are the request's token ids from token
+ * first on (first at most the prompt's full chunks: 0 is always right),
+ * num_computed the tokens whose KV its blocks hold (vLLM's
+ * num_computed_tokens less those still in flight), blocks[0:n_blocks] its
+ * block ids in token order (group 0). The saves go with the next step's
+ * metadata; *delay is 1 when there are any. *delay is set even when the
+ * call fails (tokens that do not fit the request: KVSHIM_EINVAL, nothing
+ * new saved). */
+int kvshim_sched_finished_tokens(kvshim_handle h, const char *req_id, const uint32_t *tokens,
+                                 size_t n_tokens, int64_t first, int64_t num_computed,
+                                 const int64_t *blocks, size_t n_blocks, int *delay);
+
 /* ---- Worker role: the vLLM worker-side connector (one per rank). ---- */
 
 /* Registers the KV cache tensors: a JSON array of tensor descriptions

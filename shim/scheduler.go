@@ -51,7 +51,7 @@ const (
 
 type schedReq struct {
 	id        string
-	prompt    int // prompt length in tokens
+	prompt    int        // prompt length in tokens
 	hashes    []ipc.Hash // the prompt's full chunks
 	extras    Extras     // what keyed hashes besides the tokens (extends them at the finish)
 	lookupID  uint64

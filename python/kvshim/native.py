@@ -41,6 +41,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_sched_after_alloc": [_c_handle, ctypes.c_char_p, _i64p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64],
     "kvshim_sched_build_meta": [_c_handle, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_sched_finished": [_c_handle, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)],
+    "kvshim_sched_finished_tokens": [_c_handle, ctypes.c_char_p, _u32p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64,
+                                     _i64p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int)],
     "kvshim_worker_register": [_c_handle, ctypes.c_char_p],
     "kvshim_worker_bind": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64],
     "kvshim_worker_start_loads": [_c_handle],

@@ -33,9 +33,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.request import RequestStatus
 
 from kvshim import native
-from kvshim.errors import KVShimError
+from kvshim.errors import InvalidArgumentError, KVShimError
 
 if TYPE_CHECKING:
     import torch
@@ -452,6 +453,7 @@ class KVShimConnector(KVConnectorBase_V1):
         self._reported: dict[str, int] = {}  # worker counters already in a stats report
         self._hits = {"hit_tokens": 0, "hit_requests": 0}  # scheduler: since the last stats report
         self._match_errors = 0
+        self._chunk = int(self._cfg["kvshim.chunk_size"])
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -526,9 +528,35 @@ class KVShimConnector(KVConnectorBase_V1):
         return KVShimMetadata(self._h.output("kvshim_sched_build_meta", json.dumps(step).encode()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._tokens.pop(request.request_id, None)
+        rid = request.request_id
+        prompt = self._tokens.pop(rid, None)
         delay = ctypes.c_int()
-        self._h.check(self._lib.kvshim_sched_finished(self._h.value, request.request_id.encode(), ctypes.byref(delay)))
+        if prompt is None or request.status not in _SAVED_AT_FINISH or getattr(request, "prompt_embeds", None) is not None:
+            # Never looked up, aborted (or failed), or a prompt of embeddings
+            # (its token ids are placeholders): nothing new is saved.
+            self._h.check(self._lib.kvshim_sched_finished(self._h.value, rid.encode(), ctypes.byref(delay)))
+            return bool(delay.value), None
+        # Every full chunk the request computed, prompt and generated alike,
+        # is saved (the next turn of a conversation hits its answer too).
+        # Go needs the token ids only from the prompt's last full chunk on
+        # (it keyed the ones before at the lookup). Tokens whose KV is in
+        # the blocks: num_computed_tokens less the tokens of steps still in
+        # flight (async scheduling; vLLM caches its own blocks on the same
+        # basis); the last sampled token has none yet, rejected draft tokens
+        # are already rolled back.
+        first = len(prompt) // self._chunk * self._chunk
+        tokens = _u32(request.all_token_ids[first:])
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        ids = _i64(block_ids)
+        rc = self._lib.kvshim_sched_finished_tokens(
+            self._h.value, rid.encode(), _ptr(tokens, ctypes.c_uint32), len(tokens), first, computed,
+            _ptr(ids, ctypes.c_int64), len(ids), ctypes.byref(delay))
+        try:
+            self._h.check(rc)
+        except InvalidArgumentError as e:
+            # The request is finished either way (delay is set): tokens that
+            # do not fit it skip the save, never an error in vLLM's scheduler.
+            logger.warning("kvshim: the computed chunks of request %s are not saved: %s", rid, e)
         return bool(delay.value), None
 
     # ------------------------------------------------------------------- worker
@@ -639,6 +667,14 @@ class KVShimConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._h.close()
+
+
+# How a request must have finished for its computed chunks to be saved at
+# request_finished: normally (an aborted or failed request saves nothing new).
+_SAVED_AT_FINISH = frozenset(
+    s for s in (getattr(RequestStatus, n, None) for n in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"))
+    if s is not None
+)
 
 
 def _snake(name: str) -> str:

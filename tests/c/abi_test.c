@@ -67,6 +67,10 @@ static void test_bad_handles(void) {
   CHECK(strstr(last_error(0), "12345") != NULL, "message names the handle: %s", last_error(0));
   CHECK(kvshim_last_error(12345, buf, sizeof buf) == KVSHIM_EBADH, "last_error of unknown handle");
   CHECK(kvshim_skeleton_lookup(-7, tok, 4, &n) == KVSHIM_EBADH, "skeleton call on unknown handle");
+  int64_t ids[1] = {3};
+  int delay = 7;
+  CHECK(kvshim_sched_finished_tokens(-7, "req", tok, 4, 0, 3, ids, 1, &delay) == KVSHIM_EBADH,
+        "request_finished with tokens on unknown handle");
 }
 
 static void test_skeleton_round_trip(void) {
