@@ -145,3 +145,22 @@ def test_an_aborted_request_saves_only_its_prompt(kv):
     wait_stat(h, "kvshim_l1_commits_total", 2)
     turn2(h, r, p + h.outputs[a.request_id] + prompt(26, 10), hit_chunks=2)
     assert_clean(h)
+
+
+def test_a_preempted_request_saves_its_answer_when_it_finishes(kv):
+    # 23 usable blocks, two requests of 150 prompt tokens decoding 60: the
+    # second is preempted while decoding, looked up again (its prompt
+    # chunks hit), recomputes its answer and finishes; its finish saves
+    # chunk 2 (prompt tail + answer), which turn 2 restores.
+    h, r = kv(num_blocks=24)
+    a = h.add_request(h.make_request(prompt(27, 150), max_tokens=60))
+    b = h.add_request(h.make_request(prompt(28, 150), max_tokens=60))
+    h.settle(until=lambda s: b.request_id in s.scheduler_output.preempted_req_ids)
+    assert b.status == RequestStatus.PREEMPTED and h.outputs[b.request_id]
+    h.settle()
+    wait_jobs(h)
+    assert h.outputs[b.request_id] == [7] * 60
+    for req in (a, b):
+        assert (2, 1) in [(x["first"], len(x["hashes"])) for x in saves_of(h, req.request_id)]
+    turn2(h, r, list(b.all_token_ids) + prompt(29, 10), hit_chunks=3)
+    assert_clean(h)
