@@ -41,8 +41,18 @@ func (st *Store) fenceClosed(s *Session) {
 	}
 	st.fences[s] = s.fenced
 	s.fenced = nil
+	lifted := make(chan struct{}) // closed by unfence: the watch ends with the fence
+	s.lifted = lifted
 	go func() {
-		exited := ipc.WatchExit(s.opts.PeerPID, st.stop)
+		stop := make(chan struct{}) // the store closed, or the fence was lifted
+		go func() {
+			select {
+			case <-st.stop:
+			case <-lifted:
+			}
+			close(stop)
+		}()
+		exited := ipc.WatchExit(s.opts.PeerPID, stop)
 		if exited == nil {
 			return // this process, or pid unknown: only the writer's word lifts the fence
 		}
@@ -53,7 +63,7 @@ func (st *Store) fenceClosed(s *Session) {
 				st.cnt.fencesExited++
 			}
 			st.mu.Unlock()
-		case <-st.stop:
+		case <-stop:
 		}
 	}()
 }
@@ -74,6 +84,10 @@ func (st *Store) unfence(s *Session) bool {
 		return false
 	}
 	delete(st.fences, s)
+	if s.lifted != nil {
+		close(s.lifted)
+		s.lifted = nil
+	}
 	for _, i := range objs {
 		st.freeObject(i)
 	}

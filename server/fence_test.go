@@ -3,6 +3,7 @@ package server
 import (
 	"os"
 	"os/exec"
+	"runtime"
 	"testing"
 	"time"
 
@@ -136,4 +137,36 @@ func TestNoFenceFreesAtClose(t *testing.T) {
 	st.CloseSession(a)
 	assert.Equal(t, fenced(t, st), 0.0)
 	assert.Equal(t, used(t, st), 0.0)
+}
+
+// Lifting a fence by the writer's word ends the watch of its process: a
+// long-lived writer that stalled once leaves no goroutine or pidfd behind.
+func TestFenceWatchEndsWhenLifted(t *testing.T) {
+	child := exec.Command("sleep", "60")
+	assert.NilError(t, child.Start())
+	t.Cleanup(func() { child.Process.Kill(); child.Wait() })
+	st := newStore(t, 1, Options{})
+	opts := SessionOptions{Fence: true, PeerPID: child.Process.Pid}
+	base := runtime.NumGoroutine()
+	a, err := st.OpenSessionWith(sessionID(0), opts)
+	assert.NilError(t, err)
+	stage(t, st, a, 1, hashes("a", 2))
+	st.CloseSession(a)
+	poll.WaitOn(t, func(poll.LogT) poll.Result {
+		if runtime.NumGoroutine() > base+1 {
+			return poll.Success()
+		}
+		return poll.Continue("no watch yet")
+	}, poll.WithTimeout(5*time.Second))
+	opts.Drained = true
+	_, err = st.OpenSessionWith(sessionID(0), opts)
+	assert.NilError(t, err)
+	assert.Equal(t, fenced(t, st), 0.0)
+	poll.WaitOn(t, func(poll.LogT) poll.Result {
+		// +1: poll.WaitOn runs this check on a goroutine of its own.
+		if n := runtime.NumGoroutine(); n > base+1 {
+			return poll.Continue("%d goroutines, %d before the fence", n, base)
+		}
+		return poll.Success()
+	}, poll.WithTimeout(5*time.Second), poll.WithDelay(20*time.Millisecond))
 }

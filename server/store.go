@@ -157,7 +157,8 @@ type Session struct {
 	opts    SessionOptions
 	closed  bool // guarded by Store.mu
 	lookups map[uint64]*lookup
-	fenced  []uint32 // staging the reaper took from a live writer (fence.go)
+	fenced  []uint32      // staging the reaper took from a live writer (fence.go)
+	lifted  chan struct{} // closed when its fence is lifted (ends the exit watch)
 }
 
 // ID is the session's instance id.
