@@ -2,6 +2,7 @@ package cli
 
 import (
 	"bytes"
+	"io"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -157,4 +158,30 @@ func TestDeployConfigNamesEveryFlag(t *testing.T) {
 	o, code, ok, stderr := parseServeArgs("--config", path, "--socket", socketPath(t))
 	assert.Assert(t, ok, "code %d, stderr: %s", code, stderr)
 	assert.Check(t, o.cfg.MetricsPort != 0, "the deployed server exports metrics (and /healthz)")
+}
+
+// FuzzServeConfig: any config file either parses into serve options the
+// server accepts, or is refused with exit 2; never a panic.
+func FuzzServeConfig(f *testing.F) {
+	for _, s := range []string{"", "# c\nl1-size-gb = 1\n", "socket=/tmp/x.sock\nl2-adapter = {\"type\":\"fs\"}\n",
+		"=x", "--socket = a", "l1-size-gb\n", "hold-ttl = 1s\nhold-ttl = 2s\n", "unknown = 1", "config = /etc/x"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, text string) {
+		path := filepath.Join(t.TempDir(), "kvshim.conf")
+		if err := os.WriteFile(path, []byte(text), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		o, code, ok := parseServe([]string{"--config", path}, io.Discard, io.Discard)
+		switch {
+		case ok && code != 0:
+			t.Fatalf("ok with code %d", code)
+		case ok:
+			if err := o.cfg.Validate(); err != nil {
+				t.Fatalf("accepted a config the server refuses: %v", err)
+			}
+		case code != 2 && code != 0:
+			t.Fatalf("refused with code %d", code)
+		}
+	})
 }

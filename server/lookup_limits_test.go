@@ -3,8 +3,6 @@ package server
 import (
 	"context"
 	"errors"
-	"os"
-	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
@@ -182,28 +180,19 @@ func TestLookupFloodMemory(t *testing.T) {
 // the limit in the message, its session stays usable, and what its
 // lookups held is gone once it disconnects.
 func TestLookupLimitOverIPC(t *testing.T) {
-	dir, err := os.MkdirTemp("", "kvs")
-	assert.NilError(t, err)
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	cfg := DefaultConfig()
-	cfg.L1SizeGB = 8.0 / 1024
-	cfg.SegmentSize = 2 << 20
-	cfg.SlabSize = 256 << 10
-	cfg.Socket = filepath.Join(dir, "run", "kvshim.sock")
-	cfg.MaxLookupsPerSession = 8
-	cfg.MaxLookupCellsPerSession = 4096
-	srv, err := Start(cfg, nil, Options{})
-	assert.NilError(t, err)
-	t.Cleanup(func() { assert.NilError(t, srv.Close()) })
+	srv, socket := startServer(t, func(cfg *Config) {
+		cfg.MaxLookupsPerSession = 8
+		cfg.MaxLookupCellsPerSession = 4096
+	})
 	st := srv.Store
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 
-	c := dial(t, cfg.Socket, ipc.RoleScheduler)
+	c := dial(t, socket, ipc.RoleScheduler)
 	for i := range 4 {
 		assert.NilError(t, c.Lookup(ctx, lookupReq(uint64(i+1), 1024, 1)))
 	}
-	err = c.Lookup(ctx, lookupReq(5, 1, 1))
+	err := c.Lookup(ctx, lookupReq(5, 1, 1))
 	var se *ipc.StatusError
 	assert.Assert(t, errors.As(err, &se), "%v", err)
 	assert.Equal(t, se.Status, ipc.StatusBadRequest)

@@ -13,7 +13,7 @@ import (
 	"gotest.tools/v3/assert"
 )
 
-func startServer(t *testing.T) (*Server, string) {
+func startServer(t *testing.T, tweak ...func(*Config)) (*Server, string) {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "kvs")
 	assert.NilError(t, err)
@@ -23,6 +23,9 @@ func startServer(t *testing.T) (*Server, string) {
 	cfg.SegmentSize = 2 << 20
 	cfg.SlabSize = 256 << 10
 	cfg.Socket = filepath.Join(dir, "run", "kvshim.sock")
+	for _, f := range tweak {
+		f(&cfg)
+	}
 	srv, err := Start(cfg, nil, Options{})
 	assert.NilError(t, err)
 	t.Cleanup(func() { assert.NilError(t, srv.Close()) })

@@ -109,6 +109,20 @@ func saveChunks(t *testing.T, r *rig, req string, tokens []uint32, chunks int) (
 	return blocks, int(r.workers[0].Stats().SavedChunks - saved)
 }
 
+// saveAfterRestart saves the first chunks of tokens once the worker has
+// redialled a new server (at most once a second), under request names
+// prefix0, prefix1, ...; it returns saveChunks' blocks.
+func saveAfterRestart(t *testing.T, r *rig, prefix string, tokens []uint32, chunks int) []int64 {
+	t.Helper()
+	for i := 0; ; i++ {
+		assert.Assert(t, i < 50, "no save after the restart")
+		time.Sleep(100 * time.Millisecond)
+		if src, saved := saveChunks(t, r, fmt.Sprint(prefix, i), tokens, chunks); saved == chunks {
+			return src
+		}
+	}
+}
+
 // TestFakeCUDAServerRestart: when the server goes away, the worker
 // unregisters the dead session's L1 segments before they are unmapped, and
 // pins the new server's segments; saves and loads work again.
@@ -133,12 +147,7 @@ func TestFakeCUDAServerRestart(t *testing.T) {
 
 	// The new server is empty. Once the worker has redialled (at most once
 	// a second) a save lands in the new segments, then a hit is restored.
-	var src []int64
-	for i, saved := 0, 0; saved != 2; i++ {
-		assert.Assert(t, i < 50, "no save after the restart")
-		time.Sleep(100 * time.Millisecond)
-		src, saved = saveChunks(t, r, fmt.Sprintf("B%d", i), tokens, 2)
-	}
+	src := saveAfterRestart(t, r, "B", tokens, 2)
 	assert.Assert(t, d.Stats().Registrations > 0, "%+v", d.Stats())
 	n := r.match(t, "C", tokens, Extras{}, 0)
 	assert.Equal(t, n, 2*tChunk)

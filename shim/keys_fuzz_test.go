@@ -442,3 +442,25 @@ func TestNamespaceInjective(t *testing.T) {
 		}
 	}
 }
+
+// FuzzDecodeExtras: any bytes Python could send as extras either decode to
+// Extras that validate, or fail with ErrBadExtras; never a panic.
+func FuzzDecodeExtras(f *testing.F) {
+	for _, s := range []string{`{}`, `null`, `{"cache_salt":"s"}`, `{"lora":{"name":"a:b","path":"c"}}`,
+		`{"mm":[{"hash":"h","offset":0,"length":4}]}`, `{"lora":"a:b:c"}`, `{"mm":[{"hash":"h","offset":-1,"length":1}]}`,
+		`{"cache_salt":"x"} trailing`, `[`, ``} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		ex, err := DecodeExtras(b)
+		if err != nil {
+			if !errors.Is(err, ErrBadExtras) {
+				t.Fatalf("error %v does not wrap ErrBadExtras", err)
+			}
+			return
+		}
+		if err := ex.Validate(); err != nil {
+			t.Fatalf("decoded extras do not validate: %v", err)
+		}
+	})
+}

@@ -247,12 +247,7 @@ func TestTraceL2SavedAndCorruptL2Chunk(t *testing.T) {
 	restart()
 	assert.NilError(t, r.workers[0].OpenTrace(dir))
 	tokens := tokensOf(53, 2)
-	var saved int
-	for i := 0; saved != 3; i++ { // the worker redials (at most once a second)
-		assert.Assert(t, i < 50, "no save after the restart")
-		time.Sleep(100 * time.Millisecond)
-		_, saved = saveChunks(t, r, fmt.Sprint("save", i), tokens, 3)
-	}
+	saveAfterRestart(t, r, "save", tokens, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	assert.NilError(t, r.srv.Store.StoreController().Flush(ctx))
