@@ -207,16 +207,6 @@ func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error,
 func init() {
 	openers["scheduler"] = openScheduler
 	openers["worker"] = openWorker
-	codeMappers = append(codeMappers, func(err error) int {
-		switch {
-		case errors.Is(err, shim.ErrUnavailable):
-			return codeIO
-		case errors.Is(err, shim.ErrBadMeta), errors.Is(err, shim.ErrBadChunkSize), errors.Is(err, shim.ErrBadExtras),
-			errors.Is(err, shim.ErrBadNamespaceSpec), errors.Is(err, server.ErrConfig):
-			return codeInval
-		}
-		return 0
-	})
 }
 
 func openScheduler(in *instance, raw []byte) error {

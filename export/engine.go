@@ -46,9 +46,6 @@ func benchEngineOf(in *instance, ws *workerState, l *layout.Layout) (cuda.Engine
 	default:
 		de, err := cuda.NewDeviceEngine(dev.Index)
 		if err != nil {
-			if errors.Is(err, cuda.ErrNotSupported) {
-				err = fmt.Errorf("%w: %w", errors.ErrUnsupported, err)
-			}
 			return nil, fmt.Errorf("KV cache on %s: %w", dev, err)
 		}
 		e = de
@@ -116,9 +113,6 @@ func engineCopy(in *instance, ws *workerState, direction int, objects unsafe.Poi
 	}
 	job, err := eng.Submit(spans, cuda.Direction(dir))
 	if err != nil {
-		if errors.Is(err, cuda.ErrBadSpan) {
-			err = fmt.Errorf("%v: %w", err, errInvalid)
-		}
 		return 0, err
 	}
 	err = job.Wait(timeout)

@@ -9,7 +9,6 @@ import "C"
 import (
 	"bytes"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"unsafe"
 
@@ -41,12 +40,6 @@ func init() {
 		in.state = s
 		return nil
 	}
-	codeMappers = append(codeMappers, func(err error) int {
-		if errors.Is(err, shim.ErrSkeleton) {
-			return codeInval
-		}
-		return 0
-	})
 }
 
 func skeletonOf(h C.int64_t) (*shim.Skeleton, error) {
