@@ -42,29 +42,6 @@ func init() {
 	}
 }
 
-func skeletonOf(h C.int64_t) (*shim.Skeleton, error) {
-	in, err := handles.lookup(int64(h))
-	if err != nil {
-		return nil, err
-	}
-	s, ok := in.state.(*shim.Skeleton)
-	if !ok {
-		return nil, fmt.Errorf("handle %d is not a skeleton handle: %w", int64(h), errInvalid)
-	}
-	return s, nil
-}
-
-// cSlice views n elements of C memory at p; nil p with n > 0 is an error.
-func cSlice[T any](p unsafe.Pointer, n uint64, what string) ([]T, error) {
-	if n == 0 {
-		return nil, nil
-	}
-	if p == nil {
-		return nil, fmt.Errorf("%s is NULL with length %d: %w", what, n, errInvalid)
-	}
-	return unsafe.Slice((*T)(p), n), nil
-}
-
 type skeletonArgs struct {
 	cache  []byte
 	blocks []int64
@@ -83,58 +60,43 @@ func skeletonInputs(cache unsafe.Pointer, cacheBytes C.uint64_t, ids *C.int64_t,
 }
 
 //export kvshim_skeleton_save
-func kvshim_skeleton_save(h C.int64_t, cache unsafe.Pointer, cacheBytes C.uint64_t, ids *C.int64_t, nIDs C.size_t, toks *C.uint32_t, nToks C.size_t, saved *C.uint64_t) (rc C.int) {
-	defer guard(int64(h), &rc)
-	s, err := skeletonOf(h)
-	if err != nil {
-		return C.int(fail(int64(h), err))
-	}
-	a, err := skeletonInputs(cache, cacheBytes, ids, nIDs, toks, nToks)
-	if err == nil && saved == nil {
-		err = fmt.Errorf("saved is NULL: %w", errInvalid)
-	}
-	if err != nil {
-		return C.int(fail(int64(h), err))
-	}
-	n, err := s.Save(a.cache, a.blocks, a.tokens)
-	*saved = C.uint64_t(n)
-	if err != nil {
-		return C.int(fail(int64(h), err))
-	}
-	return codeOK
+func kvshim_skeleton_save(h C.int64_t, cache unsafe.Pointer, cacheBytes C.uint64_t, ids *C.int64_t, nIDs C.size_t, toks *C.uint32_t, nToks C.size_t, saved *C.uint64_t) C.int {
+	return call(h, func(in *instance, s *shim.Skeleton) error {
+		a, err := skeletonInputs(cache, cacheBytes, ids, nIDs, toks, nToks)
+		if err != nil {
+			return err
+		}
+		if saved == nil {
+			return fmt.Errorf("saved is NULL: %w", errInvalid)
+		}
+		n, err := s.Save(a.cache, a.blocks, a.tokens)
+		*saved = C.uint64_t(n)
+		return err
+	})
 }
 
 //export kvshim_skeleton_lookup
-func kvshim_skeleton_lookup(h C.int64_t, toks *C.uint32_t, nToks C.size_t, chunks *C.uint64_t) (rc C.int) {
-	defer guard(int64(h), &rc)
-	s, err := skeletonOf(h)
-	if err != nil {
-		return C.int(fail(int64(h), err))
-	}
-	tokens, err := cSlice[uint32](unsafe.Pointer(toks), uint64(nToks), "tokens")
-	if err == nil && chunks == nil {
-		err = fmt.Errorf("chunks is NULL: %w", errInvalid)
-	}
-	if err != nil {
-		return C.int(fail(int64(h), err))
-	}
-	*chunks = C.uint64_t(s.Lookup(tokens))
-	return codeOK
+func kvshim_skeleton_lookup(h C.int64_t, toks *C.uint32_t, nToks C.size_t, chunks *C.uint64_t) C.int {
+	return call(h, func(in *instance, s *shim.Skeleton) error {
+		tokens, err := cSlice[uint32](unsafe.Pointer(toks), uint64(nToks), "tokens")
+		if err != nil {
+			return err
+		}
+		if chunks == nil {
+			return fmt.Errorf("chunks is NULL: %w", errInvalid)
+		}
+		*chunks = C.uint64_t(s.Lookup(tokens))
+		return nil
+	})
 }
 
 //export kvshim_skeleton_load
-func kvshim_skeleton_load(h C.int64_t, cache unsafe.Pointer, cacheBytes C.uint64_t, ids *C.int64_t, nIDs C.size_t, toks *C.uint32_t, nToks C.size_t, chunks C.uint64_t) (rc C.int) {
-	defer guard(int64(h), &rc)
-	s, err := skeletonOf(h)
-	if err != nil {
-		return C.int(fail(int64(h), err))
-	}
-	a, err := skeletonInputs(cache, cacheBytes, ids, nIDs, toks, nToks)
-	if err != nil {
-		return C.int(fail(int64(h), err))
-	}
-	if err := s.Load(a.cache, a.blocks, a.tokens, int(chunks)); err != nil {
-		return C.int(fail(int64(h), err))
-	}
-	return codeOK
+func kvshim_skeleton_load(h C.int64_t, cache unsafe.Pointer, cacheBytes C.uint64_t, ids *C.int64_t, nIDs C.size_t, toks *C.uint32_t, nToks C.size_t, chunks C.uint64_t) C.int {
+	return call(h, func(in *instance, s *shim.Skeleton) error {
+		a, err := skeletonInputs(cache, cacheBytes, ids, nIDs, toks, nToks)
+		if err != nil {
+			return err
+		}
+		return s.Load(a.cache, a.blocks, a.tokens, int(chunks))
+	})
 }

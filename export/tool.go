@@ -42,21 +42,18 @@ func init() {
 }
 
 //export kvshim_ping
-func kvshim_ping(h C.int64_t, body unsafe.Pointer, n C.size_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) (rc C.int) {
-	defer guard(int64(h), &rc)
-	in, ts, err := stateOf[*toolState](h, "tool")
-	if err != nil {
-		return C.int(fail(int64(h), err))
-	}
-	req, err := cSlice[byte](body, uint64(n), "body")
-	if err != nil {
-		return C.int(fail(in.id, err))
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), ts.timeout)
-	defer cancel()
-	resp, err := ts.c.Echo(ctx, req)
-	if err != nil {
-		return C.int(fail(in.id, err))
-	}
-	return output(in, resp, buf, capacity, outLen)
+func kvshim_ping(h C.int64_t, body unsafe.Pointer, n C.size_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) C.int {
+	return call(h, func(in *instance, ts *toolState) error {
+		req, err := cSlice[byte](body, uint64(n), "body")
+		if err != nil {
+			return err
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), ts.timeout)
+		defer cancel()
+		resp, err := ts.c.Echo(ctx, req)
+		if err != nil {
+			return err
+		}
+		return output(in, resp, buf, capacity, outLen)
+	})
 }
