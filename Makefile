@@ -24,10 +24,14 @@ $(LIB): $(SOURCES) $(STAMP)
 	$(PYTHON) build/check-header.py export/kvshim.h $(OUT)/libkvshim.h
 
 # The C ABI test: compiled against the handwritten header, linked to the .so.
+# Run twice: with no CUDA driver (KVSHIM_ENOTSUP), then its device tests
+# against the emulated driver with slow copies (KVSHIM_ETIMEDOUT).
 ctest: $(LIB)
 	$(CC) -std=c11 -Wall -Wextra -Werror -Iexport -o $(OUT)/abi_test tests/c/abi_test.c \
-		-L$(OUT) -lkvshim -Wl,-rpath,'$$ORIGIN'
-	$(OUT)/abi_test
+		-L$(OUT) -lkvshim -Wl,-rpath,'$$ORIGIN' -pthread -ldl
+	$(CC) -std=c11 -O1 -shared -fPIC -pthread -o $(OUT)/libcuda-fake.so internal/fakecuda/testdata/fakecuda.c
+	KVSHIM_LIBCUDA=/nonexistent/libcuda.so.1 $(OUT)/abi_test
+	KVSHIM_LIBCUDA=$(CURDIR)/$(OUT)/libcuda-fake.so FAKECUDA_COPY_DELAY_US=100000 $(OUT)/abi_test
 
 # Everything CI runs: installs what a fresh machine lacks, then the four
 # parts below in order. Each part runs alone as well (build/test.sh PART).

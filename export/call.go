@@ -75,8 +75,6 @@ func roleOf(state any) string {
 		return "worker"
 	case *toolState:
 		return "tool"
-	case *shim.Skeleton:
-		return "skeleton"
 	}
 	return fmt.Sprintf("%T", state)
 }

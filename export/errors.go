@@ -93,7 +93,6 @@ var codeTable = []sentinel{
 	{"shim.ErrBadPrefix", shim.ErrBadPrefix, codeInval},
 	{"shim.ErrBadNamespaceSpec", shim.ErrBadNamespaceSpec, codeInval},
 	{"shim.ErrNoChunkHash", shim.ErrNoChunkHash, codeInval},
-	{"shim.ErrSkeleton", shim.ErrSkeleton, codeInval},
 
 	// layout: geometry of the registered KV caches (bad tensors, registered
 	// twice, block ids out of range) and objects that do not verify.

@@ -17,7 +17,7 @@ type instance struct {
 	mu      sync.Mutex
 	lastErr string
 	closers []func() error // run in reverse order by close
-	state   any            // the role-specific object (skeleton store, connector, ...)
+	state   any            // the role-specific object (*shim.Scheduler, *workerState, *toolState)
 	pending map[int][]byte // by OS thread: output that did not fit the caller's buffer (kvshim_take_output)
 }
 

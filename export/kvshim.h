@@ -92,36 +92,14 @@ int kvshim_debug_panic(kvshim_handle h);
  * (0 success, 1 failure, 2 usage error). */
 int kvshim_main(int argc, char **argv);
 
-/* Walking skeleton (role "skeleton"): an in-process host-memory store that
- * proves the wiring ctypes -> export -> shim -> store -> copies. The
- * connector roles replace it. cache points at num_blocks * block_bytes
- * bytes of a paged KV cache whose blocks are contiguous; tokens are the
- * prompt's token ids; block_ids[i] holds tokens [i*B, (i+1)*B).
- *
- * kvshim_skeleton_save stores every full chunk of the prompt not yet stored
- * and sets *saved to the number of chunks written. */
-int kvshim_skeleton_save(kvshim_handle h, void *cache, uint64_t cache_bytes,
-                         const int64_t *block_ids, size_t n_blocks,
-                         const uint32_t *tokens, size_t n_tokens,
-                         uint64_t *saved);
-
-/* Sets *chunks to the number of leading full chunks of the prompt that are
- * stored. */
-int kvshim_skeleton_lookup(kvshim_handle h, const uint32_t *tokens,
-                           size_t n_tokens, uint64_t *chunks);
-
-/* Restores the first `chunks` chunks of the prompt into block_ids (which may
- * differ from the blocks they were saved from). KVSHIM_EINVAL when a chunk
- * is missing or a block id is out of range; nothing is written then. */
-int kvshim_skeleton_load(kvshim_handle h, void *cache, uint64_t cache_bytes,
-                         const int64_t *block_ids, size_t n_blocks,
-                         const uint32_t *tokens, size_t n_tokens,
-                         uint64_t chunks);
-
 /* Returns output that did not fit: a call that writes variable-length
  * output into (buf, cap) sets *out_len to the length; when it does not fit
- * it returns KVSHIM_ERANGE and keeps the bytes on the handle, and this call
- * copies them into a buffer of at least *out_len bytes. */
+ * it returns KVSHIM_ERANGE and keeps the bytes on the handle for the
+ * calling thread, and this call, made on the same thread, copies them into
+ * a buffer of at least *out_len bytes. Threads sharing a handle never see
+ * each other's pending output: each thread has at most one per handle (a
+ * newer KVSHIM_ERANGE replaces it), taken once, or freed by kvshim_close.
+ * KVSHIM_EINVAL when this thread has nothing pending on h. */
 int kvshim_take_output(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* Server and connector counters of h as one JSON object (variable-length
