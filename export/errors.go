@@ -8,6 +8,7 @@ import (
 	"syscall"
 
 	"github.com/kvshim/kvshim/cuda"
+	"github.com/kvshim/kvshim/export/connector"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/objfmt"
@@ -83,6 +84,7 @@ var codeTable = []sentinel{
 	{"main.errInvalid", errInvalid, codeInval},
 	{"main.errBadHandle", errBadHandle, codeBadH},
 	{"main.errRange", errRange, codeRange},
+	{"connector.ErrConfig", connector.ErrConfig, codeInval},
 
 	// shim: the connector's logic. A dead or unreachable server is EIO
 	// whatever the transport said underneath (a refused dial, a timeout).

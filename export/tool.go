@@ -13,6 +13,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kvshim/kvshim/export/connector"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/shim"
 )
@@ -27,15 +28,15 @@ type toolState struct {
 
 func init() {
 	openers["tool"] = func(in *instance, raw []byte) error {
-		_, socket, inst, timeout, err := parseConnector(raw)
+		_, r, err := connector.Parse(raw)
 		if err != nil {
 			return err
 		}
-		c, err := ipc.Dial(socket, ipc.Hello{Version: ipc.ProtocolVersion, Role: ipc.RoleTool, PID: uint32(os.Getpid()), Instance: inst}, timeout)
+		c, err := ipc.Dial(r.Socket, ipc.Hello{Version: ipc.ProtocolVersion, Role: ipc.RoleTool, PID: uint32(os.Getpid()), Instance: r.Instance}, r.Timeout)
 		if err != nil {
-			return fmt.Errorf("%w: connect to %s: %w", shim.ErrUnavailable, socket, err) // KVSHIM_EIO
+			return fmt.Errorf("%w: connect to %s: %w", shim.ErrUnavailable, r.Socket, err) // KVSHIM_EIO
 		}
-		in.state = &toolState{c: c, timeout: timeout}
+		in.state = &toolState{c: c, timeout: r.Timeout}
 		in.closers = append(in.closers, c.Close)
 		return nil
 	}
