@@ -30,7 +30,7 @@ const (
 	codeNotSup   = -5  // not supported here (e.g. no CUDA driver)
 	codeTimedOut = -6  // a wait ran past its timeout
 	codeIO       = -7  // the server or a peer failed
-	codeNoSpace  = -8  // the cache is full
+	codeNoSpace  = -8  // no space: the kernel refused memory or disk, or an L2 backend is full
 	codeClosed   = -9  // the handle or its connection is shutting down
 	codeInternal = -10 // anything else
 )
@@ -112,8 +112,10 @@ var codeTable = []sentinel{
 	{"cuda.ErrBadSpan", cuda.ErrBadSpan, codeInval},
 
 	// server: the embedded server's configuration and start, and its
-	// answers. L1 that cannot get memory is ENOSPC when the kernel said so
-	// (syscall.ENOSPC matches before server.ErrSegment), else EIO.
+	// answers. The kernel's ENOSPC (a trace directory on a full disk at
+	// kvshim_open, memory for L1) is KVSHIM_ENOSPC wherever it is wrapped
+	// with %w, so it ranks before server.ErrSegment. A save that finds L1
+	// full is skipped by design (ipc.StatusNoSpace), never an error.
 	{"server.ErrConfig", server.ErrConfig, codeInval},
 	{"server.ErrLookupLimit", server.ErrLookupLimit, codeInval},
 	{"server.ErrBadRequest", server.ErrBadRequest, codeInval},

@@ -48,9 +48,13 @@ typedef int64_t kvshim_handle;
 #define KVSHIM_ENOTSUP   -5  /* not supported here (e.g. no CUDA driver) */
 #define KVSHIM_ETIMEDOUT -6  /* a wait ran past its timeout */
 #define KVSHIM_EIO       -7  /* the server or a peer failed */
-#define KVSHIM_ENOSPC    -8  /* the cache is full */
+#define KVSHIM_ENOSPC    -8  /* no space: the kernel refused memory or disk, or an L2 backend is full */
 #define KVSHIM_ECLOSED   -9  /* the handle or its connection is shutting down */
 #define KVSHIM_EINTERNAL -10 /* anything else; see kvshim_last_error */
+/* The codes are assigned in one place (export/errors.go: every sentinel
+ * error of the library and its code). A save that finds the cache full is
+ * skipped, as a cache may skip, and is never an error: KVSHIM_ENOSPC is
+ * for space the library needs and cannot get. */
 
 /* Returns KVSHIM_ABI_VERSION of the loaded library. Never fails. */
 int kvshim_abi_version(void);
@@ -165,13 +169,16 @@ int kvshim_sched_finished_tokens(kvshim_handle h, const char *req_id, const uint
 
 /* Registers the KV cache tensors: a JSON array of tensor descriptions
  * (layer, group, backend, device, data_ptr, dtype_size, shape,
- * stride_bytes, dims). Refuses unsupported or inconsistent geometry with a
- * message naming the layer and the field. */
+ * stride_bytes, dims). Errors: KVSHIM_EINVAL for unsupported or
+ * inconsistent geometry (the message names the layer and the field) and
+ * for a second registration on the same handle; KVSHIM_ENOTSUP for a GPU
+ * cache where no CUDA driver can be loaded. */
 int kvshim_worker_register(kvshim_handle h, const char *tensors_json);
 
 /* Binds one step's metadata (meta[0:n] from kvshim_sched_build_meta) and
  * waits at most timeout_ms for the copies of requests it lists as
- * preempted. */
+ * preempted: KVSHIM_ETIMEDOUT when they still run then (the metadata is
+ * bound regardless). */
 int kvshim_worker_bind(kvshim_handle h, const void *meta, size_t n, int64_t timeout_ms);
 
 /* Starts the bound step's loads (asynchronous; see kvshim_worker_poll). */
