@@ -10,6 +10,7 @@ import (
 	"github.com/kvshim/kvshim/cuda"
 	"github.com/kvshim/kvshim/export/connector"
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server"
@@ -131,7 +132,7 @@ var codeTable = []sentinel{
 	// backend is ENOSPC.
 	{"l2.ErrBadConfig", l2.ErrBadConfig, codeInval},
 	{"l2.ErrUnknownType", l2.ErrUnknownType, codeInval},
-	{"l2.ErrBadKey", l2.ErrBadKey, codeInval},
+	{"kv.ErrBadKey", kv.ErrBadKey, codeInval}, // also l2.ErrBadKey (the same value)
 	{"l2.ErrBufferSize", l2.ErrBufferSize, codeInval},
 	{"l2.ErrBadBatch", l2.ErrBadBatch, codeInval},
 	{"l2.ErrNotSupported", l2.ErrNotSupported, codeNotSup},

@@ -32,8 +32,8 @@ var allowed = map[string][]string{
 	"server/tier":       {"kv", "ipc", "objfmt", "server/l1", "server/l2", "trace", "github.com/prometheus"},
 	"server":            {"kv", "ipc", "objfmt", "server", "trace", "github.com/prometheus", "github.com/google/uuid", "golang.org/x/sys"},
 	"cli":               {"kv", "ipc", "server", "trace", "github.com/prometheus", "golang.org/x/sys", "github.com/klauspost/cpuid"},
-	"export":            {"kv", "cli", "cuda", "ipc", "layout", "objfmt", "server", "shim", "trace", "embed", "github.com/google/uuid"},
-	"embed":             {"kv", "cli", "ipc", "server", "shim", "trace"},
+	"export":            {"kv", "cli", "cuda", "ipc", "layout", "objfmt", "server", "shim", "trace", "export/connector", "github.com/google/uuid"},
+	"export/connector":  {"kv", "ipc", "layout", "server", "shim", "trace", "github.com/google/uuid"},
 	"internal/archtest": {},
 	"cmd":               {"kv", "cli", "cuda", "ipc", "layout", "server", "shim", "internal", "golang.org/x/sys"},
 }
