@@ -292,6 +292,8 @@ static void test_no_driver(void) {
  * copy on the real CUDA engine slower than timeout_ms is KVSHIM_ETIMEDOUT
  * (it was KVSHIM_EINTERNAL before issue 16). The fake's device memory is
  * host memory the test adopts; the objects are pinned, as the header asks. */
+static void test_preempt_wait_timeout(uint16_t (*kv)[NB][BS][H][C]);
+
 static void test_copy_timeout(const char *fake) {
   static uint16_t kv[L][NB][BS][H][C];
   static unsigned char objects[2 * STRIDE];
@@ -324,8 +326,60 @@ static void test_copy_timeout(const char *fake) {
   CHECK(kvshim_worker_engine_copy(h, 1, objects, STRIDE, ids, 4, 60000, &ns) == KVSHIM_OK, "with time: %s",
         last_error(h));
   CHECK(kvshim_close(h) == KVSHIM_OK, "%s", last_error(0));
+  test_preempt_wait_timeout(kv);
   CHECK(unpin(objects) == 0 && release(0) == 0, "unpin");
+  void (*stats)(uint64_t *, char *, size_t) = (void (*)(uint64_t *, char *, size_t))dlsym(lib, "fakecuda_stats");
+  uint64_t st[10] = {0};
+  char msg[512] = "";
+  if (stats) stats(st, msg, sizeof msg);
+  CHECK(stats && st[0] > 0, "the fake executed no copy");
+  CHECK(st[4] == 0, "%llu violations of the driver's rules, the last: %s", (unsigned long long)st[4], msg);
+  CHECK(st[5] == 0 && st[6] == 0 && st[8] == 0, "left behind: %llu context refs, %llu streams, %llu registrations",
+        (unsigned long long)st[5], (unsigned long long)st[6], (unsigned long long)st[8]);
   dlclose(lib);
+}
+
+/* Worker.WaitFor (kvshim_worker_bind with a preempted request whose saves
+ * are still copying) past its timeout is KVSHIM_ETIMEDOUT too (it was
+ * KVSHIM_EINTERNAL). A real scheduler, embedded server and worker on the
+ * emulated driver, whose slow copies keep the save in flight. Runs after
+ * test_copy_timeout, which set up the fake's context and adopted kv. */
+static void test_preempt_wait_timeout(uint16_t (*kv)[NB][BS][H][C]) {
+  static char cfg[512], js[2048], meta[1 << 16];
+  char id[64];
+  kvshim_handle sched = 0, w = 0;
+  snprintf(id, sizeof id, "abi-fake-%d", (int)getpid());
+  snprintf(cfg, sizeof cfg,
+           "{\"role\":\"scheduler\",\"server\":\"embedded\",\"engine_id\":\"%s\",\"block_size\":%d,"
+           "\"l1_size_gb\":0.0625,\"l1_prefault_gb\":0," NAMESPACE "}", id, BS);
+  CHECK(kvshim_open(cfg, &sched) == KVSHIM_OK, "scheduler: %s", last_error(0));
+  snprintf(cfg, sizeof cfg, "{\"role\":\"worker\",\"server\":\"embedded\",\"engine_id\":\"%s\",\"rank\":0," NAMESPACE "}", id);
+  CHECK(kvshim_open(cfg, &w) == KVSHIM_OK, "worker: %s", last_error(0));
+  descs(js, sizeof js, "cuda:0", kv, 0);
+  CHECK(kvshim_worker_register(w, js) == KVSHIM_OK, "register on the fake: %s", last_error(w));
+
+  uint32_t tokens[16];
+  for (int i = 0; i < 16; i++) tokens[i] = 500 + i;
+  int64_t hit = -1, blocks[4] = {0, 1, 2, 3};
+  for (int i = 0; i < 2000 && hit < 0; i++) {
+    CHECK(kvshim_sched_match(sched, "r", tokens, 16, NULL, 0, &hit) == KVSHIM_OK, "match: %s", last_error(sched));
+    if (hit < 0) usleep(2000);
+  }
+  CHECK(hit == 0, "a new prompt misses: %lld", (long long)hit);
+  CHECK(kvshim_sched_after_alloc(sched, "r", blocks, 4, -1, 0) == KVSHIM_OK, "%s", last_error(sched));
+  size_t n = 0;
+  CHECK(kvshim_sched_build_meta(sched, "{\"requests\":[{\"req\":\"r\",\"blocks\":[0,1,2,3],\"computed\":0,\"scheduled\":16}]}",
+                                meta, sizeof meta, &n) == KVSHIM_OK, "%s", last_error(sched));
+  CHECK(kvshim_worker_bind(w, meta, n, 1000) == KVSHIM_OK, "%s", last_error(w));
+  CHECK(kvshim_worker_start_saves(w, 0) == KVSHIM_OK, "%s", last_error(w));
+  /* r is preempted while its two chunks are still being copied out. */
+  CHECK(kvshim_sched_build_meta(sched, "{\"requests\":[],\"preempted\":[\"r\"]}", meta, sizeof meta, &n) == KVSHIM_OK,
+        "%s", last_error(sched));
+  CHECK(kvshim_worker_bind(w, meta, n, 1) == KVSHIM_ETIMEDOUT, "preempted with its saves in flight: %s", last_error(w));
+  CHECK(strstr(last_error(w), "still running") != NULL, "message: %s", last_error(w));
+  CHECK(kvshim_worker_bind(w, meta, n, 60000) == KVSHIM_OK, "with time the copies end: %s", last_error(w));
+  CHECK(kvshim_close(w) == KVSHIM_OK, "%s", last_error(0));
+  CHECK(kvshim_close(sched) == KVSHIM_OK, "%s", last_error(0));
 }
 
 static void test_main(void) {
