@@ -17,13 +17,13 @@ import (
 // configuration and the embedded server live in package connector; this
 // file opens the shim objects a handle owns.
 
-// decodeStrict decodes a JSON argument of an export (step, tensors),
-// refusing unknown keys.
-func decodeStrict(raw []byte, v any) error {
+// decodeStrict decodes the JSON argument what of an export (step_json,
+// tensors_json), refusing unknown keys.
+func decodeStrict(raw []byte, v any, what string) error {
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
-		return fmt.Errorf("json: %v: %w", err, errInvalid)
+		return fmt.Errorf("%s: %v: %w", what, err, errInvalid)
 	}
 	return nil
 }

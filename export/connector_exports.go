@@ -79,7 +79,7 @@ func kvshim_sched_build_meta(h C.int64_t, stepJSON *C.char, buf unsafe.Pointer, 
 			return err
 		}
 		var step shim.Step
-		if err := decodeStrict([]byte(raw), &step); err != nil {
+		if err := decodeStrict([]byte(raw), &step, "step_json"); err != nil {
 			return err
 		}
 		meta, err := s.BuildMeta(&step)
@@ -175,7 +175,7 @@ func kvshim_worker_register(h C.int64_t, tensorsJSON *C.char) C.int {
 			return err
 		}
 		var descs []layout.TensorDesc
-		if err := decodeStrict([]byte(raw), &descs); err != nil {
+		if err := decodeStrict([]byte(raw), &descs, "tensors_json"); err != nil {
 			return err
 		}
 		return ws.w.Register(descs)
