@@ -63,7 +63,7 @@ def header_functions() -> dict[str, tuple[str, list[str]]]:
 
 def test_header_parses():
     # Guards the parsers: a header they cannot read must not pass as empty.
-    assert len(header_codes()) == 11
+    assert {"OK", "EINVAL", "EBADH", "EPANIC", "EINTERNAL"} <= set(header_codes())
     assert {"kvshim_open", "kvshim_close", "kvshim_take_output", "kvshim_worker_engine_copy"} <= set(header_functions())
 
 
