@@ -37,6 +37,26 @@ func breakShard(t testing.TB, a *l2.Adapter, k l2.Key) {
 	assert.NilError(t, os.WriteFile(shard, []byte("not a dir"), 0o644))
 }
 
+// flipPayloadByte damages k's object in place: a payload byte, which only
+// the checksum can tell.
+func flipPayloadByte(t testing.TB, a *l2.Adapter, k l2.Key) {
+	t.Helper()
+	flip(t, a.Backend().(*fs.Backend).Path(k), 10)
+}
+
+func flip(t testing.TB, path string, off int64) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	assert.NilError(t, err)
+	var c [1]byte
+	_, err = f.ReadAt(c[:], off)
+	assert.NilError(t, err)
+	c[0] ^= 0x40
+	_, err = f.WriteAt(c[:], off)
+	assert.NilError(t, err)
+	assert.NilError(t, f.Close())
+}
+
 func TestContract(t *testing.T) {
 	for _, tc := range []struct{ name, extra string }{
 		{"plain", ""},
@@ -49,6 +69,7 @@ func TestContract(t *testing.T) {
 					return a
 				},
 				BreakStore: breakShard,
+				Corrupt:    flipPayloadByte,
 			})
 		})
 	}
@@ -61,20 +82,9 @@ func TestCorruptAndTruncatedAreMissesAndDeleted(t *testing.T) {
 	src := [][]byte{l2test.Payload(1, 4096), l2test.Payload(2, 4096), l2test.Payload(3, 4096), l2test.Payload(4, 4096)}
 	l2test.Wait(t, a.Store(ctx, keys, src))
 
-	flip := func(path string, off int64) {
-		f, err := os.OpenFile(path, os.O_RDWR, 0)
-		assert.NilError(t, err)
-		var c [1]byte
-		_, err = f.ReadAt(c[:], off)
-		assert.NilError(t, err)
-		c[0] ^= 0x40
-		_, err = f.WriteAt(c[:], off)
-		assert.NilError(t, err)
-		assert.NilError(t, f.Close())
-	}
-	flip(b.Path(keys[0]), 100)                             // payload byte
+	flip(t, b.Path(keys[0]), 100)                          // payload byte
 	assert.NilError(t, os.Truncate(b.Path(keys[1]), 4096)) // trailer cut off
-	flip(b.Path(keys[2]), 4096+9)                          // trailer length
+	flip(t, b.Path(keys[2]), 4096+9)                       // trailer length
 	dst := [][]byte{make([]byte, 4096), make([]byte, 4096), make([]byte, 4096), make([]byte, 4096)}
 	res := l2test.Wait(t, a.Load(ctx, keys, dst))
 	for i := 0; i < 3; i++ {

@@ -40,6 +40,13 @@ type Target struct {
 	// the store case of that rule is skipped, the load and delete cases
 	// still run.
 	BreakStore func(t testing.TB, a *l2.Adapter, k l2.Key)
+
+	// Corrupt, when set, damages k's stored object in place (its bytes,
+	// not its presence), to check that a corrupt object is a miss that is
+	// not served again. Backends that store the bytes without a checksum
+	// (Redis, Mooncake) cannot tell a damaged object and leave it nil: the
+	// rule is skipped.
+	Corrupt func(t testing.TB, a *l2.Adapter, k l2.Key)
 }
 
 // LeaseSlack is the time allowed past Target.Lease for the backend to drop
@@ -65,6 +72,7 @@ func Run(t *testing.T, tg Target) {
 		{"HeldKeyRefusesDelete", s.heldKeyRefusesDelete},
 		{"PartialFailure", s.partialFailure},
 		{"DeletedKeyIsMiss", s.deletedKeyIsMiss},
+		{"CorruptObjectIsMiss", s.corruptObjectIsMiss},
 		{"BadBatch", s.badBatch},
 		{"Closed", s.closed},
 	} {
@@ -577,6 +585,34 @@ func (s *suite) deletedKeyIsMiss(t *testing.T) {
 	dst := buffers(src[:1], 0)
 	assert.Equal(t, Wait(t, s.a.Load(ctx, keys[:1], dst))[0].Status, l2.StatusOK)
 	assert.Assert(t, bytes.Equal(dst[0], src[0]), "key %d: loaded bytes differ from the stored ones", 0)
+}
+
+// A corrupt object is a miss (not a failure, not bytes), is discarded (not
+// found or served again) and is healed by the next store of its key.
+func (s *suite) corruptObjectIsMiss(t *testing.T) {
+	if s.tg.Corrupt == nil {
+		t.Skip("the target cannot damage an object (Target.Corrupt)")
+	}
+	ctx := context.Background()
+	keys := s.keys(3)
+	src := payloads(3)
+	s.store(t, s.a, keys, src)
+	s.tg.Corrupt(t, s.a, keys[1])
+	want := []l2.Status{l2.StatusOK, l2.StatusMiss, l2.StatusOK}
+	dst := buffers(src, 0)
+	task := s.a.Load(ctx, keys, dst)
+	assert.DeepEqual(t, statuses(Wait(t, task)), want)
+	assert.Equal(t, len(task.Failed()), 0)
+	for _, i := range []int{0, 2} {
+		assert.Assert(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
+	}
+	assert.DeepEqual(t, s.present(t, keys), want)
+	assert.DeepEqual(t, statuses(Wait(t, s.a.Load(ctx, keys, buffers(src, 0)))), want)
+
+	s.store(t, s.a, keys[1:2], src[1:2])
+	dst = buffers(src[1:2], 0)
+	assert.Equal(t, Wait(t, s.a.Load(ctx, keys[1:2], dst))[0].Status, l2.StatusOK)
+	assert.Assert(t, bytes.Equal(dst[0], src[1]), "healed key: loaded bytes differ from the stored ones")
 }
 
 // Keys and buffers of different lengths fail every key with ErrBadBatch.

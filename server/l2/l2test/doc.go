@@ -17,12 +17,13 @@
 //     Release drops one and ignores keys that are not held;
 //   - a batch with a partial failure fails exactly the failing keys, each
 //     error names its key, and the other keys' results stand (no rollback);
-//   - a deleted key is a miss and can be written again;
+//   - a deleted key is a miss and can be written again; so is a corrupt
+//     object, which is not served again;
 //   - keys and buffers of different lengths fail the whole batch with
 //     ErrBadBatch, and a closed adapter fails every key with ErrClosed.
 //
 // Where a backend cannot honour a rule as written, Target says so with an
-// explicit field, documented next to it (Target.Lease, Target.BreakStore).
+// explicit field, documented next to it (Target.Lease, Target.BreakStore, Target.Corrupt).
 //
 // The package also holds the few helpers the adapters' own tests share:
 // Key, Payload, Wait and Open.
