@@ -120,12 +120,14 @@ func payloads(n int) [][]byte {
 	return p
 }
 
-func buffers(src [][]byte, delta int) [][]byte {
+// buffers returns a load destination per object, of its size, filled with
+// a byte pattern that no payload has.
+func buffers(src [][]byte) [][]byte {
 	b := make([][]byte, len(src))
 	for i := range b {
-		b[i] = make([]byte, len(src[i])+delta)
+		b[i] = make([]byte, len(src[i]))
 		for j := range b[i] {
-			b[i][j] = 0xa5 // not what any payload holds at every byte
+			b[i][j] = 0xa5
 		}
 	}
 	return b
@@ -139,10 +141,11 @@ func statuses(res []l2.Result) []l2.Status {
 	return st
 }
 
-func pick(idx []int, keys []l2.Key) []l2.Key {
-	out := make([]l2.Key, len(idx))
+// pick returns the elements of s at idx.
+func pick[T any](idx []int, s []T) []T {
+	out := make([]T, len(idx))
 	for i, j := range idx {
-		out[i] = keys[j]
+		out[i] = s[j]
 	}
 	return out
 }
@@ -233,7 +236,7 @@ func (s *suite) eachKeyReportedOnce(t *testing.T) {
 		{"store", func(k []l2.Key) *l2.Task { return s.a.Store(ctx, k, src) },
 			func(int) l2.Status { return l2.StatusOK }},
 		{"lookup", func(k []l2.Key) *l2.Task { return s.a.LookupAndHold(ctx, k) }, okIf(even)},
-		{"load", func(k []l2.Key) *l2.Task { return s.a.Load(ctx, k, buffers(src, 0)) }, okIf(even)},
+		{"load", func(k []l2.Key) *l2.Task { return s.a.Load(ctx, k, buffers(src)) }, okIf(even)},
 		{"delete", func(k []l2.Key) *l2.Task { return s.a.Delete(ctx, k) }, okIf(even)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -242,7 +245,7 @@ func (s *suite) eachKeyReportedOnce(t *testing.T) {
 			for i := 0; i < batchLen; i += 2 {
 				evens = append(evens, i)
 			}
-			s.store(t, s.a, pick(evens, keys), pick2(evens, src))
+			s.store(t, s.a, pick(evens, keys), pick(evens, src))
 			task := tc.run(keys)
 			assert.Equal(t, task.Len(), batchLen)
 			got := collect(t, task)
@@ -263,14 +266,6 @@ func okIf(f func(int) bool) func(int) l2.Status {
 		}
 		return l2.StatusMiss
 	}
-}
-
-func pick2(idx []int, b [][]byte) [][]byte {
-	out := make([][]byte, len(idx))
-	for i, j := range idx {
-		out[i] = b[j]
-	}
-	return out
 }
 
 // An empty batch is a task that is already done, with no events.
@@ -310,12 +305,12 @@ func (s *suite) missIsNotFailure(t *testing.T) {
 		run  func(keys []l2.Key) *l2.Task
 	}{
 		{"lookup", func(k []l2.Key) *l2.Task { return s.a.LookupAndHold(ctx, k) }},
-		{"load", func(k []l2.Key) *l2.Task { return s.a.Load(ctx, k, buffers(src, 0)) }},
+		{"load", func(k []l2.Key) *l2.Task { return s.a.Load(ctx, k, buffers(src)) }},
 		{"delete", func(k []l2.Key) *l2.Task { return s.a.Delete(ctx, k) }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			keys := s.keys(4)
-			s.store(t, s.a, pick([]int{0, 2}, keys), pick2([]int{0, 2}, src))
+			s.store(t, s.a, pick([]int{0, 2}, keys), pick([]int{0, 2}, src))
 			task := tc.run(keys)
 			res := Wait(t, task)
 			assert.DeepEqual(t, statuses(res), want)
@@ -376,7 +371,7 @@ func (s *suite) storeExistingKeySucceeds(t *testing.T) {
 				assert.Equal(t, r.Status, l2.StatusOK, "result %d: %v", i, r.Err)
 				assert.Equal(t, r.Bytes, len(src[i%len(src)]), "result %d", i)
 			}
-			dst := buffers(src, 0)
+			dst := buffers(src)
 			for i, r := range Wait(t, s.a.Load(ctx, keys, dst)) {
 				assert.Equal(t, r.Status, l2.StatusOK, "load %d: %v", i, r.Err)
 				assert.Assert(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
@@ -412,7 +407,7 @@ func (s *suite) loadMovesTheBytes(t *testing.T) {
 				assert.Equal(t, r.Status, l2.StatusOK, "lookup %d: %v", i, r.Err)
 				assert.Assert(t, r.Bytes == 0 || r.Bytes == tc.size, "lookup %d: Bytes %d, object %d", i, r.Bytes, tc.size)
 			}
-			dst := buffers(src, 0)
+			dst := buffers(src)
 			for i, r := range Wait(t, s.a.Load(ctx, keys, dst)) {
 				assert.Equal(t, r.Status, l2.StatusOK, "load %d: %v", i, r.Err)
 				assert.Equal(t, r.Bytes, tc.size, "load %d", i)
@@ -451,9 +446,9 @@ func (s *suite) heldKeyRefusesDelete(t *testing.T) {
 		assert.Equal(t, r.Status, l2.StatusFailed, step.name)
 		assert.Assert(t, errors.Is(r.Err, l2.ErrHeld), "%s: %v", step.name, r.Err)
 		assert.Assert(t, is.Contains(r.Err.Error(), k.String()), step.name)
-		dst := buffers(src, 0)
+		dst := buffers(src)
 		assert.Equal(t, Wait(t, s.a.Load(ctx, keys, dst))[0].Status, l2.StatusOK, "%s: refused delete removed the key", step.name)
-		assert.Assert(t, bytes.Equal(dst[0], src[0]), "key %d: loaded bytes differ from the stored ones", 0)
+		assert.Assert(t, bytes.Equal(dst[0], src[0]), "loaded bytes differ from the stored ones")
 	}
 	s.a.Release(keys)
 	assert.Equal(t, s.a.Held(k), 0)
@@ -480,7 +475,7 @@ func (s *suite) partialFailure(t *testing.T) {
 	}{
 		{"load into a short buffer", func(t *testing.T, k []l2.Key, src [][]byte) *l2.Task {
 			s.store(t, s.a, k, src)
-			dst := buffers(src, 0)
+			dst := buffers(src)
 			dst[bad] = dst[bad][:len(dst[bad])-1]
 			task := s.a.Load(ctx, k, dst)
 			Wait(t, task)
@@ -493,7 +488,7 @@ func (s *suite) partialFailure(t *testing.T) {
 		}, l2.ErrBufferSize, s.allLoad},
 		{"load into a long buffer", func(t *testing.T, k []l2.Key, src [][]byte) *l2.Task {
 			s.store(t, s.a, k, src)
-			dst := buffers(src, 0)
+			dst := buffers(src)
 			dst[bad] = append(dst[bad], 0)
 			task := s.a.Load(ctx, k, dst)
 			Wait(t, task)
@@ -560,7 +555,7 @@ func (s *suite) partialFailure(t *testing.T) {
 // nothing).
 func (s *suite) allLoad(t *testing.T, keys []l2.Key, src [][]byte) {
 	t.Helper()
-	dst := buffers(src, 0)
+	dst := buffers(src)
 	for i, r := range Wait(t, s.a.Load(context.Background(), keys, dst)) {
 		assert.Equal(t, r.Status, l2.StatusOK, "key %d after the failed load: %v", i, r.Err)
 		assert.Assert(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
@@ -578,13 +573,13 @@ func (s *suite) deletedKeyIsMiss(t *testing.T) {
 	assert.DeepEqual(t, statuses(del), []l2.Status{l2.StatusOK, l2.StatusOK, l2.StatusMiss})
 	miss := []l2.Status{l2.StatusMiss, l2.StatusMiss, l2.StatusMiss}
 	assert.DeepEqual(t, s.present(t, keys), miss)
-	assert.DeepEqual(t, statuses(Wait(t, s.a.Load(ctx, keys, buffers(src, 0)))), miss)
+	assert.DeepEqual(t, statuses(Wait(t, s.a.Load(ctx, keys, buffers(src)))), miss)
 	assert.DeepEqual(t, statuses(Wait(t, s.a.Delete(ctx, keys))), miss)
 
 	s.store(t, s.a, keys[:1], src[:1])
-	dst := buffers(src[:1], 0)
+	dst := buffers(src[:1])
 	assert.Equal(t, Wait(t, s.a.Load(ctx, keys[:1], dst))[0].Status, l2.StatusOK)
-	assert.Assert(t, bytes.Equal(dst[0], src[0]), "key %d: loaded bytes differ from the stored ones", 0)
+	assert.Assert(t, bytes.Equal(dst[0], src[0]), "loaded bytes differ from the stored ones")
 }
 
 // A corrupt object is a miss (not a failure, not bytes), is discarded (not
@@ -599,7 +594,7 @@ func (s *suite) corruptObjectIsMiss(t *testing.T) {
 	s.store(t, s.a, keys, src)
 	s.tg.Corrupt(t, s.a, keys[1])
 	want := []l2.Status{l2.StatusOK, l2.StatusMiss, l2.StatusOK}
-	dst := buffers(src, 0)
+	dst := buffers(src)
 	task := s.a.Load(ctx, keys, dst)
 	assert.DeepEqual(t, statuses(Wait(t, task)), want)
 	assert.Equal(t, len(task.Failed()), 0)
@@ -607,10 +602,10 @@ func (s *suite) corruptObjectIsMiss(t *testing.T) {
 		assert.Assert(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
 	}
 	assert.DeepEqual(t, s.present(t, keys), want)
-	assert.DeepEqual(t, statuses(Wait(t, s.a.Load(ctx, keys, buffers(src, 0)))), want)
+	assert.DeepEqual(t, statuses(Wait(t, s.a.Load(ctx, keys, buffers(src)))), want)
 
 	s.store(t, s.a, keys[1:2], src[1:2])
-	dst = buffers(src[1:2], 0)
+	dst = buffers(src[1:2])
 	assert.Equal(t, Wait(t, s.a.Load(ctx, keys[1:2], dst))[0].Status, l2.StatusOK)
 	assert.Assert(t, bytes.Equal(dst[0], src[1]), "healed key: loaded bytes differ from the stored ones")
 }
@@ -650,7 +645,7 @@ func (s *suite) closed(t *testing.T) {
 	for _, task := range []*l2.Task{
 		a.Store(ctx, keys, src),
 		a.LookupAndHold(ctx, keys),
-		a.Load(ctx, keys, buffers(src, 0)),
+		a.Load(ctx, keys, buffers(src)),
 		a.Delete(ctx, keys),
 	} {
 		for i, r := range Wait(t, task) {
