@@ -9,9 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"gotest.tools/v3/assert"
-	is "gotest.tools/v3/assert/cmp"
-
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -154,7 +151,7 @@ func pick[T any](idx []int, s []T) []T {
 func (s *suite) store(t *testing.T, a *l2.Adapter, keys []l2.Key, src [][]byte) {
 	t.Helper()
 	for i, r := range Wait(t, a.Store(context.Background(), keys, src)) {
-		assert.Equal(t, r.Status, l2.StatusOK, "store of key %d: %v", i, r.Err)
+		eq(t, r.Status, l2.StatusOK, "store of key %d: %v", i, r.Err)
 	}
 }
 
@@ -176,7 +173,7 @@ func (s *suite) deleteReleased(t *testing.T, k l2.Key) l2.Result {
 		if r.Status != l2.StatusFailed || s.tg.Lease == 0 || time.Now().After(deadline) {
 			return r
 		}
-		assert.Assert(t, !errors.Is(r.Err, l2.ErrHeld), "released key still held: %v", r.Err)
+		check(t, !errors.Is(r.Err, l2.ErrHeld), "released key still held: %v", r.Err)
 		// The backend's lease has no event to wait for: poll it.
 		time.Sleep(min(s.tg.Lease/4, 100*time.Millisecond) + time.Millisecond)
 	}
@@ -198,16 +195,16 @@ func collect(t *testing.T, task *l2.Task) []l2.Result {
 				open = false
 				break
 			}
-			assert.Assert(t, ev.Index >= 0 && ev.Index < task.Len(), "event for index %d of %d", ev.Index, task.Len())
+			check(t, ev.Index >= 0 && ev.Index < task.Len(), "event for index %d of %d", ev.Index, task.Len())
 			seen[ev.Index]++
-			assert.Equal(t, ev.Key, task.Keys()[ev.Index], "event %d", ev.Index)
+			eq(t, ev.Key, task.Keys()[ev.Index], "event %d", ev.Index)
 			got[ev.Index] = ev.Result
 		case <-timeout.C:
 			t.Fatalf("%s task: Events not closed after %v; reports per key: %v", task.Op(), WaitTimeout, seen)
 		}
 	}
 	for i, n := range seen {
-		assert.Equal(t, n, 1, "%s: key %d reported %d times", task.Op(), i, n)
+		eq(t, n, 1, "%s: key %d reported %d times", task.Op(), i, n)
 	}
 	select {
 	case <-task.Done():
@@ -215,9 +212,9 @@ func collect(t *testing.T, task *l2.Task) []l2.Result {
 		t.Fatalf("%s task: Events closed but Done not after %v", task.Op(), WaitTimeout)
 	}
 	res := task.Results()
-	assert.Equal(t, len(res), len(got))
+	eq(t, len(res), len(got))
 	for i := range got {
-		assert.Equal(t, res[i], got[i], "%s: key %d: Results and Events differ", task.Op(), i)
+		eq(t, res[i], got[i], "%s: key %d: Results and Events differ", task.Op(), i)
 	}
 	return got
 }
@@ -247,13 +244,13 @@ func (s *suite) eachKeyReportedOnce(t *testing.T) {
 			}
 			s.store(t, s.a, pick(evens, keys), pick(evens, src))
 			task := tc.run(keys)
-			assert.Equal(t, task.Len(), batchLen)
+			eq(t, task.Len(), batchLen)
 			got := collect(t, task)
 			want := make([]l2.Status, batchLen)
 			for i := range want {
 				want[i] = tc.want(i)
 			}
-			assert.DeepEqual(t, statuses(got), want)
+			eqs(t, statuses(got), want)
 			s.a.Release(keys)
 		})
 	}
@@ -288,8 +285,8 @@ func (s *suite) emptyBatch(t *testing.T) {
 				t.Fatal("empty batch: task not done on return")
 			}
 			_, open := <-task.Events()
-			assert.Assert(t, !open, "empty batch delivered an event")
-			assert.Equal(t, len(task.Results()), 0)
+			check(t, !open, "empty batch delivered an event")
+			eq(t, len(task.Results()), 0)
 		})
 	}
 }
@@ -313,13 +310,13 @@ func (s *suite) missIsNotFailure(t *testing.T) {
 			s.store(t, s.a, pick([]int{0, 2}, keys), pick([]int{0, 2}, src))
 			task := tc.run(keys)
 			res := Wait(t, task)
-			assert.DeepEqual(t, statuses(res), want)
-			assert.Equal(t, len(task.Failed()), 0, "a miss was listed as failed: %v", res)
-			assert.Equal(t, task.Bitmap().Count(), 2)
-			assert.Equal(t, task.Bitmap().Prefix(), 1)
+			eqs(t, statuses(res), want)
+			eq(t, len(task.Failed()), 0, "a miss was listed as failed: %v", res)
+			eq(t, task.Bitmap().Count(), 2)
+			eq(t, task.Bitmap().Prefix(), 1)
 			if task.Op() == l2.OpLookup {
-				assert.Equal(t, s.a.Held(keys[0]), 1)
-				assert.Equal(t, s.a.Held(keys[1]), 0, "a miss took a hold")
+				eq(t, s.a.Held(keys[0]), 1)
+				eq(t, s.a.Held(keys[1]), 0, "a miss took a hold")
 				s.a.Release(keys)
 			}
 		})
@@ -357,7 +354,7 @@ func (s *suite) storeExistingKeySucceeds(t *testing.T) {
 			wg.Wait()
 			var all []l2.Result
 			for w := range writers {
-				assert.NilError(t, errs[w])
+				noErr(t, errs[w])
 				all = append(all, res[w]...)
 			}
 			return all
@@ -368,13 +365,13 @@ func (s *suite) storeExistingKeySucceeds(t *testing.T) {
 			src := payloads(3)
 			res := tc.write(t, keys, src)
 			for i, r := range res {
-				assert.Equal(t, r.Status, l2.StatusOK, "result %d: %v", i, r.Err)
-				assert.Equal(t, r.Bytes, len(src[i%len(src)]), "result %d", i)
+				eq(t, r.Status, l2.StatusOK, "result %d: %v", i, r.Err)
+				eq(t, r.Bytes, len(src[i%len(src)]), "result %d", i)
 			}
 			dst := buffers(src)
 			for i, r := range Wait(t, s.a.Load(ctx, keys, dst)) {
-				assert.Equal(t, r.Status, l2.StatusOK, "load %d: %v", i, r.Err)
-				assert.Assert(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
+				eq(t, r.Status, l2.StatusOK, "load %d: %v", i, r.Err)
+				check(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
 			}
 		})
 	}
@@ -400,18 +397,18 @@ func (s *suite) loadMovesTheBytes(t *testing.T) {
 				src[i] = Payload(i+7, tc.size)
 			}
 			for i, r := range Wait(t, s.a.Store(ctx, keys, src)) {
-				assert.Equal(t, r.Status, l2.StatusOK, "store %d: %v", i, r.Err)
-				assert.Equal(t, r.Bytes, tc.size, "store %d", i)
+				eq(t, r.Status, l2.StatusOK, "store %d: %v", i, r.Err)
+				eq(t, r.Bytes, tc.size, "store %d", i)
 			}
 			for i, r := range Wait(t, s.a.LookupAndHold(ctx, keys)) {
-				assert.Equal(t, r.Status, l2.StatusOK, "lookup %d: %v", i, r.Err)
-				assert.Assert(t, r.Bytes == 0 || r.Bytes == tc.size, "lookup %d: Bytes %d, object %d", i, r.Bytes, tc.size)
+				eq(t, r.Status, l2.StatusOK, "lookup %d: %v", i, r.Err)
+				check(t, r.Bytes == 0 || r.Bytes == tc.size, "lookup %d: Bytes %d, object %d", i, r.Bytes, tc.size)
 			}
 			dst := buffers(src)
 			for i, r := range Wait(t, s.a.Load(ctx, keys, dst)) {
-				assert.Equal(t, r.Status, l2.StatusOK, "load %d: %v", i, r.Err)
-				assert.Equal(t, r.Bytes, tc.size, "load %d", i)
-				assert.Assert(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
+				eq(t, r.Status, l2.StatusOK, "load %d: %v", i, r.Err)
+				eq(t, r.Bytes, tc.size, "load %d", i)
+				check(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
 			}
 			s.a.Release(keys)
 		})
@@ -428,7 +425,7 @@ func (s *suite) heldKeyRefusesDelete(t *testing.T) {
 	src := payloads(1)
 	s.store(t, s.a, keys, src)
 	for range 2 {
-		assert.Equal(t, Wait(t, s.a.LookupAndHold(ctx, keys))[0].Status, l2.StatusOK)
+		eq(t, Wait(t, s.a.LookupAndHold(ctx, keys))[0].Status, l2.StatusOK)
 	}
 	for _, step := range []struct {
 		name    string
@@ -441,22 +438,22 @@ func (s *suite) heldKeyRefusesDelete(t *testing.T) {
 		for range step.release {
 			s.a.Release(keys)
 		}
-		assert.Equal(t, s.a.Held(k), step.held, step.name)
+		eq(t, s.a.Held(k), step.held, step.name)
 		r := Wait(t, s.a.Delete(ctx, keys))[0]
-		assert.Equal(t, r.Status, l2.StatusFailed, step.name)
-		assert.Assert(t, errors.Is(r.Err, l2.ErrHeld), "%s: %v", step.name, r.Err)
-		assert.Assert(t, is.Contains(r.Err.Error(), k.String()), step.name)
+		eq(t, r.Status, l2.StatusFailed, step.name)
+		check(t, errors.Is(r.Err, l2.ErrHeld), "%s: %v", step.name, r.Err)
+		contains(t, r.Err.Error(), k.String(), step.name)
 		dst := buffers(src)
-		assert.Equal(t, Wait(t, s.a.Load(ctx, keys, dst))[0].Status, l2.StatusOK, "%s: refused delete removed the key", step.name)
-		assert.Assert(t, bytes.Equal(dst[0], src[0]), "loaded bytes differ from the stored ones")
+		eq(t, Wait(t, s.a.Load(ctx, keys, dst))[0].Status, l2.StatusOK, "%s: refused delete removed the key", step.name)
+		check(t, bytes.Equal(dst[0], src[0]), "loaded bytes differ from the stored ones")
 	}
 	s.a.Release(keys)
-	assert.Equal(t, s.a.Held(k), 0)
+	eq(t, s.a.Held(k), 0)
 	s.a.Release(keys) // not held: ignored, no negative count
-	assert.Equal(t, s.a.Held(k), 0)
+	eq(t, s.a.Held(k), 0)
 	r := s.deleteReleased(t, k)
-	assert.Equal(t, r.Status, l2.StatusOK, "%v", r.Err)
-	assert.DeepEqual(t, s.present(t, keys), []l2.Status{l2.StatusMiss})
+	eq(t, r.Status, l2.StatusOK, "%v", r.Err)
+	eqs(t, s.present(t, keys), []l2.Status{l2.StatusMiss})
 }
 
 // A batch with a partial failure fails exactly the failing keys, names each
@@ -481,7 +478,7 @@ func (s *suite) partialFailure(t *testing.T) {
 			Wait(t, task)
 			for i := range k {
 				if i != bad {
-					assert.Assert(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
+					check(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
 				}
 			}
 			return task
@@ -494,14 +491,14 @@ func (s *suite) partialFailure(t *testing.T) {
 			Wait(t, task)
 			for i := range k {
 				if i != bad {
-					assert.Assert(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
+					check(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
 				}
 			}
 			return task
 		}, l2.ErrBufferSize, s.allLoad},
 		{"delete with a held key", func(t *testing.T, k []l2.Key, src [][]byte) *l2.Task {
 			s.store(t, s.a, k, src)
-			assert.Equal(t, Wait(t, s.a.LookupAndHold(ctx, k[bad:bad+1]))[0].Status, l2.StatusOK)
+			eq(t, Wait(t, s.a.LookupAndHold(ctx, k[bad:bad+1]))[0].Status, l2.StatusOK)
 			return s.a.Delete(ctx, k)
 		}, l2.ErrHeld, func(t *testing.T, k []l2.Key, src [][]byte) {
 			want := make([]l2.Status, len(k))
@@ -510,7 +507,7 @@ func (s *suite) partialFailure(t *testing.T) {
 			}
 			want[bad] = l2.StatusOK
 			s.a.Release(k[bad : bad+1])
-			assert.DeepEqual(t, s.present(t, k), want)
+			eqs(t, s.present(t, k), want)
 		}},
 		{"store of a broken key", func(t *testing.T, k []l2.Key, src [][]byte) *l2.Task {
 			if s.tg.BreakStore == nil {
@@ -527,7 +524,7 @@ func (s *suite) partialFailure(t *testing.T) {
 			for i := range want {
 				want[i] = l2.StatusOK
 			}
-			assert.DeepEqual(t, s.present(t, others), want)
+			eqs(t, s.present(t, others), want)
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -535,17 +532,17 @@ func (s *suite) partialFailure(t *testing.T) {
 			src := payloads(5)
 			task := tc.run(t, keys, src)
 			res := Wait(t, task)
-			assert.DeepEqual(t, task.Failed(), []int{bad})
+			eqs(t, task.Failed(), []int{bad})
 			for i, r := range res {
 				if i == bad {
 					continue
 				}
-				assert.Equal(t, r.Status, l2.StatusOK, "key %d: %v", i, r.Err)
+				eq(t, r.Status, l2.StatusOK, "key %d: %v", i, r.Err)
 			}
 			if tc.wantErr != nil {
-				assert.Assert(t, errors.Is(res[bad].Err, tc.wantErr), "%v", res[bad].Err)
+				check(t, errors.Is(res[bad].Err, tc.wantErr), "%v", res[bad].Err)
 			}
-			assert.Assert(t, is.Contains(res[bad].Err.Error(), keys[bad].String()))
+			contains(t, res[bad].Err.Error(), keys[bad].String())
 			tc.after(t, keys, src)
 		})
 	}
@@ -557,8 +554,8 @@ func (s *suite) allLoad(t *testing.T, keys []l2.Key, src [][]byte) {
 	t.Helper()
 	dst := buffers(src)
 	for i, r := range Wait(t, s.a.Load(context.Background(), keys, dst)) {
-		assert.Equal(t, r.Status, l2.StatusOK, "key %d after the failed load: %v", i, r.Err)
-		assert.Assert(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
+		eq(t, r.Status, l2.StatusOK, "key %d after the failed load: %v", i, r.Err)
+		check(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
 	}
 }
 
@@ -570,16 +567,16 @@ func (s *suite) deletedKeyIsMiss(t *testing.T) {
 	src := payloads(3)
 	s.store(t, s.a, keys[:2], src[:2])
 	del := Wait(t, s.a.Delete(ctx, keys))
-	assert.DeepEqual(t, statuses(del), []l2.Status{l2.StatusOK, l2.StatusOK, l2.StatusMiss})
+	eqs(t, statuses(del), []l2.Status{l2.StatusOK, l2.StatusOK, l2.StatusMiss})
 	miss := []l2.Status{l2.StatusMiss, l2.StatusMiss, l2.StatusMiss}
-	assert.DeepEqual(t, s.present(t, keys), miss)
-	assert.DeepEqual(t, statuses(Wait(t, s.a.Load(ctx, keys, buffers(src)))), miss)
-	assert.DeepEqual(t, statuses(Wait(t, s.a.Delete(ctx, keys))), miss)
+	eqs(t, s.present(t, keys), miss)
+	eqs(t, statuses(Wait(t, s.a.Load(ctx, keys, buffers(src)))), miss)
+	eqs(t, statuses(Wait(t, s.a.Delete(ctx, keys))), miss)
 
 	s.store(t, s.a, keys[:1], src[:1])
 	dst := buffers(src[:1])
-	assert.Equal(t, Wait(t, s.a.Load(ctx, keys[:1], dst))[0].Status, l2.StatusOK)
-	assert.Assert(t, bytes.Equal(dst[0], src[0]), "loaded bytes differ from the stored ones")
+	eq(t, Wait(t, s.a.Load(ctx, keys[:1], dst))[0].Status, l2.StatusOK)
+	check(t, bytes.Equal(dst[0], src[0]), "loaded bytes differ from the stored ones")
 }
 
 // A corrupt object is a miss (not a failure, not bytes), is discarded (not
@@ -596,18 +593,18 @@ func (s *suite) corruptObjectIsMiss(t *testing.T) {
 	want := []l2.Status{l2.StatusOK, l2.StatusMiss, l2.StatusOK}
 	dst := buffers(src)
 	task := s.a.Load(ctx, keys, dst)
-	assert.DeepEqual(t, statuses(Wait(t, task)), want)
-	assert.Equal(t, len(task.Failed()), 0)
+	eqs(t, statuses(Wait(t, task)), want)
+	eq(t, len(task.Failed()), 0)
 	for _, i := range []int{0, 2} {
-		assert.Assert(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
+		check(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
 	}
-	assert.DeepEqual(t, s.present(t, keys), want)
-	assert.DeepEqual(t, statuses(Wait(t, s.a.Load(ctx, keys, buffers(src)))), want)
+	eqs(t, s.present(t, keys), want)
+	eqs(t, statuses(Wait(t, s.a.Load(ctx, keys, buffers(src)))), want)
 
 	s.store(t, s.a, keys[1:2], src[1:2])
 	dst = buffers(src[1:2])
-	assert.Equal(t, Wait(t, s.a.Load(ctx, keys[1:2], dst))[0].Status, l2.StatusOK)
-	assert.Assert(t, bytes.Equal(dst[0], src[1]), "healed key: loaded bytes differ from the stored ones")
+	eq(t, Wait(t, s.a.Load(ctx, keys[1:2], dst))[0].Status, l2.StatusOK)
+	check(t, bytes.Equal(dst[0], src[1]), "healed key: loaded bytes differ from the stored ones")
 }
 
 // Keys and buffers of different lengths fail every key with ErrBadBatch.
@@ -623,12 +620,12 @@ func (s *suite) badBatch(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			keys := s.keys(3)
 			res := Wait(t, tc.run(keys, payloads(2)))
-			assert.Equal(t, len(res), 3)
+			eq(t, len(res), 3)
 			for i, r := range res {
-				assert.Equal(t, r.Status, l2.StatusFailed, "key %d", i)
-				assert.Assert(t, errors.Is(r.Err, l2.ErrBadBatch), "key %d: %v", i, r.Err)
+				eq(t, r.Status, l2.StatusFailed, "key %d", i)
+				check(t, errors.Is(r.Err, l2.ErrBadBatch), "key %d: %v", i, r.Err)
 			}
-			assert.DeepEqual(t, s.present(t, keys), []l2.Status{l2.StatusMiss, l2.StatusMiss, l2.StatusMiss})
+			eqs(t, s.present(t, keys), []l2.Status{l2.StatusMiss, l2.StatusMiss, l2.StatusMiss})
 		})
 	}
 }
@@ -641,7 +638,7 @@ func (s *suite) closed(t *testing.T) {
 	keys := s.keys(2)
 	src := payloads(2)
 	s.store(t, a, keys, src)
-	assert.NilError(t, a.Close())
+	noErr(t, a.Close())
 	for _, task := range []*l2.Task{
 		a.Store(ctx, keys, src),
 		a.LookupAndHold(ctx, keys),
@@ -649,11 +646,11 @@ func (s *suite) closed(t *testing.T) {
 		a.Delete(ctx, keys),
 	} {
 		for i, r := range Wait(t, task) {
-			assert.Equal(t, r.Status, l2.StatusFailed, "%s key %d", task.Op(), i)
-			assert.Assert(t, errors.Is(r.Err, l2.ErrClosed), "%s key %d: %v", task.Op(), i, r.Err)
+			eq(t, r.Status, l2.StatusFailed, "%s key %d", task.Op(), i)
+			check(t, errors.Is(r.Err, l2.ErrClosed), "%s key %d: %v", task.Op(), i, r.Err)
 		}
 	}
 	a.Release(keys)
-	assert.Equal(t, a.Held(keys[0]), 0)
-	assert.NilError(t, a.Close())
+	eq(t, a.Held(keys[0]), 0)
+	noErr(t, a.Close())
 }

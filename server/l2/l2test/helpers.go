@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/server/l2"
 )
@@ -49,7 +48,7 @@ func Wait(t testing.TB, task *l2.Task) []l2.Result {
 	ctx, cancel := context.WithTimeout(context.Background(), WaitTimeout)
 	defer cancel()
 	res, err := task.Wait(ctx)
-	assert.NilError(t, err)
+	noErr(t, err)
 	return res
 }
 
@@ -58,7 +57,7 @@ func Wait(t testing.TB, task *l2.Task) []l2.Result {
 func Open(t testing.TB, cfg string) *l2.Adapter {
 	t.Helper()
 	a, err := l2.OpenJSON(cfg, l2.Options{Registerer: prometheus.NewRegistry()})
-	assert.NilError(t, err)
-	t.Cleanup(func() { assert.NilError(t, a.Close()) })
+	noErr(t, err)
+	t.Cleanup(func() { noErr(t, a.Close()) })
 	return a
 }
