@@ -5,22 +5,10 @@
 // returning the ipc response type (or an error that StatusOf maps to a
 // frame status). The session loop (rings, codec) calls these methods.
 //
-// L1 layout. Segments are created lazily (SegmentSource) up to the L1
-// size. Each segment is cut into slabs; a slab holds equal slots of one
-// size class (object size rounded up to 4 KiB), so many equal-sized KV
-// chunk objects pack with no per-object headers in shared memory:
-//
-//	segment 1 (SegmentSize, e.g. 1 GiB, shared with every client)
-//	┌──────────────────────────┬──────────────────────────┬───────────────┐
-//	│ slab A: class 2 MiB      │ slab B: class 8 KiB      │ free extent   │
-//	│ ┌──────┬──────┬──────┬─┐ │ ┌──┬──┬──┬──┬──┬──┬───┐  │ (coalesced;   │
-//	│ │slot 0│slot 1│slot 2│…│ │ │0 │1 │2 │3 │… │  │   │  │  slabs come   │
-//	│ └──────┴──────┴──────┴─┘ │ └──┴──┴──┴──┴──┴──┴───┘  │  back here    │
-//	└──────────────────────────┴──────────────────────────┴───────────────┘
-//	 Loc{Segment: 1, Offset: slab.off + slot*class, Size: object bytes}
-//
-// An empty slab returns to its segment's free extents. Fragmentation is
-// exported: "rounding" (slot padding) and "slab_free" (free slots).
+// L1 (package l1): the shared segments, the slab allocator, the object
+// table, the LRU list and the object state machine, as pure bookkeeping
+// that this package guards with its one mutex. Its doc has the segment
+// layout.
 //
 // Objects. Key = (namespace, rank, chunk hash). States:
 //

@@ -1,6 +1,10 @@
 package server
 
-import "github.com/kvshim/kvshim/ipc"
+import (
+	"log/slog"
+
+	"github.com/kvshim/kvshim/ipc"
+)
 
 // SessionOptions describe a session's peer.
 type SessionOptions struct {
@@ -26,10 +30,14 @@ type SessionOptions struct {
 // outlive its calls, else fenced until s is known to be done writing.
 func (st *Store) releaseStaging(s *Session, i uint32) {
 	if !s.opts.Fence {
-		st.freeObject(i)
+		st.l1.Free(i)
 		return
 	}
-	st.setState(i, stFenced)
+	if err := st.l1.Fence(i); err != nil {
+		// Not staging: a bug. Keep the slot (it may still be written).
+		slog.Error("server: fencing a staging slot", "err", err)
+		return
+	}
 	s.fenced = append(s.fenced, i)
 }
 
@@ -89,7 +97,7 @@ func (st *Store) unfence(s *Session) bool {
 		s.lifted = nil
 	}
 	for _, i := range objs {
-		st.freeObject(i)
+		st.l1.Free(i)
 	}
 	return true
 }

@@ -36,7 +36,7 @@ func TestFenceUntilWriterExits(t *testing.T) {
 	st := newStore(t, 1, Options{}) // 128 slots of 8 KiB
 	a, err := st.OpenSessionWith(sessionID(0), SessionOptions{Fence: true, PeerPID: child.Process.Pid})
 	assert.NilError(t, err)
-	n := int(st.mem.capacity / objSize)
+	n := int(st.l1.Stats().Capacity / objSize)
 	mine := stage(t, st, a, 1, hashes("a", n))
 	st.CloseSession(a) // e.g. its heartbeat expired: it may still be writing
 	assert.Equal(t, fenced(t, st), float64(n))

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
 	"gotest.tools/v3/assert"
 )
 
@@ -17,7 +18,7 @@ func newStore(t testing.TB, capMiB float64, o Options, tweak ...func(*Config)) *
 	t.Helper()
 	cfg := DefaultConfig()
 	cfg.L1SizeGB = capMiB / 1024
-	cfg.SegmentSize = uint64(capMiB*(1<<20)/4) &^ (pageSize - 1)
+	cfg.SegmentSize = uint64(capMiB*(1<<20)/4) &^ (l1.PageSize - 1)
 	cfg.SlabSize = 64 << 10
 	for _, f := range tweak {
 		f(&cfg)

@@ -73,7 +73,7 @@ func (st *Store) openTier(o Options) (err error) {
 	if !tier.IsNone(policy) {
 		st.onCommit = t.sc.Committed
 	}
-	if src, ok := st.mem.src.(*IPCSource); ok {
+	if src, ok := st.l1.Source().(*IPCSource); ok {
 		src.setOnNew(t.registerSegment)
 	}
 	return nil

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
 )
 
 // MaxLookupCells bounds chunks × readers of one lookup (its hold table is
@@ -76,7 +77,7 @@ type lookup struct {
 	hashes  []ipc.Hash
 	state   lookupState
 	chunks  uint32     // final answer
-	held    [][]uint32 // [reader rank][chunk] object index, nilIdx = no hold
+	held    [][]uint32 // [reader rank][chunk] object index, l1.Nil = no hold
 	holds   uint64     // holds still owned
 	freed   []bool     // chunks FREEd while pending (nil: none)
 	since   int64      // registration, unix nanoseconds (hold TTL)
@@ -168,10 +169,7 @@ func (st *Store) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
 // returns p. Chunks FREEd while pending count but are not held.
 func (st *Store) extend(lk *lookup, from uint32) uint32 {
 	ranks := lk.ranks()
-	var sh *shard // nil (empty) when the namespace is unknown
-	if i, ok := st.shardOf(lk.ns, false); ok {
-		sh = &st.shards[i]
-	}
+	sh, _ := st.l1.Shard(lk.ns, false) // l1.NoShard (empty) when the namespace is unknown
 	n := uint32(len(lk.hashes))
 	if lk.held == nil {
 		// One backing array; each reader's row can grow to n in place.
@@ -191,21 +189,21 @@ func (st *Store) extend(lk *lookup, from uint32) uint32 {
 	p := from
 scan:
 	for ; p < n; p++ {
-		st.findRanks(sh, &lk.hashes[p], found)
+		st.l1.FindRanks(sh, &lk.hashes[p], found)
 		for r, i := range found {
-			if i == nilIdx && lk.fill != nil {
+			if i == l1.Nil && lk.fill != nil {
 				if fi, ok := lk.fill.filled[fillKey{uint32(r), p}]; ok {
 					i, found[r] = fi, fi
 				}
 			}
-			if i == nilIdx {
+			if i == l1.Nil {
 				break scan
 			}
 		}
 		freed := lk.freed != nil && lk.freed[p]
 		for r, i := range found {
 			if freed {
-				i = nilIdx
+				i = l1.Nil
 			}
 			lk.held[r] = append(lk.held[r], i)
 		}
@@ -219,19 +217,16 @@ scan:
 	}
 	// The hit moves to the LRU front in chunk order, so the prefix's head
 	// is the most recent and its tail is evicted first.
-	at := nilIdx
+	at := l1.Nil
 	for c := from; c < p; c++ {
 		for r := range ranks {
 			i := lk.held[r][c]
-			if i == nilIdx {
+			if i == l1.Nil {
 				continue
 			}
-			st.hold(i, per)
+			st.l1.Hold(i, per)
 			lk.holds += uint64(per)
-			if st.objs.get(i).state == stResident {
-				st.lru.placeAfter(&st.objs, at, i)
-				at = i
-			}
+			at = st.l1.Touch(at, i)
 		}
 	}
 	return p
@@ -302,9 +297,9 @@ func (st *Store) Free(s *Session, req *ipc.FreeReq) error {
 func (st *Store) releaseRow(lk *lookup, row []uint32, start, end uint32) {
 	end = min(end, uint32(len(row)))
 	for c := start; c < end; c++ {
-		if i := row[c]; i != nilIdx {
-			row[c] = nilIdx
-			st.unhold(i)
+		if i := row[c]; i != l1.Nil {
+			row[c] = l1.Nil
+			st.l1.Unhold(i)
 			lk.holds--
 		}
 	}
@@ -354,8 +349,8 @@ func (st *Store) Retrieve(s *Session, req *ipc.RetrieveReq) (*ipc.RetrieveResp, 
 	row := lk.held[req.Rank]
 	for k := range n {
 		c := req.Start + k
-		if c < uint32(len(row)) && row[c] != nilIdx {
-			resp.Locs[k] = st.loc(row[c])
+		if c < uint32(len(row)) && row[c] != l1.Nil {
+			resp.Locs[k] = st.l1.Loc(row[c])
 		} else {
 			resp.Status[k] = ipc.StatusNotFound
 		}

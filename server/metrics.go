@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
@@ -95,7 +96,7 @@ type metric struct {
 func (st *Store) snapshot() []metric {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	a := st.mem.stats()
+	a := st.l1.Stats()
 	c := &st.cnt
 	g := func(name, help string, v uint64) metric { return metric{name: name, help: help, value: float64(v)} }
 	k := func(name, help string, v uint64) metric {
@@ -105,14 +106,14 @@ func (st *Store) snapshot() []metric {
 		g("kvshim_l1_capacity_bytes", "L1 size limit.", a.Capacity),
 		g("kvshim_l1_mapped_bytes", "Bytes of L1 segments created so far.", a.Mapped),
 		g("kvshim_l1_used_bytes", "Bytes of L1 slots holding objects (4 KiB rounded); watermarks apply to it.", a.Used),
-		g("kvshim_l1_used_max_bytes", "High-water mark of kvshim_l1_used_bytes since start.", st.mem.maxUsed),
-		g("kvshim_l1_prefetch_bytes", "L1 slot bytes of prefetch staging and temporary objects (the prefetch budget counts them).", c.prefetchBytes),
+		g("kvshim_l1_used_max_bytes", "High-water mark of kvshim_l1_used_bytes since start.", a.MaxUsed),
+		g("kvshim_l1_prefetch_bytes", "L1 slot bytes of prefetch staging and temporary objects (the prefetch budget counts them).", a.PrefetchBytes),
 		g("kvshim_l1_pinned", "Holds owned by the L2 store controller (objects being written to L2).", c.pins),
 		g("kvshim_l1_slab_bytes", "Bytes of L1 carved into slabs.", a.Slab),
 		g("kvshim_l1_segments", "L1 segments.", uint64(a.Segments)),
 		g("kvshim_l1_slabs", "L1 slabs.", uint64(a.Slabs)),
 		g("kvshim_l1_size_classes", "L1 slab size classes in use.", uint64(a.Classes)),
-		g("kvshim_l1_holds", "Read holds outstanding.", c.holds),
+		g("kvshim_l1_holds", "Read holds outstanding.", a.Holds),
 		g("kvshim_lookups_live", "Lookups registered and not yet forgotten.", c.lookupsNow),
 		g("kvshim_lookups_pending", "Lookups waiting for a fill.", c.pending),
 		g("kvshim_lookup_cells", "Hold-table cells (chunks × readers) of live lookups; each session's are bounded by --max-lookup-cells-per-session.", st.metrics.usage.total),
@@ -120,24 +121,24 @@ func (st *Store) snapshot() []metric {
 		k("kvshim_lookups_total", "Lookups registered.", c.lookups),
 		k("kvshim_lookup_hit_chunks_total", "Chunks answered present on every rank.", c.hitChunks),
 		k("kvshim_lookup_missed_chunks_total", "Chunks beyond the answered prefix.", c.missedChunks),
-		k("kvshim_l1_evictions_total", "Objects evicted (LRU).", c.evictions),
-		k("kvshim_l1_evicted_bytes_total", "Bytes evicted (LRU).", c.evictedBytes),
-		k("kvshim_l1_discarded_total", "Committed copies discarded because the key was already resident.", c.discarded),
+		k("kvshim_l1_evictions_total", "Objects evicted (LRU).", a.Evictions),
+		k("kvshim_l1_evicted_bytes_total", "Bytes evicted (LRU).", a.EvictedBytes),
+		k("kvshim_l1_discarded_total", "Committed copies discarded because the key was already resident.", a.Discarded),
 		k("kvshim_l1_commits_total", "Staging objects committed.", c.commits),
 		k("kvshim_l1_aborts_total", "Staging objects aborted.", c.aborts),
 		k("kvshim_l1_ttl_reclaimed_holds_total", "Holds reclaimed by the hold TTL.", c.ttlHolds),
 		k("kvshim_l1_ttl_reclaimed_staging_total", "Staging objects reclaimed by the staging TTL.", c.ttlStaging),
 		k("kvshim_l1_cleared_objects_total", "Objects dropped by CLEAR.", c.cleared),
-		k("kvshim_l1_segment_errors_total", "Failures to obtain a new L1 segment.", c.segmentErrors),
+		k("kvshim_l1_segment_errors_total", "Failures to obtain a new L1 segment.", a.SegmentErrors),
 		k("kvshim_sessions_opened_total", "Sessions opened.", c.sessionsOpened),
 		k("kvshim_sessions_closed_total", "Sessions closed.", c.sessionsClosed),
 		{name: "kvshim_l1_fences_lifted_total", counter: true, help: "Ended sessions whose fenced staging slots were freed, by what proved the writer done.", label: "by=exit", value: float64(c.fencesExited)},
 		{name: "kvshim_l1_fences_lifted_total", counter: true, help: "Ended sessions whose fenced staging slots were freed, by what proved the writer done.", label: "by=drained", value: float64(c.fencesDrained)},
 	}
-	for s := stStaging; s < numStates; s++ {
+	for s := l1.Staging; s < l1.NumStates; s++ {
 		out = append(out,
-			metric{name: "kvshim_l1_objects", help: "L1 objects by state.", label: "state=" + stateNames[s], value: float64(c.objects[s])},
-			metric{name: "kvshim_l1_object_bytes", help: "Requested bytes of L1 objects by state.", label: "state=" + stateNames[s], value: float64(c.objBytes[s])})
+			metric{name: "kvshim_l1_objects", help: "L1 objects by state.", label: "state=" + s.String(), value: float64(a.Objects[s])},
+			metric{name: "kvshim_l1_object_bytes", help: "Requested bytes of L1 objects by state.", label: "state=" + s.String(), value: float64(a.ObjectBytes[s])})
 	}
 	for l, v := range st.metrics.usage.rejected {
 		out = append(out, metric{name: "kvshim_lookups_rejected_total", counter: true, label: "limit=" + lookupLimitNames[l], value: float64(v),

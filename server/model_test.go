@@ -97,7 +97,7 @@ func runModel(t *testing.T, seed uint64, steps int, collide bool) {
 	rng := rand.New(rand.NewPCG(seed, 0x6b7673))
 	st := newStore(t, 8, Options{}, func(c *Config) { c.HighWatermark, c.LowWatermark = 1, 0.9 })
 	if collide {
-		st.keyMask = 1
+		st.l1.NarrowKeys(1)
 	}
 	pool := hashes(fmt.Sprint("model", seed), nHash)
 	sess := make([]*Session, nSess)

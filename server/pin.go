@@ -12,26 +12,16 @@ import (
 // cleared and its bytes stay valid until Unpin. With Options.OnCommit set,
 // COMMIT pins every object it publishes and hands the pins over.
 
-// unfill ends object i's prefetch accounting (it is freed or resident).
-func (st *Store) unfill(i uint32) {
-	o := st.objs.get(i)
-	if o.fill {
-		o.fill = false
-		st.cnt.prefetchBytes -= roundPage(o.size)
-	}
-}
-
 // pinLocked adds a pin to resident object i and describes it.
 func (st *Store) pinLocked(i uint32) tier.Object {
-	st.hold(i, 1)
+	st.l1.Hold(i, 1)
 	st.cnt.pins++
 	if st.pinned == nil {
 		st.pinned = map[uint32]uint32{}
 	}
 	st.pinned[i]++
-	o := st.objs.get(i)
-	return tier.Object{Key: tier.Key(st.shards[o.shard].ns, o.rank, o.hash),
-		Mem: st.mem.bytes(o.slab, o.slot, o.size), Ref: uint64(i)}
+	o := st.l1.Get(i)
+	return tier.Object{Key: tier.Key(o.Namespace, o.Rank, o.Hash), Mem: st.l1.Bytes(i), Ref: uint64(i)}
 }
 
 // Pin pins the resident object (ns, rank, h) and returns it; ok is false
@@ -42,11 +32,11 @@ func (st *Store) Pin(ns ipc.Namespace, rank uint32, h ipc.Hash) (o tier.Object, 
 	if st.closed {
 		return o, false
 	}
-	sh, found := st.shardOf(ns, false)
+	sh, found := st.l1.Shard(ns, false)
 	if !found {
 		return o, false
 	}
-	i, res := st.find(&st.shards[sh], &h, rank)
+	i, res := st.l1.Find(sh, &h, rank)
 	if !res {
 		return o, false
 	}
@@ -63,8 +53,12 @@ func (st *Store) Unpin(objs []tier.Object) {
 	}
 	for _, p := range objs {
 		i := uint32(p.Ref)
-		o := st.objs.get(i)
-		if st.pinned[i] == 0 || o.rank != p.Key.Rank || o.hash != p.Key.Hash {
+		if st.pinned[i] == 0 {
+			// A caller bug; refusing keeps the hold counts consistent.
+			slog.Error("server: Unpin of an object that is not pinned", "key", p.Key)
+			continue
+		}
+		if o := st.l1.Get(i); o.Rank != p.Key.Rank || o.Hash != p.Key.Hash {
 			// A caller bug; refusing keeps the hold counts consistent.
 			slog.Error("server: Unpin of an object that is not pinned", "key", p.Key)
 			continue
@@ -72,7 +66,7 @@ func (st *Store) Unpin(objs []tier.Object) {
 		if st.pinned[i]--; st.pinned[i] == 0 {
 			delete(st.pinned, i)
 		}
-		st.unhold(i)
+		st.l1.Unhold(i)
 		st.cnt.pins--
 	}
 }
@@ -82,5 +76,5 @@ func (st *Store) Unpin(objs []tier.Object) {
 func (st *Store) PrefetchBytes() uint64 {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	return st.cnt.prefetchBytes
+	return st.l1.PrefetchBytes()
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
 )
 
 // Prefetcher is the L2 seam: it is asked to fill the missing suffix of a
@@ -69,7 +70,7 @@ func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem
 		return nil, loc, false, fmt.Errorf("%w: task finished or cancelled", ErrFill)
 	case rank >= t.Ranks() || chunk < t.Start || chunk-t.Start >= uint32(len(t.Hashes)):
 		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) is outside the task", ErrFill, rank, chunk)
-	case size == 0 || size > st.mem.maxObject():
+	case size == 0 || size > st.l1.MaxObject():
 		return nil, loc, false, fmt.Errorf("%w: fill size %d", ErrBadRequest, size)
 	}
 	if _, dup := t.staged[k]; dup {
@@ -79,24 +80,21 @@ func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem
 		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) already filled", ErrFill, rank, chunk)
 	}
 	h := t.Hashes[chunk-t.Start]
-	sh, _ := st.shardOf(t.Namespace, true)
-	if _, res := st.find(&st.shards[sh], &h, rank); res {
+	sh, _ := st.l1.Shard(t.Namespace, true)
+	if _, res := st.l1.Find(sh, &h, rank); res {
 		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) is resident", ErrFill, rank, chunk)
 	}
-	idx, ok := st.newObject(sh, rank, h, size, stStaging)
+	idx, ok := st.l1.Reserve(sh, rank, &h, size, true)
 	if !ok {
 		return nil, loc, false, nil
 	}
-	st.objs.get(idx).fill = true
-	st.cnt.prefetchBytes += roundPage(size)
 	if temporary {
 		// Marked by the high bit until Commit; state stays staging.
 		t.staged[k] = idx | tempBit
 	} else {
 		t.staged[k] = idx
 	}
-	o := st.objs.get(idx)
-	return st.mem.bytes(o.slab, o.slot, o.size), st.loc(idx), true, nil
+	return st.l1.Bytes(idx), st.l1.Loc(idx), true, nil
 }
 
 // tempBit marks a staged fill object as temporary. Arena indices stay
@@ -117,29 +115,24 @@ func (t *FillTask) Commit(rank, chunk uint32, ok bool) error {
 	delete(t.staged, k)
 	idx := v &^ tempBit
 	if !ok || t.lk == nil || st.closed {
-		st.freeObject(idx)
+		st.l1.Free(idx)
 		return nil
 	}
 	if v&tempBit != 0 {
-		st.setState(idx, stTemporary)
+		if err := st.l1.MakeTemporary(idx); err != nil {
+			st.l1.Free(idx)
+			return err
+		}
 		if t.filled == nil {
 			t.filled = map[fillKey]uint32{}
 		}
 		t.filled[k] = idx
 		return nil
 	}
-	o := st.objs.get(idx)
-	st.unfill(idx) // resident objects are not prefetch bytes any more
-	if _, dup := st.find(&st.shards[o.shard], &o.hash, o.rank); dup {
-		st.cnt.discarded++
-		st.cnt.discardedBytes += o.size
-		st.freeObject(idx)
-		return nil
+	if _, err := st.l1.Publish(idx); err != nil { // false: already resident, discarded
+		return err
 	}
-	st.setState(idx, stResident)
-	st.insert(idx)
-	st.lru.pushHead(&st.objs, idx)
-	st.maybeEvict()
+	st.l1.MaybeEvict()
 	return nil
 }
 
@@ -156,7 +149,7 @@ func (t *FillTask) Done() {
 	}
 	t.done = true
 	for k, v := range t.staged {
-		st.freeObject(v &^ tempBit)
+		st.l1.Free(v &^ tempBit)
 		delete(t.staged, k)
 	}
 	t.answerLocked()
@@ -207,15 +200,15 @@ func (t *FillTask) Resident() []bool {
 	defer st.mu.Unlock()
 	ranks := t.Ranks()
 	out := make([]bool, uint32(len(t.Hashes))*ranks)
-	sh, ok := st.shardOf(t.Namespace, false)
+	sh, ok := st.l1.Shard(t.Namespace, false)
 	if !ok {
 		return out
 	}
 	found := make([]uint32, ranks)
 	for i := range t.Hashes {
-		st.findRanks(&st.shards[sh], &t.Hashes[i], found)
+		st.l1.FindRanks(sh, &t.Hashes[i], found)
 		for r, idx := range found {
-			out[uint32(i)*ranks+uint32(r)] = idx != nilIdx
+			out[uint32(i)*ranks+uint32(r)] = idx != l1.Nil
 		}
 	}
 	return out
@@ -232,8 +225,8 @@ func (t *FillTask) SizeHint() uint64 {
 	}
 	for _, row := range t.lk.held {
 		for _, i := range row {
-			if i != nilIdx {
-				return st.objs.get(i).size
+			if i != l1.Nil {
+				return st.l1.Size(i)
 			}
 		}
 	}
@@ -273,8 +266,8 @@ func (t *FillTask) cancelLocked() {
 // dropFilled frees temporary objects that no hold kept.
 func (t *FillTask) dropFilled() {
 	for k, idx := range t.filled {
-		if t.st.objs.get(idx).holds == 0 {
-			t.st.freeObject(idx)
+		if t.st.l1.Holds(idx) == 0 {
+			t.st.l1.Free(idx)
 		}
 		delete(t.filled, k)
 	}

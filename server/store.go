@@ -3,19 +3,19 @@ package server
 import (
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"sync"
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/tier"
 )
 
 // Options are the store's collaborators.
 type Options struct {
-	// Source provides L1 segments (default HeapSource).
-	Source SegmentSource
+	// Source provides L1 segments (default l1.HeapSource).
+	Source l1.SegmentSource
 	// OnSegment, when set, is called for every new segment, with the store's
 	// lock held: it must not block or call back into the store. The session
 	// loop uses it to announce segments to every client.
@@ -47,44 +47,31 @@ type Store struct {
 	metrics    *metrics
 	trace      traceSink // lifecycle records (trace.go)
 
-	mu         sync.Mutex
-	closed     bool
-	mem        *allocator
-	objs       arena
-	shards     []shard
-	shardIdx   map[ipc.Namespace]uint32
-	lru        lru
-	staging    map[stageKey]stageEntry
-	sessions   map[ipc.Tag]*Session
-	fences     map[*Session][]uint32 // ended sessions' fenced slots (fence.go)
-	pinned     map[uint32]uint32     // object → pins (see Pin)
-	cnt        counters
-	lastSegErr error // most recent segment source failure (see LastSegmentError)
-	seed64     uint64
-	keyMask    uint64 // ^0; tests narrow it to force key collisions
-	now        func() time.Time
+	mu       sync.Mutex
+	closed   bool
+	l1       *l1.Cache // allocator, object table, LRU, object states
+	staging  map[stageKey]stageEntry
+	sessions map[ipc.Tag]*Session
+	fences   map[*Session][]uint32 // ended sessions' fenced slots (fence.go)
+	pinned   map[uint32]uint32     // object → pins (see Pin)
+	cnt      counters
+	now      func() time.Time
 
 	stop chan struct{}
 	done chan struct{}
 }
 
-// counters are the store's accounting, guarded by mu.
+// counters are the store's accounting beyond L1's (l1.Stats), guarded by
+// mu.
 type counters struct {
-	objects    [numStates]uint64
-	objBytes   [numStates]uint64
-	holds      uint64
 	lookupsNow uint64 // live lookups
 	pending    uint64 // lookups waiting for a fill
 
 	lookups, hitChunks, missedChunks uint64
-	evictions, evictedBytes          uint64
-	discarded, discardedBytes        uint64 // losing publishers
 	allocOK, allocResident           uint64
 	allocInProgress, allocNoSpace    uint64
 	commits, aborts                  uint64
 	ttlHolds, ttlStaging             uint64
-	segmentErrors                    uint64
-	prefetchBytes                    uint64 // slot bytes of fill staging + temporary objects
 	pins                             uint64 // holds owned by the store controller
 	cleared, clearedBytes            uint64
 	sessionsOpened, sessionsClosed   uint64
@@ -99,24 +86,23 @@ func NewStore(cfg Config, o Options) (*Store, error) {
 	}
 	cfg = cfg.withDefaults()
 	if o.Source == nil {
-		o.Source = HeapSource{}
+		o.Source = l1.HeapSource{}
 	}
 	st := &Store{
 		cfg:        cfg,
 		prefetcher: o.Prefetcher,
-		mem:        newAllocator(o.Source, cfg.capacity(), cfg.SegmentSize, cfg.SlabSize),
-		shardIdx:   map[ipc.Namespace]uint32{},
 		staging:    map[stageKey]stageEntry{},
 		sessions:   map[ipc.Tag]*Session{},
 		fences:     map[*Session][]uint32{},
 		now:        time.Now,
-		seed64:     rand.Uint64(), // a fresh seed per store
-		keyMask:    ^uint64(0),
 		stop:       make(chan struct{}),
 		done:       make(chan struct{}),
 	}
-	st.mem.onSegment = o.OnSegment
-	st.lru.init()
+	st.l1 = l1.New(o.Source, l1.Config{
+		Capacity: cfg.capacity(), SegmentSize: cfg.SegmentSize, SlabSize: cfg.SlabSize,
+		HighWatermark: cfg.HighWatermark, LowWatermark: cfg.LowWatermark,
+		OnSegment: o.OnSegment, OnEvict: st.traceEvict,
+	})
 	st.metrics = newMetrics(st)
 	if err := st.openTier(o); err != nil {
 		return nil, err
@@ -147,7 +133,7 @@ func (st *Store) Close() error {
 	if st.tier != nil {
 		terr = st.tier.close() // before the segments go: L2 I/O uses them
 	}
-	return errors.Join(terr, st.mem.src.Close())
+	return errors.Join(terr, st.l1.Close())
 }
 
 // Session is one client connection (one connector instance). Its id is the
@@ -230,104 +216,31 @@ func (st *Store) check(s *Session) error {
 	return nil
 }
 
-// shardOf returns the shard index of namespace k, creating it when asked.
-func (st *Store) shardOf(k ipc.Namespace, create bool) (uint32, bool) {
-	if i, ok := st.shardIdx[k]; ok {
-		return i, true
-	}
-	if !create {
-		return 0, false
-	}
-	i := uint32(len(st.shards))
-	st.shards = append(st.shards, shard{ns: k, m: map[uint64]uint32{}})
-	st.shardIdx[k] = i
-	return i, true
-}
-
-// newObject allocates size bytes, evicting LRU objects when L1 is full.
-// ok is false when no space could be made.
-func (st *Store) newObject(shardI, rank uint32, h ipc.Hash, size uint64, state objState) (uint32, bool) {
-	for {
-		slab, slot, ok, err := st.mem.alloc(size)
-		if err != nil {
-			st.cnt.segmentErrors++
-			st.lastSegErr = err
-			return nilIdx, false
-		}
-		if ok {
-			i := st.objs.new()
-			o := st.objs.get(i)
-			*o = object{hash: h, shard: shardI, rank: rank, slab: slab, slot: slot, size: size,
-				state: state, prev: nilIdx, next: nilIdx}
-			st.cnt.objects[state]++
-			st.cnt.objBytes[state] += size
-			return i, true
-		}
-		if !st.evictOne() {
-			return nilIdx, false
-		}
-	}
-}
-
-// setState moves an object between states, keeping the counters.
-func (st *Store) setState(i uint32, to objState) {
-	o := st.objs.get(i)
-	st.cnt.objects[o.state]--
-	st.cnt.objBytes[o.state] -= o.size
-	o.state = to
-	st.cnt.objects[to]++
-	st.cnt.objBytes[to] += o.size
-}
-
-// freeObject returns an object's memory. A resident object also leaves the
-// table and the LRU list. The caller ensures it has no holds.
-func (st *Store) freeObject(i uint32) {
-	o := st.objs.get(i)
-	if o.state == stResident {
-		st.unlink(i)
-		st.lru.remove(&st.objs, i)
-	}
-	st.unfill(i)
-	st.cnt.objects[o.state]--
-	st.cnt.objBytes[o.state] -= o.size
-	st.mem.free(o.slab, o.slot, o.size)
-	st.objs.release(i)
-}
-
-// loc is an object's location.
-func (st *Store) loc(i uint32) ipc.Loc {
-	o := st.objs.get(i)
-	seg, off := st.mem.loc(o.slab, o.slot)
-	return ipc.Loc{Segment: seg, Offset: off, Size: o.size}
-}
-
-// hold adds n read holds to object i.
-func (st *Store) hold(i uint32, n uint32) {
-	st.objs.get(i).holds += n
-	st.cnt.holds += uint64(n)
-}
-
-// unhold drops one read hold; an unheld temporary object is freed.
-func (st *Store) unhold(i uint32) {
-	o := st.objs.get(i)
-	o.holds--
-	st.cnt.holds--
-	if o.holds == 0 && o.state == stTemporary {
-		st.freeObject(i)
-	}
-}
-
 // LastSegmentError returns the most recent failure of the segment source
 // (nil if none): ALLOCs answered NoSpace because L1 could not grow.
 func (st *Store) LastSegmentError() error {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	return st.lastSegErr
+	return st.l1.LastSegmentError()
 }
 
 // memAt returns the bytes at loc (tests and in-process callers).
 func (st *Store) memAt(loc ipc.Loc) []byte {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	return st.mem.segs[loc.Segment-1].mem[loc.Offset : loc.Offset+loc.Size]
+	return st.l1.At(loc)
+}
+
+// stageKey names a staging object: (namespace, rank, hash) plus writer tag.
+type stageKey struct {
+	shard l1.Shard
+	rank  uint32
+	hash  ipc.Hash
+	tag   ipc.Tag
+}
+
+type stageEntry struct {
+	idx   uint32
+	owner *Session
+	since int64 // unix nanoseconds
 }

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/tier"
 	"github.com/kvshim/kvshim/trace"
@@ -39,20 +40,17 @@ func (st *Store) traceRegistered(lk *lookup, p uint32) {
 	if w == nil {
 		return
 	}
-	var sh *shard
-	if i, ok := st.shardOf(lk.ns, false); ok {
-		sh = &st.shards[i]
-	}
+	sh, _ := st.l1.Shard(lk.ns, false)
 	n := len(lk.hashes)
 	found := make([]uint32, lk.ranks())
-	l1 := make([]bool, n)
+	inL1 := make([]bool, n)
 	stop, stopRank := int32(-1), int32(-1)
 	for c := range n {
-		st.findRanks(sh, &lk.hashes[c], found)
-		l1[c] = true
+		st.l1.FindRanks(sh, &lk.hashes[c], found)
+		inL1[c] = true
 		for r, i := range found {
-			if i == nilIdx {
-				l1[c] = false
+			if i == l1.Nil {
+				inL1[c] = false
 				if stop < 0 {
 					stop, stopRank = int32(c), int32(r)
 				}
@@ -61,8 +59,8 @@ func (st *Store) traceRegistered(lk *lookup, p uint32) {
 		}
 	}
 	r := lookupRecord(trace.KindLookup, "registered", lk)
-	r.L1 = trace.Bitmap(n, func(i int) bool { return l1[i] })
-	r.Missing = trace.Bitmap(n, func(i int) bool { return !l1[i] })
+	r.L1 = trace.Bitmap(n, func(i int) bool { return inL1[i] })
+	r.Missing = trace.Bitmap(n, func(i int) bool { return !inL1[i] })
 	r.Matched, r.Chunk, r.StopRank = p, stop, stopRank
 	w.Emit(r)
 	if lk.state == lkPending {
@@ -106,14 +104,11 @@ func (st *Store) traceFinal(lk *lookup) {
 		r.Result = "full"
 	} else {
 		r.Result, r.Chunk = "missing", int32(lk.chunks)
-		var sh *shard
-		if i, ok := st.shardOf(lk.ns, false); ok {
-			sh = &st.shards[i]
-		}
+		sh, _ := st.l1.Shard(lk.ns, false)
 		found := make([]uint32, lk.ranks())
-		st.findRanks(sh, &lk.hashes[lk.chunks], found)
+		st.l1.FindRanks(sh, &lk.hashes[lk.chunks], found)
 		for rk, i := range found {
-			if i == nilIdx {
+			if i == l1.Nil {
 				r.StopRank = int32(rk)
 				break
 			}
@@ -145,7 +140,7 @@ func (st *Store) traceFree(lk *lookup, start, end uint32) {
 	r.Start, r.End = start, end
 	for _, row := range lk.held {
 		for c := start; c < min(end, uint32(len(row))); c++ {
-			if row[c] != nilIdx {
+			if row[c] != l1.Nil {
 				r.Matched++
 			}
 		}
@@ -194,23 +189,14 @@ func (st *Store) traceCommit(s *Session, req *ipc.CommitReq, resp *ipc.CommitRes
 	w.Emit(r)
 }
 
-// traceEvict: an object evicted from L1 (mu held).
-func (st *Store) traceEvict(i uint32) {
+// traceEvict: an object evicted from L1 (l1.Config.OnEvict; mu held).
+func (st *Store) traceEvict(ns ipc.Namespace, rank uint32, size uint64) {
 	w := st.tracer()
 	if w == nil {
 		return
 	}
-	o := st.objs.get(i)
-	r := trace.Record{Kind: trace.KindEvict, Event: "evict", Rank: int32(o.rank), Chunks: 1, Bytes: o.size, Reason: "lru watermark", Chunk: -1}
-	if int(o.shard) < len(st.shards) {
-		for ns, idx := range st.shardIdx {
-			if idx == o.shard {
-				r.Namespace = hexNS(ns)
-				break
-			}
-		}
-	}
-	w.Emit(r)
+	w.Emit(trace.Record{Kind: trace.KindEvict, Event: "evict", Namespace: hexNS(ns), Rank: int32(rank), Chunks: 1, Bytes: size,
+		Reason: "lru watermark", Chunk: -1})
 }
 
 // TraceL2Saved (tier.L2Tracer): an L2 write ended (the seed's third
@@ -238,7 +224,7 @@ func (st *Store) traceRelease(lk *lookup, rank uint32) {
 	r := lookupRecord(trace.KindHold, "released", lk)
 	r.Rank = int32(rank)
 	for _, i := range lk.held[rank] {
-		if i != nilIdx {
+		if i != l1.Nil {
 			r.Matched++
 		}
 	}

@@ -29,19 +29,18 @@ func (st *Store) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
 	if err := st.check(s); err != nil {
 		return nil, err
 	}
-	maxObj := st.mem.maxObject()
+	maxObj := st.l1.MaxObject()
 	for i, sz := range req.Sizes {
 		if sz == 0 || sz > maxObj {
 			return nil, fmt.Errorf("%w: alloc: key %d: size %d not in [1, %d]", ErrBadRequest, i, sz, maxObj)
 		}
 	}
 	resp := &ipc.AllocResp{Status: make([]ipc.Status, n), Locs: make([]ipc.Loc, n)}
-	sh, _ := st.shardOf(req.Namespace, true)
-	table := &st.shards[sh]
+	sh, _ := st.l1.Shard(req.Namespace, true)
 	now := st.now().UnixNano()
 	full := false
 	for i, h := range req.Hashes {
-		if _, ok := st.find(table, &h, req.Rank); ok {
+		if _, ok := st.l1.Find(sh, &h, req.Rank); ok {
 			resp.Status[i] = ipc.StatusResident
 			st.cnt.allocResident++
 			continue
@@ -54,7 +53,7 @@ func (st *Store) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
 		}
 		var idx uint32
 		if !full {
-			idx, full = st.newObject(sh, req.Rank, h, req.Sizes[i], stStaging)
+			idx, full = st.l1.Reserve(sh, req.Rank, &h, req.Sizes[i], false)
 			full = !full
 		}
 		if full {
@@ -63,10 +62,10 @@ func (st *Store) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
 			continue
 		}
 		st.staging[k] = stageEntry{idx: idx, owner: s, since: now}
-		resp.Locs[i] = st.loc(idx)
+		resp.Locs[i] = st.l1.Loc(idx)
 		st.cnt.allocOK++
 	}
-	st.maybeEvict()
+	st.l1.MaybeEvict()
 	return resp, nil
 }
 
@@ -105,14 +104,13 @@ func (st *Store) finishWrite(s *Session, req *ipc.CommitReq, publish bool) (*ipc
 	}
 	var pins []tier.Object
 	resp := &ipc.CommitResp{Status: make([]ipc.Status, n)}
-	sh, ok := st.shardOf(req.Namespace, false)
+	sh, ok := st.l1.Shard(req.Namespace, false)
 	if !ok {
 		for i := range resp.Status {
 			resp.Status[i] = ipc.StatusNotFound
 		}
 		return resp, nil, nil
 	}
-	table := &st.shards[sh]
 	// Publish in reverse so the batch's first chunk ends up most recently
 	// used: eviction then takes a prefix's tail before its head.
 	for i := n - 1; i >= 0; i-- {
@@ -124,26 +122,26 @@ func (st *Store) finishWrite(s *Session, req *ipc.CommitReq, publish bool) (*ipc
 		}
 		delete(st.staging, k)
 		if !publish {
-			st.freeObject(e.idx)
+			st.l1.Free(e.idx)
 			st.cnt.aborts++
 			continue
 		}
 		st.cnt.commits++
-		if _, dup := st.find(table, &k.hash, k.rank); dup {
-			st.cnt.discarded++
-			st.cnt.discardedBytes += st.objs.get(e.idx).size
-			st.freeObject(e.idx)
+		published, err := st.l1.Publish(e.idx)
+		if err != nil {
+			// Staging objects are always staging: a bug. Keep the slot.
+			resp.Status[i] = ipc.StatusInternal
 			continue
 		}
-		st.setState(e.idx, stResident)
-		st.insert(e.idx)
-		st.lru.pushHead(&st.objs, e.idx)
+		if !published { // a copy already resident: discarded
+			continue
+		}
 		if st.onCommit != nil {
 			pins = append(pins, st.pinLocked(e.idx))
 		}
 	}
 	if publish {
-		st.maybeEvict()
+		st.l1.MaybeEvict()
 	}
 	return resp, pins, nil
 }
