@@ -107,7 +107,11 @@ func TestServeEndToEnd(t *testing.T) {
 	w3, err := ipc.Dial(path, hello, 5*time.Second)
 	assert.NilError(t, err)
 	defer w3.Close()
-	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_objects{state=fenced}"), 0.0)
+	// The hello is answered before the server's session goroutine opens
+	// the session (and lifts the fence): wait for it.
+	eventually(t, "the drained hello lifting the fence", func() bool {
+		return stat(t, srv.Store, "kvshim_l1_objects{state=fenced}") == 0
+	})
 	assert.Equal(t, used(t, srv.Store), 3.0*objSize)
 	c, err := sched.Clear(ctx)
 	assert.NilError(t, err)
