@@ -29,7 +29,7 @@
 // Lookups. LOOKUP checks each chunk on every rank 0..WorldSize-1 (MLA: the
 // rank-0 object, read by WorldSize readers, one hold each), holds the
 // longest prefix present on all ranks, and is final at once, or pending
-// while a Prefetcher fills the missing suffix (FillTask); then the prefix
+// while a tier.Filler fills the missing suffix (FillTask); then the prefix
 // is recomputed over resident + filled objects and the rest released.
 // LOOKUP_RESULT returns Pending, the final count once, then Unknown. FREE,
 // RELEASE, session close and the hold TTL release holds; a lookup whose

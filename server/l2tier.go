@@ -1,7 +1,6 @@
 package server
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -41,11 +40,11 @@ func (st *Store) openTier(o Options) (err error) {
 		}
 	}
 	if len(adapters) == 0 {
-		st.prefetcher, st.onCommit = o.Prefetcher, o.OnCommit
+		st.filler, st.onCommit = o.Filler, o.OnCommit
 		return nil
 	}
-	if o.Prefetcher != nil || o.OnCommit != nil {
-		return fmt.Errorf("%w: Options.Prefetcher / OnCommit cannot be combined with L2 adapters", ErrConfig)
+	if o.Filler != nil || o.OnCommit != nil {
+		return fmt.Errorf("%w: Options.Filler / OnCommit cannot be combined with L2 adapters", ErrConfig)
 	}
 	policy, err := tier.ParseStorePolicy(st.cfg.L2StorePolicy)
 	if err != nil {
@@ -69,7 +68,7 @@ func (st *Store) openTier(o Options) (err error) {
 		return err
 	}
 	st.tier = t
-	st.prefetcher = prefetchBridge{t.pc}
+	st.filler = t.pc
 	if !tier.IsNone(policy) {
 		st.onCommit = t.sc.Committed
 	}
@@ -131,30 +130,3 @@ func (st *Store) PrefetchController() *tier.PrefetchController {
 	}
 	return st.tier.pc
 }
-
-// prefetchBridge makes the prefetch controller the store's Prefetcher.
-type prefetchBridge struct{ pc *tier.PrefetchController }
-
-func (b prefetchBridge) Prefetch(t *FillTask) bool {
-	return b.pc.Prefetch(tier.FillRequest{Namespace: t.Namespace, Ranks: t.Ranks(), Start: t.Start,
-		Hashes: t.Hashes, Resident: t.Resident(), SizeHint: t.SizeHint()}, fillBridge{t, t.Context()})
-}
-
-// fillBridge is a *FillTask as a tier.Fill, and a tier.Cancellable whose
-// Context ends when the lookup is dropped.
-type fillBridge struct {
-	t   *FillTask
-	ctx context.Context
-}
-
-func (f fillBridge) Context() context.Context { return f.ctx }
-
-func (f fillBridge) TraceAdmission(a tier.Admission) { f.t.traceAdmission(a) }
-
-func (f fillBridge) Reserve(rank, chunk uint32, size uint64, temporary bool) ([]byte, bool, error) {
-	mem, _, ok, err := f.t.Reserve(rank, chunk, size, temporary)
-	return mem, ok, err
-}
-func (f fillBridge) Commit(rank, chunk uint32, ok bool) error { return f.t.Commit(rank, chunk, ok) }
-func (f fillBridge) Answer()                                  { f.t.Answer() }
-func (f fillBridge) Done()                                    { f.t.Done() }

@@ -97,7 +97,7 @@ func (lk *lookup) ranks() uint32 {
 // checks every chunk on every rank, takes read holds on the longest prefix
 // present on all ranks (MLA: the rank-0 object, one hold per reader),
 // touches those objects in the LRU, and releases nothing else. With a
-// Prefetcher the lookup stays pending while the missing suffix is filled;
+// Filler the lookup stays pending while the missing suffix is filled;
 // otherwise it is final at once.
 func (st *Store) Lookup(s *Session, req *ipc.LookupReq) error {
 	defer st.metrics.observe(opLookup, time.Now())
@@ -114,7 +114,7 @@ func (st *Store) Lookup(s *Session, req *ipc.LookupReq) error {
 	if err != nil {
 		return err
 	}
-	if t != nil && !st.prefetcher.Prefetch(t) {
+	if t != nil && !st.filler.Fill(t.request(), t) {
 		t.Done()
 	}
 	return nil
@@ -149,7 +149,7 @@ func (st *Store) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
 	st.cnt.hitChunks += uint64(p)
 	st.cnt.missedChunks += uint64(n - int(p))
 	var t *FillTask
-	if p < uint32(n) && st.prefetcher != nil {
+	if p < uint32(n) && st.filler != nil {
 		t = &FillTask{st: st, lk: lk, Namespace: lk.ns, WorldSize: lk.world, MLA: lk.mla,
 			Start: p, Hashes: lk.hashes[p:], staged: map[fillKey]uint32{}}
 		lk.fill = t

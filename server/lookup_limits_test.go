@@ -99,8 +99,8 @@ func TestLookupLimitConfig(t *testing.T) {
 // the limits is refused with a clear error, the Go heap grows by no more
 // than the stated bound, and everything comes back when the session ends.
 func TestLookupFloodMemory(t *testing.T) {
-	pf := &manualPrefetcher{}
-	st := newStore(t, 4, Options{Prefetcher: pf}, func(c *Config) {
+	pf := &manualFiller{}
+	st := newStore(t, 4, Options{Filler: pf}, func(c *Config) {
 		c.MaxLookupsPerSession = 64
 		c.MaxLookupCellsPerSession = 64<<10 + 1024
 	})

@@ -98,15 +98,15 @@ func TestLookupResultConsumedOnce(t *testing.T) {
 
 // Final 0 and pending are different answers; the model's fill chooses.
 func TestPendingVersusFinalZero(t *testing.T) {
-	t.Run("final zero without prefetcher", func(t *testing.T) {
+	t.Run("final zero without filler", func(t *testing.T) {
 		st := newStore(t, 4, Options{})
 		s := open(t, st, 0)
 		r := lookupNow(t, st, s, 1, 2, false, hashes("miss", 4))
 		assert.DeepEqual(t, *r, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 0})
 	})
 	t.Run("pending while a fill runs", func(t *testing.T) {
-		pf := &manualPrefetcher{}
-		st := newStore(t, 4, Options{Prefetcher: pf})
+		pf := &manualFiller{}
+		st := newStore(t, 4, Options{Filler: pf})
 		s := open(t, st, 0)
 		r := lookupNow(t, st, s, 1, 1, false, hashes("miss", 4))
 		assert.Equal(t, r.Status, ipc.StatusPending)
@@ -118,9 +118,9 @@ func TestPendingVersusFinalZero(t *testing.T) {
 		assert.Equal(t, stat(t, st, "kvshim_lookups_pending"), 0.0)
 		assert.Equal(t, stat(t, st, "kvshim_lookups_live"), 0.0)
 	})
-	t.Run("full hit never asks the prefetcher", func(t *testing.T) {
-		pf := &manualPrefetcher{}
-		st := newStore(t, 4, Options{Prefetcher: pf})
+	t.Run("full hit never asks the filler", func(t *testing.T) {
+		pf := &manualFiller{}
+		st := newStore(t, 4, Options{Filler: pf})
 		s := open(t, st, 0)
 		hs := hashes("hit", 2)
 		store(t, st, s, 1, 0, hs)
@@ -206,8 +206,8 @@ func TestHoldAndStagingTTL(t *testing.T) {
 // FREE while a lookup is pending: freed chunks count in the answer but
 // hold nothing, now or when the fill lands.
 func TestFreeWhilePending(t *testing.T) {
-	pf := &manualPrefetcher{}
-	st := newStore(t, 4, Options{Prefetcher: pf})
+	pf := &manualFiller{}
+	st := newStore(t, 4, Options{Filler: pf})
 	s := open(t, st, 0)
 	hs := hashes("pending-free", 3)
 	store(t, st, s, 1, 0, hs[:1])
@@ -217,7 +217,7 @@ func TestFreeWhilePending(t *testing.T) {
 	assert.Equal(t, holds(t, st), 0.0)
 	ft := pf.tasks[0]
 	for _, c := range []uint32{1, 2} {
-		_, _, ok, err := ft.Reserve(0, c, objSize, false)
+		_, ok, err := ft.Reserve(0, c, objSize, false)
 		assert.Assert(t, ok && err == nil)
 		assert.NilError(t, ft.Commit(0, c, true))
 	}

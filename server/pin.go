@@ -7,6 +7,9 @@ import (
 	"github.com/kvshim/kvshim/server/tier"
 )
 
+// The store is the L1 that the L2 controllers unpin and budget against.
+var _ tier.L1 = (*Store)(nil)
+
 // Pins are read holds owned by an in-process component (the L2 store
 // controller) instead of a lookup: a pinned object is never evicted or
 // cleared and its bytes stay valid until Unpin. With Options.OnCommit set,

@@ -62,8 +62,8 @@ func TestOnCommitPinsPublished(t *testing.T) {
 // Answer makes a pending lookup final while reservations stay; a later
 // Commit frees its object instead of publishing it, Done frees the rest.
 func TestFillAnswerKeepsReservations(t *testing.T) {
-	pf := &manualPrefetcher{}
-	st := newStore(t, 4, Options{Prefetcher: pf})
+	pf := &manualFiller{}
+	st := newStore(t, 4, Options{Filler: pf})
 	s := open(t, st, 0)
 	hs := hashes("answer", 3)
 	store(t, st, s, 1, 0, hs[:1])
@@ -73,7 +73,7 @@ func TestFillAnswerKeepsReservations(t *testing.T) {
 	assert.DeepEqual(t, ft.Resident(), []bool{true, false, false, false, false, false})
 	assert.Equal(t, ft.SizeHint(), uint64(0)) // nothing held yet
 	for c := range uint32(2) {
-		_, _, ok, err := ft.Reserve(1, c, objSize, true)
+		_, ok, err := ft.Reserve(1, c, objSize, true)
 		assert.Assert(t, ok && err == nil)
 	}
 	assert.Equal(t, stat(t, st, "kvshim_l1_prefetch_bytes"), 2.0*objSize)
@@ -82,7 +82,7 @@ func TestFillAnswerKeepsReservations(t *testing.T) {
 	r, err := st.LookupResult(s, &ipc.LookupResultReq{LookupID: 1})
 	assert.NilError(t, err)
 	assert.DeepEqual(t, *r, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 1})
-	_, _, _, err = ft.Reserve(1, 2, objSize, true)
+	_, _, err = ft.Reserve(1, 2, objSize, true)
 	assert.Assert(t, errors.Is(err, ErrFill))
 	assert.Equal(t, stat(t, st, "kvshim_l1_objects{state=staging}"), 1.0) // chunk 1 still loading
 	assert.NilError(t, ft.Commit(1, 1, true))                             // arrives late: freed

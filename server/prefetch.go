@@ -6,26 +6,16 @@ import (
 
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/server/l1"
+	"github.com/kvshim/kvshim/server/tier"
 )
 
-// Prefetcher is the L2 seam: it is asked to fill the missing suffix of a
-// lookup into L1 while the lookup stays pending.
-//
-// Prefetch is called without the store's lock, once per lookup that misses
-// at least one chunk. It must not block: it starts the work and returns
-// true, or returns false when it has nothing to do (the lookup is then
-// final at once). After returning true it must call t.Done exactly once,
-// from any goroutine, when it has finished (loaded, failed or given up).
-// Between the two it may Reserve / Commit objects through t. t.Context()
-// ends when the lookup is dropped (its session closes, the hold TTL): the
-// prefetcher should then abandon the work, still calling Done.
-type Prefetcher interface {
-	Prefetch(t *FillTask) bool
-}
+// FillTask is the L1 side of the fill seam, as package tier sees it.
+var _ tier.Fill = (*FillTask)(nil)
 
 type fillKey struct{ rank, chunk uint32 }
 
-// FillTask is one lookup's fill: chunks [Start, Start+len(Hashes)) are the
+// FillTask is one lookup's fill, the L1 side of the fill seam (tier.Fill,
+// handed to the tier.Filler): chunks [Start, Start+len(Hashes)) are the
 // suffix that L1 lacked on at least one rank when the lookup arrived.
 type FillTask struct {
 	Namespace ipc.Namespace
@@ -55,38 +45,38 @@ func (t *FillTask) Ranks() uint32 {
 }
 
 // Reserve stages size bytes for (rank, chunk) and returns the memory to
-// fill and its location. temporary objects serve only this lookup and are
+// fill. temporary objects serve only this lookup and are
 // freed once its holds are gone; the others become resident on Commit.
 // It fails with ErrFill when the task is finished or cancelled, the chunk is
 // out of range, already resident, or already reserved; with
 // ErrBadRequest for a bad size; and reports ok=false when L1 has no space.
-func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem []byte, loc ipc.Loc, ok bool, err error) {
+func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem []byte, ok bool, err error) {
 	st := t.st
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	k := fillKey{rank, chunk}
 	switch {
 	case t.done || t.answered || t.lk == nil || st.closed:
-		return nil, loc, false, fmt.Errorf("%w: task finished or cancelled", ErrFill)
+		return nil, false, fmt.Errorf("%w: task finished or cancelled", ErrFill)
 	case rank >= t.Ranks() || chunk < t.Start || chunk-t.Start >= uint32(len(t.Hashes)):
-		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) is outside the task", ErrFill, rank, chunk)
+		return nil, false, fmt.Errorf("%w: (rank %d, chunk %d) is outside the task", ErrFill, rank, chunk)
 	case size == 0 || size > st.l1.MaxObject():
-		return nil, loc, false, fmt.Errorf("%w: fill size %d", ErrBadRequest, size)
+		return nil, false, fmt.Errorf("%w: fill size %d", ErrBadRequest, size)
 	}
 	if _, dup := t.staged[k]; dup {
-		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) already reserved", ErrFill, rank, chunk)
+		return nil, false, fmt.Errorf("%w: (rank %d, chunk %d) already reserved", ErrFill, rank, chunk)
 	}
 	if _, dup := t.filled[k]; dup {
-		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) already filled", ErrFill, rank, chunk)
+		return nil, false, fmt.Errorf("%w: (rank %d, chunk %d) already filled", ErrFill, rank, chunk)
 	}
 	h := t.Hashes[chunk-t.Start]
 	sh, _ := st.l1.Shard(t.Namespace, true)
 	if _, res := st.l1.Find(sh, &h, rank); res {
-		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) is resident", ErrFill, rank, chunk)
+		return nil, false, fmt.Errorf("%w: (rank %d, chunk %d) is resident", ErrFill, rank, chunk)
 	}
 	idx, ok := st.l1.Reserve(sh, rank, &h, size, true)
 	if !ok {
-		return nil, loc, false, nil
+		return nil, false, nil
 	}
 	if temporary {
 		// Marked by the high bit until Commit; state stays staging.
@@ -94,7 +84,7 @@ func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem
 	} else {
 		t.staged[k] = idx
 	}
-	return st.l1.Bytes(idx), st.l1.Loc(idx), true, nil
+	return st.l1.Bytes(idx), true, nil
 }
 
 // tempBit marks a staged fill object as temporary. Arena indices stay
@@ -157,7 +147,7 @@ func (t *FillTask) Done() {
 
 // Answer makes the lookup final now, as Done would, but keeps the
 // reservations not yet committed: a later Commit frees its object (it is
-// never published) and Done frees the rest. A prefetcher past its deadline
+// never published) and Done frees the rest. A filler past its deadline
 // uses it while loads still write into staging buffers. Done must still be
 // called.
 func (t *FillTask) Answer() {
@@ -190,6 +180,12 @@ func (t *FillTask) answerLocked() {
 	lk.fill = nil
 	t.lk = nil
 	t.dropFilled()
+}
+
+// request describes the fill to the filler (the L1 state now).
+func (t *FillTask) request() tier.FillRequest {
+	return tier.FillRequest{Namespace: t.Namespace, Ranks: t.Ranks(), Start: t.Start,
+		Hashes: t.Hashes, Resident: t.Resident(), SizeHint: t.SizeHint()}
 }
 
 // Resident reports, for each cell (rank r, chunk Start+i) at index
@@ -235,9 +231,9 @@ func (t *FillTask) SizeHint() uint64 {
 
 // Context ends when the task is cancelled: its lookup was dropped (the
 // session closed, the hold TTL) before the fill answered it. The
-// prefetcher then abandons its work — adapter operations, waits — and still
+// filler then abandons its work — adapter operations, waits — and still
 // calls Done; a load already writing into a reservation must report (and
-// Commit) before Done frees it, as after Answer.
+// Commit) before Done frees it, as after Answer (tier.Fill).
 func (t *FillTask) Context() context.Context {
 	st := t.st
 	st.mu.Lock()
@@ -252,7 +248,7 @@ func (t *FillTask) Context() context.Context {
 }
 
 // cancelLocked detaches the task from its dropped lookup and ends its
-// Context: filled objects go now, staged ones when the prefetcher commits
+// Context: filled objects go now, staged ones when the filler commits
 // them or calls Done.
 func (t *FillTask) cancelLocked() {
 	t.lk = nil

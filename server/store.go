@@ -20,10 +20,10 @@ type Options struct {
 	// lock held: it must not block or call back into the store. The session
 	// loop uses it to announce segments to every client.
 	OnSegment func(id uint32, mem []byte)
-	// Prefetcher, when set, is asked to fill the missing suffix of every
-	// lookup (the L2 seam). Nil: lookups are final at once. Not with L2
+	// Filler, when set, is asked to fill the missing suffix of every
+	// lookup (the fill seam). Nil: lookups are final at once. Not with L2
 	// adapters (the store then uses its prefetch controller).
-	Prefetcher Prefetcher
+	Filler tier.Filler
 	// OnCommit, when set, receives the objects each COMMIT publishes, each
 	// pinned (see Pin): it is called without the store's lock, must not
 	// block, and must Unpin every object once. Not with L2 adapters (the
@@ -40,12 +40,12 @@ type Options struct {
 // and their holds. Every operation is safe for concurrent use; one mutex
 // guards the table and every operation is O(its keys).
 type Store struct {
-	cfg        Config
-	prefetcher Prefetcher
-	onCommit   func(objs []tier.Object)
-	tier       *l2Tier // nil: L1 only
-	metrics    *metrics
-	trace      traceSink // lifecycle records (trace.go)
+	cfg      Config
+	filler   tier.Filler
+	onCommit func(objs []tier.Object)
+	tier     *l2Tier // nil: L1 only
+	metrics  *metrics
+	trace    traceSink // lifecycle records (trace.go)
 
 	mu       sync.Mutex
 	closed   bool
@@ -89,14 +89,14 @@ func NewStore(cfg Config, o Options) (*Store, error) {
 		o.Source = l1.HeapSource{}
 	}
 	st := &Store{
-		cfg:        cfg,
-		prefetcher: o.Prefetcher,
-		staging:    map[stageKey]stageEntry{},
-		sessions:   map[ipc.Tag]*Session{},
-		fences:     map[*Session][]uint32{},
-		now:        time.Now,
-		stop:       make(chan struct{}),
-		done:       make(chan struct{}),
+		cfg:      cfg,
+		filler:   o.Filler,
+		staging:  map[stageKey]stageEntry{},
+		sessions: map[ipc.Tag]*Session{},
+		fences:   map[*Session][]uint32{},
+		now:      time.Now,
+		stop:     make(chan struct{}),
+		done:     make(chan struct{}),
 	}
 	st.l1 = l1.New(o.Source, l1.Config{
 		Capacity: cfg.capacity(), SegmentSize: cfg.SegmentSize, SlabSize: cfg.SlabSize,

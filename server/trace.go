@@ -231,9 +231,9 @@ func (st *Store) traceRelease(lk *lookup, rank uint32) {
 	w.Emit(r)
 }
 
-// traceAdmission records the L2 prefetch's admission decision for t's
-// lookup (fill records, event admission; see trace/doc.go).
-func (t *FillTask) traceAdmission(a tier.Admission) {
+// TraceAdmission records the L2 prefetch's admission decision for t's
+// lookup (fill records, event admission; see trace/doc.go; tier.Fill).
+func (t *FillTask) TraceAdmission(a tier.Admission) {
 	st := t.st
 	w := st.tracer()
 	if w == nil {

@@ -15,6 +15,8 @@ import (
 	"github.com/kvshim/kvshim/server/l2"
 )
 
+var _ Filler = (*PrefetchController)(nil)
+
 // Defaults.
 const (
 	DefaultPrefetchTimeout = 5 * time.Second
@@ -51,7 +53,8 @@ type PrefetchConfig struct {
 	Verify objfmt.VerifyPolicy
 }
 
-// PrefetchController fills lookups' missing chunks from L2.
+// PrefetchController fills lookups' missing chunks from L2: the L2 side
+// of the fill seam.
 type PrefetchController struct {
 	adapters []*l2.Adapter
 	cfg      PrefetchConfig
@@ -168,20 +171,10 @@ func (pc *PrefetchController) Stats() PrefetchStats {
 	return s
 }
 
-// Cancellable is implemented by a Fill that its caller can abandon: Context
-// ends when the lookup is dropped. The controller then stops the fill's L2
-// lookups and loads (their context ends), its admission wait and its
-// remaining steps, and gives back its budget, holds and staging; a load
-// already writing into staging keeps it until the load reports, as after
-// the deadline.
-type Cancellable interface {
-	Context() context.Context
-}
-
-// Prefetch starts filling req in the background and returns true, or
+// Fill starts filling req from L2 in the background and returns true, or
 // returns false (nothing to do: no adapter, or closed). It never blocks.
-// After true, f.Done is called exactly once.
-func (pc *PrefetchController) Prefetch(req FillRequest, f Fill) bool {
+// After true, f.Done is called exactly once (Filler).
+func (pc *PrefetchController) Fill(req FillRequest, f Fill) bool {
 	if len(pc.adapters) == 0 || len(req.Hashes) == 0 {
 		return false
 	}
@@ -237,9 +230,9 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 	parent, drop := context.WithCancel(pc.ctx)
 	defer drop()
 	var gone <-chan struct{}
-	if c, ok := f.(Cancellable); ok && c.Context() != nil {
-		gone = c.Context().Done()
-		stop := context.AfterFunc(c.Context(), drop)
+	if fc := f.Context(); fc != nil {
+		gone = fc.Done()
+		stop := context.AfterFunc(fc, drop)
 		defer stop()
 	}
 	dropped := func() bool {
@@ -310,7 +303,7 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 	pc.release(results, keys, cells, planned, true)
 	if planned == 0 {
 		pc.noL2.Add(1)
-		traceAdmission(f, Admission{Result: "no_l2"})
+		f.TraceAdmission(Admission{Result: "no_l2"})
 		f.Done()
 		return
 	}
@@ -331,7 +324,7 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 			} else {
 				pc.rejected.Add(1)
 			}
-			traceAdmission(f, Admission{Cells: planned, Bytes: bytes, Result: result, Waited: waited})
+			f.TraceAdmission(Admission{Cells: planned, Bytes: bytes, Result: result, Waited: waited})
 			pc.release(results, keys, plan, 0, false)
 			f.Done()
 			return
@@ -373,11 +366,11 @@ func (pc *PrefetchController) run(req FillRequest, f Fill) {
 			pc.l1Full.Add(1)
 			adm.Result = "l1_full"
 		}
-		traceAdmission(f, adm)
+		f.TraceAdmission(adm)
 		pc.finish(f, results, keys, plan, nil)
 		return
 	}
-	traceAdmission(f, adm)
+	f.TraceAdmission(adm)
 	// 5. Load per adapter; admit each key as it arrives.
 	if pc.cfg.BeforeLoad != nil {
 		pc.cfg.BeforeLoad(append([]l2.Key(nil), keys[:n]...))

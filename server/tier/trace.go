@@ -33,14 +33,3 @@ type Admission struct {
 	Result        string
 	Waited        time.Duration
 }
-
-// AdmissionTracer is implemented by a Fill whose host records traces.
-type AdmissionTracer interface {
-	TraceAdmission(Admission)
-}
-
-func traceAdmission(f Fill, a Admission) {
-	if t, ok := f.(AdmissionTracer); ok {
-		t.TraceAdmission(a)
-	}
-}
