@@ -179,7 +179,7 @@ func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error,
 				srv.Close()
 				return nil, fmt.Errorf("kvshim.trace_dir: %w", err)
 			}
-			srv.Store.SetTrace(e.trace)
+			srv.Core.SetTrace(e.trace)
 		}
 		if sc.MetricsPort != 0 {
 			ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(sc.MetricsPort)))
@@ -188,7 +188,7 @@ func acquireEmbedded(socket string, cfg *connectorConfig) (release func() error,
 				e.trace.Close()
 				return nil, fmt.Errorf("kvshim.metrics_port: %w", err)
 			}
-			e.metrics = srv.Store.ServeMetrics(ln, server.BuildInfo{Version: version, ABI: abiVersion})
+			e.metrics = srv.Core.ServeMetrics(ln, server.BuildInfo{Version: version, ABI: abiVersion})
 		}
 		embedded.m[socket] = e
 	}

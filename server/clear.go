@@ -8,7 +8,7 @@ import (
 
 // Clear drops every resident object that has no holds (OpClear). Staging,
 // temporary and held objects stay.
-func (st *Store) Clear(s *Session) (*ipc.ClearResp, error) {
+func (st *Core) Clear(s *Session) (*ipc.ClearResp, error) {
 	defer st.metrics.observe(opClear, time.Now())
 	st.mu.Lock()
 	defer st.mu.Unlock()

@@ -224,7 +224,7 @@ func (c *Config) validateL2() []string {
 	return errs
 }
 
-// l2Budgets are the prefetch admission budget and the store controller's
+// l2Budgets are the prefetch admission budget and the writer's
 // pinned-bytes cap, in bytes (default: a quarter of L1 each).
 func (c *Config) l2Budgets() (prefetch, store uint64) {
 	capacity := c.capacity()

@@ -1,14 +1,31 @@
-// Package server is kvshim's MP server core: L1 host memory in shared
-// segments, the object table, sessions, lookups and their read holds, LRU
-// eviction and metrics. It is transport independent: every operation is a
-// Store method taking the calling *Session and the ipc request type, and
-// returning the ipc response type (or an error that StatusOf maps to a
-// frame status). The session loop (rings, codec) calls these methods.
+// Package server is kvshim's MP server core: sessions, lookups and their
+// read holds, the L1 cache behind them, the L2 wiring and metrics. It is
+// transport independent: every operation is a Core method taking the
+// calling *Session and the ipc request type, and returning the ipc
+// response type (or an error that StatusOf maps to a frame status). The
+// session loop (rings, codec; serve.go) calls these methods.
+//
+// Names. Each word below has one meaning across server, server/l1 and
+// server/tier:
+//
+//	Core         the server core (sessions, lookups, one mutex); a Server
+//	             is a Core behind an ipc listener
+//	l1.Cache     L1: segments, allocator, object table, LRU, object states
+//	store        only the L2 write of one object: l2.Adapter.Store, the
+//	             store policy (--l2-store-policy), kvshim_l2_store_*
+//	tier.Writer  stores committed L1 objects to L2 (write-through)
+//	fill         the L1<->L2 seam, L2 -> L1 for one lookup: tier.Filler
+//	             (L2 side, Fill(req, f); the PrefetchController),
+//	             tier.Fill (L1 side: one lookup's fill; *FillTask here),
+//	             tier.FillRequest (what to fill)
+//	prefetch     the policy behind the L2 side of a fill: the
+//	             PrefetchController, its byte budget, --l2-prefetch-*,
+//	             kvshim_l2_prefetch_*
+//	save         a client's ALLOC + COMMIT into L1 (test helpers)
 //
 // L1 (package l1): the shared segments, the slab allocator, the object
 // table, the LRU list and the object state machine, as pure bookkeeping
-// that this package guards with its one mutex. Its doc has the segment
-// layout.
+// that the Core guards with its one mutex. Its doc has the segment layout.
 //
 // Objects. Key = (namespace, rank, chunk hash). States:
 //
@@ -17,6 +34,7 @@
 //	                              │   is discarded and its space freed)
 //	                              └──ABORT / session close / staging TTL──► gone
 //	FillTask.Reserve ──► staging ──Commit(temporary)──► temporary ──last hold──► gone
+//	                              └──Commit (retained)──► resident (as COMMIT)
 //
 // Staging objects are invisible to lookups. Read holds are counters on the
 // object, owned by a (session, lookup) pair per reader rank; held objects
@@ -50,12 +68,12 @@
 // missing cell while it runs, up to --l2-prefetch-timeout, even after its
 // lookup is gone; and the Go runtime returns freed heap to the OS lazily.
 //
-// L2. With Config.L2Adapters (--l2-adapter JSON, repeatable) the store
+// L2. With Config.L2Adapters (--l2-adapter JSON, repeatable) the core
 // opens the adapters (package l2, types fs, redis, mooncake_store) and
 // wires package tier's controllers (l2tier.go):
 //
-//	COMMIT ──publish──► resident ──pin (hold owned by the store controller)──►
-//	    StoreController.Committed (after the lock) ──► adapter.Store ──► Unpin
+//	COMMIT ──publish──► resident ──pin (hold owned by the writer)──►
+//	    Writer.Committed (after the lock) ──► adapter.Store ──► Unpin
 //	LOOKUP ──miss──► FillTask ──► PrefetchController (L2 lookup, plan,
 //	    byte-aware admission, Reserve, Load, Commit per key, Done/Answer)
 //

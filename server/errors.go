@@ -19,8 +19,8 @@ var (
 	ErrSessionClosed = errors.New("server: session closed")
 	// ErrDuplicateSession: a live session already has that instance id.
 	ErrDuplicateSession = errors.New("server: duplicate session instance id")
-	// ErrStoreClosed: the store was closed.
-	ErrStoreClosed = errors.New("server: store closed")
+	// ErrClosed: the core was closed.
+	ErrClosed = errors.New("server: closed")
 	// ErrConfig: an invalid configuration value.
 	ErrConfig = errors.New("server: invalid config")
 	// ErrSegment: the segment source failed to provide memory (l1's

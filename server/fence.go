@@ -28,7 +28,7 @@ type SessionOptions struct {
 // releaseStaging gives back a staging object that its writer s no longer
 // owns (session end, staging TTL): freed at once when s's writes cannot
 // outlive its calls, else fenced until s is known to be done writing.
-func (st *Store) releaseStaging(s *Session, i uint32) {
+func (st *Core) releaseStaging(s *Session, i uint32) {
 	if !s.opts.Fence {
 		st.l1.Free(i)
 		return
@@ -43,7 +43,7 @@ func (st *Store) releaseStaging(s *Session, i uint32) {
 
 // fenceClosed parks a closed session's fenced slots until its writer has
 // exited (watched with a pidfd) or says it has drained (HelloDrained).
-func (st *Store) fenceClosed(s *Session) {
+func (st *Core) fenceClosed(s *Session) {
 	if len(s.fenced) == 0 {
 		return
 	}
@@ -52,7 +52,7 @@ func (st *Store) fenceClosed(s *Session) {
 	lifted := make(chan struct{}) // closed by unfence: the watch ends with the fence
 	s.lifted = lifted
 	go func() {
-		stop := make(chan struct{}) // the store closed, or the fence was lifted
+		stop := make(chan struct{}) // the core closed, or the fence was lifted
 		go func() {
 			select {
 			case <-st.stop:
@@ -77,7 +77,7 @@ func (st *Store) fenceClosed(s *Session) {
 }
 
 // unfenceDrained frees the fenced slots of every ended session named id.
-func (st *Store) unfenceDrained(id ipc.Tag) {
+func (st *Core) unfenceDrained(id ipc.Tag) {
 	for s := range st.fences {
 		if s.id == id && st.unfence(s) {
 			st.cnt.fencesDrained++
@@ -86,7 +86,7 @@ func (st *Store) unfenceDrained(id ipc.Tag) {
 }
 
 // unfence frees s's fenced slots; false if it had none (already freed).
-func (st *Store) unfence(s *Session) bool {
+func (st *Core) unfence(s *Session) bool {
 	objs, ok := st.fences[s]
 	if !ok || st.closed {
 		return false

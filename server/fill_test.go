@@ -22,10 +22,10 @@ func (m *manualFiller) Fill(_ tier.FillRequest, f tier.Fill) bool {
 func TestFillPrefixCounterExample(t *testing.T) {
 	for _, temporary := range []bool{true, false} {
 		pf := &manualFiller{}
-		st := newStore(t, 4, Options{Filler: pf})
+		st := newCore(t, 4, Options{Filler: pf})
 		s := open(t, st, 0)
 		hs := hashes("1024 tokens", 4)
-		store(t, st, s, 1, 0, hs[:1])
+		save(t, st, s, 1, 0, hs[:1])
 		base := used(t, st)
 		assert.NilError(t, st.Lookup(s, &ipc.LookupReq{LookupID: 3, Namespace: ns1, WorldSize: 1, Hashes: hs}))
 		assert.Equal(t, len(pf.tasks), 1)
@@ -62,7 +62,7 @@ func TestFillPrefixCounterExample(t *testing.T) {
 
 func TestFillTemporaryServedAndFreed(t *testing.T) {
 	pf := &manualFiller{}
-	st := newStore(t, 4, Options{Filler: pf})
+	st := newCore(t, 4, Options{Filler: pf})
 	sched, worker := open(t, st, 0), open(t, st, 1)
 	hs := hashes("mla", 3)
 	base := used(t, st)
@@ -98,7 +98,7 @@ func TestFillTemporaryServedAndFreed(t *testing.T) {
 
 func TestFillCancelledBySessionClose(t *testing.T) {
 	pf := &manualFiller{}
-	st := newStore(t, 4, Options{Filler: pf})
+	st := newCore(t, 4, Options{Filler: pf})
 	s := open(t, st, 0)
 	hs := hashes("cancel", 2)
 	assert.NilError(t, st.Lookup(s, &ipc.LookupReq{LookupID: 1, Namespace: ns1, WorldSize: 1, Hashes: hs}))

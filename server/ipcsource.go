@@ -13,28 +13,28 @@ import (
 
 // IPCSource is the production l1.SegmentSource: memfd segments from
 // ipc.CreateSegment, each announced to every session (open and future)
-// through the listener before the store hands out a Loc in it. With
+// through the listener before the core hands out a Loc in it. With
 // Prefault set, the L1 allocator has it prepare segments ahead of
 // demand (l1.ReadySource): each is created, its pages allocated (faultIn) and
-// announced from a background goroutine, and handed to the store by the
+// announced from a background goroutine, and handed to the core by the
 // NewSegment that follows.
 type IPCSource struct {
 	// Prefault is how many bytes of L1 to keep created, faulted in and
 	// announced ahead of use (Config.L1PrefaultGB; 0: lazy). Set it before
-	// the store is created.
+	// the core is created.
 	Prefault uint64
 
 	ln      *ipc.Listener
 	mu      sync.Mutex
 	segs    []*ipc.Segment
-	ready   map[uint32]*ipc.Segment // prepared, not yet handed to the store
+	ready   map[uint32]*ipc.Segment // prepared, not yet handed to the core
 	onNew   func(seg *ipc.Segment)  // L2 segment registration; must not block
 	closers []func()                // run first in Close (the grower's stop)
 	closed  bool
 }
 
 // setOnNew sets the new-segment hook and calls it for the segments that
-// already exist (handed to the store; a prepared one gets it when the
+// already exist (handed to the core; a prepared one gets it when the
 // store takes it, as a new one does).
 func (s *IPCSource) setOnNew(f func(seg *ipc.Segment)) {
 	s.mu.Lock()

@@ -11,17 +11,17 @@ import (
 	"github.com/kvshim/kvshim/server/tier"
 )
 
-// l2Tier is the store's L2 side: the adapters and the two controllers.
+// l2Tier is the core's L2 side: the adapters and the two controllers.
 type l2Tier struct {
 	adapters []*l2.Adapter
-	sc       *tier.StoreController
+	wr       *tier.Writer
 	pc       *tier.PrefetchController
 	segs     sync.WaitGroup // segment registrations running
 }
 
 // openTier opens the configured adapters (or takes o.L2Adapters) and
 // wires the controllers; with none it installs o's hooks as given.
-func (st *Store) openTier(o Options) (err error) {
+func (st *Core) openTier(o Options) (err error) {
 	adapters := o.L2Adapters
 	defer func() {
 		if err != nil {
@@ -61,7 +61,7 @@ func (st *Store) openTier(o Options) (err error) {
 	if err != nil {
 		return err
 	}
-	t.sc, err = tier.NewStoreController(st, adapters, tier.StoreConfig{
+	t.wr, err = tier.NewWriter(st, adapters, tier.WriterConfig{
 		Policy: policy, MaxBytes: storeBytes, Hints: hints,
 	}, st.metrics.reg, log)
 	if err != nil {
@@ -70,7 +70,7 @@ func (st *Store) openTier(o Options) (err error) {
 	st.tier = t
 	st.filler = t.pc
 	if !tier.IsNone(policy) {
-		st.onCommit = t.sc.Committed
+		st.onCommit = t.wr.Committed
 	}
 	if src, ok := st.l1.Source().(*IPCSource); ok {
 		src.setOnNew(t.registerSegment)
@@ -79,7 +79,7 @@ func (st *Store) openTier(o Options) (err error) {
 }
 
 // registerSegment announces a new L1 segment to every adapter in the
-// background (it is called under the store's lock; a backend that needs
+// background (it is called under the core's lock; a backend that needs
 // registration — mooncake_store — moves buffers of a segment it does not
 // know yet through its bounce buffer meanwhile).
 func (t *l2Tier) registerSegment(seg *ipc.Segment) {
@@ -98,7 +98,7 @@ func (t *l2Tier) registerSegment(seg *ipc.Segment) {
 // then closes the adapters.
 func (t *l2Tier) close() error {
 	t.pc.Close()
-	t.sc.Close()
+	t.wr.Close()
 	t.segs.Wait()
 	var errs []error
 	for _, a := range t.adapters {
@@ -107,24 +107,24 @@ func (t *l2Tier) close() error {
 	return errors.Join(errs...)
 }
 
-// L2Adapters are the store's L2 adapters (nil: L1 only).
-func (st *Store) L2Adapters() []*l2.Adapter {
+// L2Adapters are the core's L2 adapters (nil: L1 only).
+func (st *Core) L2Adapters() []*l2.Adapter {
 	if st.tier == nil {
 		return nil
 	}
 	return st.tier.adapters
 }
 
-// StoreController is the L2 store controller (nil: L1 only).
-func (st *Store) StoreController() *tier.StoreController {
+// Writer is the L2 writer (nil: L1 only).
+func (st *Core) Writer() *tier.Writer {
 	if st.tier == nil {
 		return nil
 	}
-	return st.tier.sc
+	return st.tier.wr
 }
 
 // PrefetchController is the L2 prefetch controller (nil: L1 only).
-func (st *Store) PrefetchController() *tier.PrefetchController {
+func (st *Core) PrefetchController() *tier.PrefetchController {
 	if st.tier == nil {
 		return nil
 	}

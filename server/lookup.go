@@ -28,7 +28,7 @@ const (
 var lookupLimitNames = [numLookupLimits]string{"lookups", "cells"}
 
 // lookupUsage is the accounting behind the lookup limits, guarded by
-// Store.mu. Session has no field for it, so it hangs off the store's
+// Core.mu. Session has no field for it, so it hangs off the core's
 // metrics; a session's entry exists while it has live lookups (dropLookup
 // deletes it with the session's last one, so a closed session leaves none).
 type lookupUsage struct {
@@ -43,7 +43,7 @@ func (lk *lookup) cells() uint64 { return uint64(len(lk.hashes)) * uint64(lk.wor
 
 // admit checks a new lookup of chunks × readers hold cells against s's
 // limits and counts a refusal.
-func (st *Store) admit(s *Session, chunks int, readers uint32) error {
+func (st *Core) admit(s *Session, chunks int, readers uint32) error {
 	u := &st.metrics.usage
 	if n := len(s.lookups); n >= st.cfg.MaxLookupsPerSession {
 		u.rejected[limitLookups]++
@@ -99,7 +99,7 @@ func (lk *lookup) ranks() uint32 {
 // touches those objects in the LRU, and releases nothing else. With a
 // Filler the lookup stays pending while the missing suffix is filled;
 // otherwise it is final at once.
-func (st *Store) Lookup(s *Session, req *ipc.LookupReq) error {
+func (st *Core) Lookup(s *Session, req *ipc.LookupReq) error {
 	defer st.metrics.observe(opLookup, time.Now())
 	n := len(req.Hashes)
 	switch {
@@ -121,7 +121,7 @@ func (st *Store) Lookup(s *Session, req *ipc.LookupReq) error {
 }
 
 // register is Lookup's locked part; it returns the fill task to start.
-func (st *Store) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
+func (st *Core) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
 	n := len(req.Hashes)
 	st.mu.Lock()
 	defer st.mu.Unlock()
@@ -167,7 +167,7 @@ func (st *Store) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
 // present on every rank (resident, or filled by lk's task), moves them to
 // the LRU front in chunk order (a prefix's head is the most recent) and
 // returns p. Chunks FREEd while pending count but are not held.
-func (st *Store) extend(lk *lookup, from uint32) uint32 {
+func (st *Core) extend(lk *lookup, from uint32) uint32 {
 	ranks := lk.ranks()
 	sh, _ := st.l1.Shard(lk.ns, false) // l1.NoShard (empty) when the namespace is unknown
 	n := uint32(len(lk.hashes))
@@ -235,7 +235,7 @@ scan:
 // LookupResult answers OpLookupResult: Pending while a fill runs; OK with
 // the final chunk count once (the answer is consumed); Unknown afterwards
 // or for an id this session never registered.
-func (st *Store) LookupResult(s *Session, req *ipc.LookupResultReq) (*ipc.LookupResultResp, error) {
+func (st *Core) LookupResult(s *Session, req *ipc.LookupResultReq) (*ipc.LookupResultResp, error) {
 	defer st.metrics.observe(opLookupResult, time.Now())
 	st.mu.Lock()
 	defer st.mu.Unlock()
@@ -262,7 +262,7 @@ func (st *Store) LookupResult(s *Session, req *ipc.LookupResultReq) (*ipc.Lookup
 // Free releases the holds of chunks [Start, End) of one of this session's
 // lookups on every rank (OpFree), without loading them. End = ^uint32(0)
 // means all. Chunks freed while the lookup is pending are never held.
-func (st *Store) Free(s *Session, req *ipc.FreeReq) error {
+func (st *Core) Free(s *Session, req *ipc.FreeReq) error {
 	defer st.metrics.observe(opFree, time.Now())
 	if req.Start > req.End {
 		return fmt.Errorf("%w: free: start %d > end %d", ErrBadRequest, req.Start, req.End)
@@ -294,7 +294,7 @@ func (st *Store) Free(s *Session, req *ipc.FreeReq) error {
 }
 
 // releaseRow drops the holds of row[start:end).
-func (st *Store) releaseRow(lk *lookup, row []uint32, start, end uint32) {
+func (st *Core) releaseRow(lk *lookup, row []uint32, start, end uint32) {
 	end = min(end, uint32(len(row)))
 	for c := start; c < end; c++ {
 		if i := row[c]; i != l1.Nil {
@@ -307,7 +307,7 @@ func (st *Store) releaseRow(lk *lookup, row []uint32, start, end uint32) {
 
 // owned finds the lookup (owner, id) for RETRIEVE and RELEASE, which worker
 // sessions send for lookups the scheduler's session made.
-func (st *Store) owned(owner ipc.Tag, id uint64) (*lookup, error) {
+func (st *Core) owned(owner ipc.Tag, id uint64) (*lookup, error) {
 	os := st.sessions[owner]
 	if os == nil {
 		return nil, fmt.Errorf("%w: owner %x is not connected", ErrUnknownLookup, owner)
@@ -323,7 +323,7 @@ func (st *Store) owned(owner ipc.Tag, id uint64) (*lookup, error) {
 // the location of the object held for Rank (OpRetrieve): StatusOK with the
 // Loc, or StatusNotFound for a chunk that is not held (beyond the answer,
 // freed or released). End = ^uint32(0) means up to the lookup's last chunk.
-func (st *Store) Retrieve(s *Session, req *ipc.RetrieveReq) (*ipc.RetrieveResp, error) {
+func (st *Core) Retrieve(s *Session, req *ipc.RetrieveReq) (*ipc.RetrieveResp, error) {
 	defer st.metrics.observe(opRetrieve, time.Now())
 	st.mu.Lock()
 	defer st.mu.Unlock()
@@ -360,7 +360,7 @@ func (st *Store) Retrieve(s *Session, req *ipc.RetrieveReq) (*ipc.RetrieveResp, 
 
 // Release drops every hold Rank still has in lookup (Owner, LookupID)
 // (OpRelease), once that rank's copies are done.
-func (st *Store) Release(s *Session, req *ipc.ReleaseReq) error {
+func (st *Core) Release(s *Session, req *ipc.ReleaseReq) error {
 	defer st.metrics.observe(opRelease, time.Now())
 	st.mu.Lock()
 	defer st.mu.Unlock()
@@ -381,14 +381,14 @@ func (st *Store) Release(s *Session, req *ipc.ReleaseReq) error {
 }
 
 // maybeForget drops a lookup whose answer was read and that holds nothing.
-func (st *Store) maybeForget(lk *lookup) {
+func (st *Core) maybeForget(lk *lookup) {
 	if lk.state == lkConsumed && lk.holds == 0 {
 		st.dropLookup(lk)
 	}
 }
 
 // dropLookup releases all of lk's holds, cancels its fill and forgets it.
-func (st *Store) dropLookup(lk *lookup) {
+func (st *Core) dropLookup(lk *lookup) {
 	if lk.dropped {
 		return
 	}

@@ -27,15 +27,15 @@ const (
 var opNames = []string{opAlloc, opCommit, opAbort, opLookup, opLookupResult, opFree,
 	opRetrieve, opRelease, opStats, opClear}
 
-// metrics is the store's Prometheus side, on a private registry so several
+// metrics is the core's Prometheus side, on a private registry so several
 // stores (tests, embedded + standalone) coexist in one process.
 type metrics struct {
 	reg     *prometheus.Registry
 	latency map[string]prometheus.Observer
-	usage   lookupUsage // lookup limits (lookup.go), guarded by Store.mu
+	usage   lookupUsage // lookup limits (lookup.go), guarded by Core.mu
 }
 
-func newMetrics(st *Store) *metrics {
+func newMetrics(st *Core) *metrics {
 	m := &metrics{reg: prometheus.NewRegistry(), latency: map[string]prometheus.Observer{},
 		usage: lookupUsage{cells: map[*Session]uint64{}}}
 	hist := prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -55,18 +55,18 @@ func (m *metrics) observe(op string, start time.Time) {
 	m.latency[op].Observe(time.Since(start).Seconds())
 }
 
-// Registry is the store's private Prometheus registry.
-func (st *Store) Registry() *prometheus.Registry { return st.metrics.reg }
+// Registry is the core's private Prometheus registry.
+func (st *Core) Registry() *prometheus.Registry { return st.metrics.reg }
 
-// MetricsHandler serves the store's metrics in the Prometheus text format
+// MetricsHandler serves the core's metrics in the Prometheus text format
 // (mount it at /metrics).
-func (st *Store) MetricsHandler() http.Handler {
+func (st *Core) MetricsHandler() http.Handler {
 	return promhttp.HandlerFor(st.metrics.reg, promhttp.HandlerOpts{Registry: st.metrics.reg})
 }
 
 // HealthHandler answers liveness probes (mount it at /healthz): 200 "ok"
-// while the store is open, 503 "closed" once Close has begun.
-func (st *Store) HealthHandler() http.Handler {
+// while the core is open, 503 "closed" once Close has begun.
+func (st *Core) HealthHandler() http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		st.mu.Lock()
 		closed := st.closed
@@ -82,7 +82,7 @@ func (st *Store) HealthHandler() http.Handler {
 	})
 }
 
-// metric is one number of the store's snapshot: the same value is exported
+// metric is one number of the core's snapshot: the same value is exported
 // as a Prometheus metric and as a STATS entry named Name (with the labels
 // folded in, e.g. "kvshim_l1_objects{state=resident}").
 type metric struct {
@@ -92,8 +92,8 @@ type metric struct {
 	value      float64
 }
 
-// snapshot returns every number of the store, under the lock.
-func (st *Store) snapshot() []metric {
+// snapshot returns every number of the core, under the lock.
+func (st *Core) snapshot() []metric {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	a := st.l1.Stats()
@@ -160,7 +160,7 @@ func (st *Store) snapshot() []metric {
 }
 
 // collector exports the snapshot; one lock per scrape.
-type collector struct{ st *Store }
+type collector struct{ st *Core }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) { prometheus.DescribeByCollect(c, ch) }
 
@@ -192,13 +192,13 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 
 // stats is the snapshot plus the L2 controllers' numbers (their
 // Prometheus collectors are registered separately).
-func (st *Store) stats() []metric {
+func (st *Core) stats() []metric {
 	out := st.snapshot()
 	if st.tier != nil {
 		add := func(name, labels string, v float64, isCounter bool) {
 			out = append(out, metric{name: name, label: labels, value: v, counter: isCounter})
 		}
-		st.tier.sc.Export(add)
+		st.tier.wr.Export(add)
 		st.tier.pc.Export(add)
 		out = append(out, st.adapterStats()...)
 	}
@@ -208,7 +208,7 @@ func (st *Store) stats() []metric {
 // Stats answers OpStats with the same numbers the metrics export,
 // including the L2 controllers'. Labelled metrics are named
 // "name{key=value}" ("name{k=v,k2=v2}" with two labels).
-func (st *Store) Stats(s *Session) (*ipc.StatsResp, error) {
+func (st *Core) Stats(s *Session) (*ipc.StatsResp, error) {
 	defer st.metrics.observe(opStats, time.Now())
 	snap := st.stats()
 	st.mu.Lock()
@@ -230,7 +230,7 @@ func (st *Store) Stats(s *Session) (*ipc.StatsResp, error) {
 
 // Stat returns one STATS value by name (as Stats names it), for tests and
 // callers in the same process; ok is false for an unknown name.
-func (st *Store) Stat(name string) (v float64, ok bool) {
+func (st *Core) Stat(name string) (v float64, ok bool) {
 	for _, x := range st.stats() {
 		n := x.name
 		if x.label != "" {

@@ -24,17 +24,17 @@ type BuildInfo struct {
 }
 
 // MetricsServer is the HTTP listener of `kvshim serve --metrics-port` and
-// of the embedded server's kvshim.metrics_port: /metrics (the store's
+// of the embedded server's kvshim.metrics_port: /metrics (the core's
 // metrics, the Go runtime and process collectors, kvshim_build_info) and
-// /healthz (Store.HealthHandler).
+// /healthz (Core.HealthHandler).
 type MetricsServer struct {
 	hs   *http.Server
 	addr string
 	errc chan error
 }
 
-// ServeMetrics serves the store's metrics endpoint on ln until Close.
-func (st *Store) ServeMetrics(ln net.Listener, bi BuildInfo) *MetricsServer {
+// ServeMetrics serves the core's metrics endpoint on ln until Close.
+func (st *Core) ServeMetrics(ln net.Listener, bi BuildInfo) *MetricsServer {
 	proc := prometheus.NewRegistry()
 	version := bi.Version
 	if version == "" {
@@ -97,7 +97,7 @@ var statQuantiles = []float64{0.5, 0.99}
 // as they are, the latency histogram as _count, _sum and
 // {quantile=0.5|0.99} estimates (linear within the bucket). Labels are
 // "k=v" joined by ",", in the registry's (sorted) order.
-func (st *Store) adapterStats() []metric {
+func (st *Core) adapterStats() []metric {
 	fams, err := st.metrics.reg.Gather()
 	if err != nil && len(fams) == 0 {
 		return nil

@@ -7,8 +7,8 @@ import (
 	"github.com/kvshim/kvshim/server/tier"
 )
 
-// The store is the L1 that the L2 controllers unpin and budget against.
-var _ tier.L1 = (*Store)(nil)
+// The core is the L1 that the L2 controllers unpin and budget against.
+var _ tier.L1 = (*Core)(nil)
 
 // Pins are read holds owned by an in-process component (the L2 store
 // controller) instead of a lookup: a pinned object is never evicted or
@@ -16,7 +16,7 @@ var _ tier.L1 = (*Store)(nil)
 // COMMIT pins every object it publishes and hands the pins over.
 
 // pinLocked adds a pin to resident object i and describes it.
-func (st *Store) pinLocked(i uint32) tier.Object {
+func (st *Core) pinLocked(i uint32) tier.Object {
 	st.l1.Hold(i, 1)
 	st.cnt.pins++
 	if st.pinned == nil {
@@ -29,7 +29,7 @@ func (st *Store) pinLocked(i uint32) tier.Object {
 
 // Pin pins the resident object (ns, rank, h) and returns it; ok is false
 // when it is not resident.
-func (st *Store) Pin(ns ipc.Namespace, rank uint32, h ipc.Hash) (o tier.Object, ok bool) {
+func (st *Core) Pin(ns ipc.Namespace, rank uint32, h ipc.Hash) (o tier.Object, ok bool) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.closed {
@@ -48,7 +48,7 @@ func (st *Store) Pin(ns ipc.Namespace, rank uint32, h ipc.Hash) (o tier.Object, 
 
 // Unpin drops pins taken by Pin or handed over by OnCommit. Each pin must
 // be dropped exactly once; after Close it does nothing.
-func (st *Store) Unpin(objs []tier.Object) {
+func (st *Core) Unpin(objs []tier.Object) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.closed {
@@ -76,7 +76,7 @@ func (st *Store) Unpin(objs []tier.Object) {
 
 // PrefetchBytes is the L1 slot bytes of prefetch staging and temporary
 // objects (the prefetch admission budget counts them).
-func (st *Store) PrefetchBytes() uint64 {
+func (st *Core) PrefetchBytes() uint64 {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	return st.l1.PrefetchBytes()

@@ -34,9 +34,9 @@ func BenchmarkPrefaultStartup(b *testing.B) {
 			b.Fatal(err)
 		}
 		for {
-			srv.Store.mu.Lock()
-			n, _ := srv.Store.l1.Prepared()
-			srv.Store.mu.Unlock()
+			srv.Core.mu.Lock()
+			n, _ := srv.Core.l1.Prepared()
+			srv.Core.mu.Unlock()
 			if n == 4 {
 				break
 			}

@@ -85,9 +85,9 @@ func TestPrefaultServerAnnouncesFaultedSegmentsBeforeAlloc(t *testing.T) {
 		assert.Equal(t, seg.Size(), uint64(1<<20))
 		assert.Equal(t, allocated(t, seg), seg.Size(), "segment %d not faulted in", seg.ID())
 	}
-	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_segments"), 3.0)
-	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_mapped_bytes"), float64(3<<20))
-	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_used_bytes"), 0.0)
+	assert.Equal(t, stat(t, srv.Core, "kvshim_l1_segments"), 3.0)
+	assert.Equal(t, stat(t, srv.Core, "kvshim_l1_mapped_bytes"), float64(3<<20))
+	assert.Equal(t, stat(t, srv.Core, "kvshim_l1_used_bytes"), 0.0)
 
 	// Use 1.5 MiB: free (1.5 MiB) is below the 3 MiB watermark, so two
 	// more segments come, faulted, without another ALLOC.
@@ -101,9 +101,9 @@ func TestPrefaultServerAnnouncesFaultedSegmentsBeforeAlloc(t *testing.T) {
 	}
 	time.Sleep(50 * time.Millisecond)
 	assert.Equal(t, c.Segments().Len(), 5)
-	srv.Store.mu.Lock()
-	on, prepared := srv.Store.l1.ReadyAhead()
-	srv.Store.mu.Unlock()
+	srv.Core.mu.Lock()
+	on, prepared := srv.Core.l1.ReadyAhead()
+	srv.Core.mu.Unlock()
 	assert.Assert(t, on)
 	assert.Equal(t, prepared, uint64(5), "every segment came from the grower")
 }
@@ -122,25 +122,25 @@ func TestPrefaultServerRespectsL1Size(t *testing.T) {
 	}
 	assert.Equal(t, c.Segments().Len(), 3)
 	assert.Equal(t, total, uint64(5<<19))
-	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_mapped_bytes"), float64(5<<19))
+	assert.Equal(t, stat(t, srv.Core, "kvshim_l1_mapped_bytes"), float64(5<<19))
 	// Filling it adopts the prepared segments; nothing more is created.
 	allocObjects(t, c, "fill", 10, 256<<10)
 	assert.Equal(t, c.Segments().Len(), 3)
-	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_mapped_bytes"), float64(5<<19))
+	assert.Equal(t, stat(t, srv.Core, "kvshim_l1_mapped_bytes"), float64(5<<19))
 }
 
 // TestPrefaultZeroIsLazy: --l1-prefault-gb 0 keeps today's L1: nothing
 // exists until an ALLOC needs it, which creates one segment, unfaulted.
 func TestPrefaultZeroIsLazy(t *testing.T) {
 	srv, path := startPrefaultServer(t, 8, 0)
-	srv.Store.mu.Lock()
-	on, _ := srv.Store.l1.ReadyAhead()
-	srv.Store.mu.Unlock()
+	srv.Core.mu.Lock()
+	on, _ := srv.Core.l1.ReadyAhead()
+	srv.Core.mu.Unlock()
 	assert.Assert(t, !on)
 	c := dial(t, path, ipc.RoleWorker)
 	time.Sleep(50 * time.Millisecond)
 	assert.Equal(t, c.Segments().Len(), 0)
-	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_segments"), 0.0)
+	assert.Equal(t, stat(t, srv.Core, "kvshim_l1_segments"), 0.0)
 	r := allocObjects(t, c, "lazy", 1, 4096)
 	b, err := c.Resolve(r.Locs[0])
 	assert.NilError(t, err)

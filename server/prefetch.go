@@ -24,7 +24,7 @@ type FillTask struct {
 	Start     uint32 // lookup index of Hashes[0]
 	Hashes    []ipc.Hash
 
-	st       *Store
+	st       *Core
 	lk       *lookup            // nil once the lookup is gone or answered (guarded by st.mu)
 	done     bool               // Done was called
 	answered bool               // the lookup was made final (Answer or Done)

@@ -5,7 +5,7 @@ import "time"
 // reaper reclaims, every ReapInterval, the holds of lookups older than
 // HoldTTL and the staging objects older than StagingTTL: the last resort
 // for a live client that forgets to FREE, RELEASE, COMMIT or ABORT.
-func (st *Store) reaper() {
+func (st *Core) reaper() {
 	defer close(st.done)
 	tick := time.NewTicker(st.cfg.ReapInterval)
 	defer tick.Stop()
@@ -20,7 +20,7 @@ func (st *Store) reaper() {
 }
 
 // reap runs one reclaim pass.
-func (st *Store) reap() {
+func (st *Core) reap() {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.closed {

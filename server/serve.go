@@ -12,7 +12,7 @@ import (
 // goroutine: requests are decoded with ipc's codec, answered by st, and the
 // session's resources are released (CloseSession) when its peer goes. It
 // returns nil once ln is closed and every session goroutine has ended.
-func Serve(ln *ipc.Listener, st *Store) error {
+func Serve(ln *ipc.Listener, st *Core) error {
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	for {
@@ -31,7 +31,7 @@ func Serve(ln *ipc.Listener, st *Store) error {
 	}
 }
 
-func serveConn(c *ipc.ServerConn, st *Store) {
+func serveConn(c *ipc.ServerConn, st *Core) {
 	hello, cred := c.Hello(), c.PeerCred()
 	s, err := st.OpenSessionWith(ipc.Tag(hello.Instance), SessionOptions{
 		Fence: true, PeerPID: int(cred.Pid), UID: cred.Uid, Drained: hello.Flags&ipc.HelloDrained != 0})
@@ -43,9 +43,9 @@ func serveConn(c *ipc.ServerConn, st *Store) {
 	c.Serve(ipc.ServiceHandler(&service{st: st, s: s}))
 }
 
-// service binds one session to the store as an ipc.Service.
+// service binds one session to the core as an ipc.Service.
 type service struct {
-	st *Store
+	st *Core
 	s  *Session
 }
 
@@ -106,10 +106,10 @@ func (x *service) Clear() (*ipc.ClearResp, error) {
 	return wrap(ipc.OpClear, v, err)
 }
 
-// Server is a Store behind an ipc listener: what `kvshim serve` and the
+// Server is a Core behind an ipc listener: what `kvshim serve` and the
 // embedded mode run.
 type Server struct {
-	Store    *Store
+	Core     *Core
 	Listener *ipc.Listener
 	done     chan error
 
@@ -117,7 +117,7 @@ type Server struct {
 	closeErr  error
 }
 
-// Start listens on cfg.Socket, creates the store over memfd segments and
+// Start listens on cfg.Socket, creates the core over memfd segments and
 // serves sessions in the background. ipcCfg may be nil; o.Source is
 // replaced by an IPCSource.
 func Start(cfg Config, ipcCfg *ipc.ServerConfig, o Options) (*Server, error) {
@@ -141,25 +141,25 @@ func Start(cfg Config, ipcCfg *ipc.ServerConfig, o Options) (*Server, error) {
 	src := NewIPCSource(ln)
 	src.Prefault = cfg.prefaultBytes()
 	o.Source = src
-	st, err := NewStore(cfg, o)
+	st, err := NewCore(cfg, o)
 	if err != nil {
 		ln.Close()
 		src.Close() // segments prepared meanwhile
 		return nil, err
 	}
-	srv := &Server{Store: st, Listener: ln, done: make(chan error, 1)}
+	srv := &Server{Core: st, Listener: ln, done: make(chan error, 1)}
 	go func() { srv.done <- Serve(ln, st) }()
 	return srv, nil
 }
 
 // Close stops accepting, ends every session (releasing what they own),
-// then closes the store and its segments. Later calls return the first
+// then closes the core and its segments. Later calls return the first
 // call's result.
 func (srv *Server) Close() error {
 	srv.closeOnce.Do(func() {
 		lerr := srv.Listener.Close()
 		serr := <-srv.done
-		srv.closeErr = errors.Join(lerr, serr, srv.Store.Close())
+		srv.closeErr = errors.Join(lerr, serr, srv.Core.Close())
 	})
 	return srv.closeErr
 }

@@ -17,14 +17,14 @@ import (
 // columns). Every hook is one call from the code it observes and costs one
 // atomic load and a branch when tracing is off.
 
-// traceSink is the Store's trace writer (nil: off).
+// traceSink is the Core's trace writer (nil: off).
 type traceSink struct{ w atomic.Pointer[trace.Writer] }
 
-// SetTrace makes the store write lifecycle records to w (nil: stop). The
-// caller closes w after the store.
-func (st *Store) SetTrace(w *trace.Writer) { st.trace.w.Store(w) }
+// SetTrace makes the core write lifecycle records to w (nil: stop). The
+// caller closes w after the core.
+func (st *Core) SetTrace(w *trace.Writer) { st.trace.w.Store(w) }
 
-func (st *Store) tracer() *trace.Writer { return st.trace.w.Load() }
+func (st *Core) tracer() *trace.Writer { return st.trace.w.Load() }
 
 func hexTag(t ipc.Tag) string      { return hex.EncodeToString(t[:]) }
 func hexNS(n ipc.Namespace) string { return hex.EncodeToString(n[:]) }
@@ -35,7 +35,7 @@ func lookupRecord(k trace.Kind, ev string, lk *lookup) trace.Record {
 
 // traceRegistered: the ack of a LOOKUP, with the per-chunk fold across
 // ranks (mu held), then "final" or "pending".
-func (st *Store) traceRegistered(lk *lookup, p uint32) {
+func (st *Core) traceRegistered(lk *lookup, p uint32) {
 	w := st.tracer()
 	if w == nil {
 		return
@@ -74,7 +74,7 @@ func (st *Store) traceRegistered(lk *lookup, p uint32) {
 }
 
 // traceFinal: a lookup's answer and why it stopped (mu held).
-func (st *Store) traceFinal(lk *lookup) {
+func (st *Core) traceFinal(lk *lookup) {
 	w := st.tracer()
 	if w == nil {
 		return
@@ -119,7 +119,7 @@ func (st *Store) traceFinal(lk *lookup) {
 }
 
 // traceConsumed: the scheduler read the answer (mu held).
-func (st *Store) traceConsumed(lk *lookup) {
+func (st *Core) traceConsumed(lk *lookup) {
 	if w := st.tracer(); w != nil {
 		r := lookupRecord(trace.KindLookup, "consumed", lk)
 		r.Matched = lk.chunks
@@ -131,7 +131,7 @@ var lookupStates = [...]string{lkPending: "pending", lkFinal: "final", lkConsume
 
 // traceFree: FREE of chunks [start, end): the holds it is about to release
 // were never loaded (mu held; called before the release).
-func (st *Store) traceFree(lk *lookup, start, end uint32) {
+func (st *Core) traceFree(lk *lookup, start, end uint32) {
 	w := st.tracer()
 	if w == nil {
 		return
@@ -152,7 +152,7 @@ func (st *Store) traceFree(lk *lookup, start, end uint32) {
 // traceDrop: a lookup forgotten with holds or a fill outstanding (session
 // end, hold TTL, close); a lookup that ends normally (answer read, nothing
 // held) has no drop record (mu held; called before the release).
-func (st *Store) traceDrop(lk *lookup) {
+func (st *Core) traceDrop(lk *lookup) {
 	w := st.tracer()
 	if w == nil || (lk.holds == 0 && lk.state != lkPending) {
 		return
@@ -165,7 +165,7 @@ func (st *Store) traceDrop(lk *lookup) {
 }
 
 // traceCommit: the objects a COMMIT published (L1 readable).
-func (st *Store) traceCommit(s *Session, req *ipc.CommitReq, resp *ipc.CommitResp, err error) {
+func (st *Core) traceCommit(s *Session, req *ipc.CommitReq, resp *ipc.CommitResp, err error) {
 	w := st.tracer()
 	if w == nil {
 		return
@@ -190,7 +190,7 @@ func (st *Store) traceCommit(s *Session, req *ipc.CommitReq, resp *ipc.CommitRes
 }
 
 // traceEvict: an object evicted from L1 (l1.Config.OnEvict; mu held).
-func (st *Store) traceEvict(ns ipc.Namespace, rank uint32, size uint64) {
+func (st *Core) traceEvict(ns ipc.Namespace, rank uint32, size uint64) {
 	w := st.tracer()
 	if w == nil {
 		return
@@ -201,7 +201,7 @@ func (st *Store) traceEvict(ns ipc.Namespace, rank uint32, size uint64) {
 
 // TraceL2Saved (tier.L2Tracer): an L2 write ended (the seed's third
 // "done" of a save: L2 saved).
-func (st *Store) TraceL2Saved(adapter string, key l2.Key, bytes int, err error) {
+func (st *Core) TraceL2Saved(adapter string, key l2.Key, bytes int, err error) {
 	w := st.tracer()
 	if w == nil {
 		return
@@ -216,7 +216,7 @@ func (st *Store) TraceL2Saved(adapter string, key l2.Key, bytes int, err error) 
 
 // traceRelease: a worker's RELEASE of its rank's holds after its copies
 // (mu held; called before the release).
-func (st *Store) traceRelease(lk *lookup, rank uint32) {
+func (st *Core) traceRelease(lk *lookup, rank uint32) {
 	w := st.tracer()
 	if w == nil {
 		return

@@ -15,7 +15,7 @@ import (
 // unheld resident object; every later new key of the batch gets NoSpace
 // too, since a chunk after a gap is useless to a prefix lookup). A malformed
 // request changes nothing and fails with ErrBadRequest.
-func (st *Store) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
+func (st *Core) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
 	defer st.metrics.observe(opAlloc, time.Now())
 	n := len(req.Hashes)
 	if n != len(req.Sizes) {
@@ -73,7 +73,7 @@ func (st *Store) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
 // publisher of a key makes it resident; a later publisher's copy is
 // discarded and its space freed (StatusOK either way: the data is in L1).
 // A key this session's writer tag does not stage is StatusNotFound.
-func (st *Store) Commit(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
+func (st *Core) Commit(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
 	defer st.metrics.observe(opCommit, time.Now())
 	resp, pins, err := st.finishWrite(s, req, true)
 	st.traceCommit(s, req, resp, err)
@@ -84,7 +84,7 @@ func (st *Store) Commit(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error)
 }
 
 // Abort drops a writer's staging objects and frees their space (OpAbort).
-func (st *Store) Abort(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
+func (st *Core) Abort(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
 	defer st.metrics.observe(opAbort, time.Now())
 	resp, _, err := st.finishWrite(s, req, false)
 	return resp, err
@@ -92,7 +92,7 @@ func (st *Store) Abort(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) 
 
 // finishWrite publishes or drops; with OnCommit set, every object it
 // publishes is pinned and returned for the hook.
-func (st *Store) finishWrite(s *Session, req *ipc.CommitReq, publish bool) (*ipc.CommitResp, []tier.Object, error) {
+func (st *Core) finishWrite(s *Session, req *ipc.CommitReq, publish bool) (*ipc.CommitResp, []tier.Object, error) {
 	n := len(req.Hashes)
 	if n > ipc.MaxKeys {
 		return nil, nil, fmt.Errorf("%w: commit: %d keys > %d", ErrBadRequest, n, ipc.MaxKeys)

@@ -227,7 +227,7 @@ func TestPrefaultTakeWaitsForPreparation(t *testing.T) {
 }
 
 // TestPrefaultNeverExceedsCapacity: under concurrent allocs and frees
-// (the store's lock around the allocator), with a capacity that is not a
+// (the core's lock around the allocator), with a capacity that is not a
 // multiple of the segment size and a watermark past it, the bytes made
 // never exceed the capacity, ids are 1..n, and every segment made is one
 // the allocator adopts or holds ready.

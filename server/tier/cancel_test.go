@@ -295,7 +295,7 @@ func TestDroppedFillKeepsStagingUnderStuckLoad(t *testing.T) {
 	sb, pc := slow(b), b.st.PrefetchController()
 	stuck := make(chan struct{})
 	var unstick sync.Once
-	t.Cleanup(func() { unstick.Do(func() { close(stuck) }) }) // before the store closes
+	t.Cleanup(func() { unstick.Do(func() { close(stuck) }) }) // before the core closes
 	sb.mu.Lock()
 	sb.stuck = stuck
 	sb.mu.Unlock()

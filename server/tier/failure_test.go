@@ -108,7 +108,7 @@ func TestPartialFailureDeletedAndFailed(t *testing.T) {
 }
 
 // Redis killed mid-load: the keys being loaded fail, the answer is what
-// L1 had, and the store keeps serving L1 (lookups and new writes).
+// L1 had, and the core keeps serving L1 (lookups and new writes).
 func TestRedisKilledMidLoad(t *testing.T) {
 	rs := startRedis(t)
 	var killed bool

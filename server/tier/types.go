@@ -22,7 +22,7 @@ type L1 interface {
 type Object struct {
 	Key l2.Key
 	Mem []byte
-	Ref uint64 // the store's handle for Unpin
+	Ref uint64 // the core's handle for Unpin
 }
 
 // Filler is the L2 side of the fill seam: it is asked to fill the missing

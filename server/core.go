@@ -12,34 +12,34 @@ import (
 	"github.com/kvshim/kvshim/server/tier"
 )
 
-// Options are the store's collaborators.
+// Options are the core's collaborators.
 type Options struct {
 	// Source provides L1 segments (default l1.HeapSource).
 	Source l1.SegmentSource
-	// OnSegment, when set, is called for every new segment, with the store's
-	// lock held: it must not block or call back into the store. The session
+	// OnSegment, when set, is called for every new segment, with the core's
+	// lock held: it must not block or call back into the core. The session
 	// loop uses it to announce segments to every client.
 	OnSegment func(id uint32, mem []byte)
 	// Filler, when set, is asked to fill the missing suffix of every
 	// lookup (the fill seam). Nil: lookups are final at once. Not with L2
-	// adapters (the store then uses its prefetch controller).
+	// adapters (the core then uses its prefetch controller).
 	Filler tier.Filler
 	// OnCommit, when set, receives the objects each COMMIT publishes, each
-	// pinned (see Pin): it is called without the store's lock, must not
+	// pinned (see Pin): it is called without the core's lock, must not
 	// block, and must Unpin every object once. Not with L2 adapters (the
-	// store then uses its store controller).
+	// store then uses its writer).
 	OnCommit func(objs []tier.Object)
 	// L2Adapters, when set, are used instead of opening Config.L2Adapters
-	// (tests, custom backends); the store closes them.
+	// (tests, custom backends); the core closes them.
 	L2Adapters []*l2.Adapter
 	// L2BeforeLoad is tier.PrefetchConfig.BeforeLoad (tests, tracing).
 	L2BeforeLoad func(keys []l2.Key)
 }
 
-// Store is the server core: L1 memory, the object table, sessions, lookups
+// Core is the server core: L1 memory, the object table, sessions, lookups
 // and their holds. Every operation is safe for concurrent use; one mutex
 // guards the table and every operation is O(its keys).
-type Store struct {
+type Core struct {
 	cfg      Config
 	filler   tier.Filler
 	onCommit func(objs []tier.Object)
@@ -61,7 +61,7 @@ type Store struct {
 	done chan struct{}
 }
 
-// counters are the store's accounting beyond L1's (l1.Stats), guarded by
+// counters are the core's accounting beyond L1's (l1.Stats), guarded by
 // mu.
 type counters struct {
 	lookupsNow uint64 // live lookups
@@ -72,15 +72,15 @@ type counters struct {
 	allocInProgress, allocNoSpace    uint64
 	commits, aborts                  uint64
 	ttlHolds, ttlStaging             uint64
-	pins                             uint64 // holds owned by the store controller
+	pins                             uint64 // holds owned by the writer
 	cleared, clearedBytes            uint64
 	sessionsOpened, sessionsClosed   uint64
 	fencesExited, fencesDrained      uint64 // fenced sessions released by the writer's exit / its own word
 }
 
-// NewStore validates cfg and returns a store with no L1 mapped yet (it grows
+// NewCore validates cfg and returns a core with no L1 mapped yet (it grows
 // on demand). Close it to stop its reaper and release its segments.
-func NewStore(cfg Config, o Options) (*Store, error) {
+func NewCore(cfg Config, o Options) (*Core, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -88,7 +88,7 @@ func NewStore(cfg Config, o Options) (*Store, error) {
 	if o.Source == nil {
 		o.Source = l1.HeapSource{}
 	}
-	st := &Store{
+	st := &Core{
 		cfg:      cfg,
 		filler:   o.Filler,
 		staging:  map[stageKey]stageEntry{},
@@ -112,11 +112,11 @@ func NewStore(cfg Config, o Options) (*Store, error) {
 }
 
 // Config returns the effective configuration (defaults filled in).
-func (st *Store) Config() Config { return st.cfg }
+func (st *Core) Config() Config { return st.cfg }
 
 // Close closes every session, stops the reaper and closes the segment
-// source. Operations after Close fail with ErrStoreClosed.
-func (st *Store) Close() error {
+// source. Operations after Close fail with ErrClosed.
+func (st *Core) Close() error {
 	st.mu.Lock()
 	if st.closed {
 		st.mu.Unlock()
@@ -141,7 +141,7 @@ func (st *Store) Close() error {
 type Session struct {
 	id      ipc.Tag
 	opts    SessionOptions
-	closed  bool // guarded by Store.mu
+	closed  bool // guarded by Core.mu
 	lookups map[uint64]*lookup
 	fenced  []uint32      // staging the reaper took from a live writer (fence.go)
 	lifted  chan struct{} // closed when its fence is lifted (ends the exit watch)
@@ -153,17 +153,17 @@ func (s *Session) ID() ipc.Tag { return s.id }
 // OpenSession registers a session of an in-process caller, whose writes to
 // L1 end before its calls return (no fencing). Two live sessions cannot
 // share an id.
-func (st *Store) OpenSession(id ipc.Tag) (*Session, error) {
+func (st *Core) OpenSession(id ipc.Tag) (*Session, error) {
 	return st.OpenSessionWith(id, SessionOptions{})
 }
 
 // OpenSessionWith registers a session described by o. Two live sessions
 // cannot share an id.
-func (st *Store) OpenSessionWith(id ipc.Tag, o SessionOptions) (*Session, error) {
+func (st *Core) OpenSessionWith(id ipc.Tag, o SessionOptions) (*Session, error) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.closed {
-		return nil, ErrStoreClosed
+		return nil, ErrClosed
 	}
 	if _, ok := st.sessions[id]; ok {
 		return nil, fmt.Errorf("%w: %x", ErrDuplicateSession, id)
@@ -180,13 +180,13 @@ func (st *Store) OpenSessionWith(id ipc.Tag, o SessionOptions) (*Session, error)
 // CloseSession releases everything s owns: its staging objects, its
 // lookups and their holds (including holds taken for other sessions'
 // RETRIEVEs of those lookups). It is idempotent.
-func (st *Store) CloseSession(s *Session) {
+func (st *Core) CloseSession(s *Session) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	st.closeSessionLocked(s)
 }
 
-func (st *Store) closeSessionLocked(s *Session) {
+func (st *Core) closeSessionLocked(s *Session) {
 	if s.closed {
 		return
 	}
@@ -205,10 +205,10 @@ func (st *Store) closeSessionLocked(s *Session) {
 	st.cnt.sessionsClosed++
 }
 
-// check returns an error when the store or s is closed.
-func (st *Store) check(s *Session) error {
+// check returns an error when the core or s is closed.
+func (st *Core) check(s *Session) error {
 	if st.closed {
-		return ErrStoreClosed
+		return ErrClosed
 	}
 	if s == nil || s.closed {
 		return ErrSessionClosed
@@ -218,14 +218,14 @@ func (st *Store) check(s *Session) error {
 
 // LastSegmentError returns the most recent failure of the segment source
 // (nil if none): ALLOCs answered NoSpace because L1 could not grow.
-func (st *Store) LastSegmentError() error {
+func (st *Core) LastSegmentError() error {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	return st.l1.LastSegmentError()
 }
 
 // memAt returns the bytes at loc (tests and in-process callers).
-func (st *Store) memAt(loc ipc.Loc) []byte {
+func (st *Core) memAt(loc ipc.Loc) []byte {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	return st.l1.At(loc)
