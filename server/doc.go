@@ -74,8 +74,9 @@
 //
 //	COMMIT ──publish──► resident ──pin (hold owned by the writer)──►
 //	    Writer.Committed (after the lock) ──► adapter.Store ──► Unpin
-//	LOOKUP ──miss──► FillTask ──► PrefetchController (L2 lookup, plan,
-//	    byte-aware admission, Reserve, Load, Commit per key, Done/Answer)
+//	LOOKUP ──miss──► FillTask ──tier.Filler.Fill──► PrefetchController (L2
+//	    lookup, plan, byte-aware admission, Reserve, Load, Commit per key,
+//	    Done/Answer through the FillTask)
 //
 // Pins (Pin/Unpin) are holds that no lookup owns: a pinned object is never
 // evicted or cleared. PrefetchBytes (fill staging + temporary objects) is

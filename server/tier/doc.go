@@ -1,8 +1,12 @@
-// Package tier is the L2 tier's control plane: the writer (L1 →
-// L2 after COMMIT, the L1 source pinned until the write ends) and the
-// prefetch controller (L2 → L1 for lookups, under a byte budget). It sits
+// Package tier is the L2 tier's control plane: the Writer (L1 → L2 after
+// COMMIT, the L1 source pinned until the write ends) and the
+// PrefetchController (L2 → L1 for lookups, under a byte budget). It sits
 // between package server (which implements L1 and Fill) and package l2
 // (the adapters); it does not import server.
+//
+// The fill seam is the two interfaces of types.go: a Filler (the
+// PrefetchController) is handed each lookup's FillRequest and its Fill (the
+// server's FillTask), and reserves, commits and answers through the Fill.
 //
 // Write flow (the third "done"):
 //
@@ -16,7 +20,7 @@
 //	                            kvshim_l2_store_saved_objects_total{adapter}),
 //	                            and when the last target finished: L1 unpinned.
 //
-// Prefetch flow (one goroutine per lookup that misses L1):
+// Fill flow (PrefetchController.Fill: one goroutine per lookup that misses L1):
 //
 //	LookupAndHold(missing cells) on every adapter ──► plan one contiguous
 //	prefix over L1 ∪ L2 (first adapter holding a cell wins) ──► release the
