@@ -119,10 +119,13 @@ func (t *FillTask) Commit(rank, chunk uint32, ok bool) error {
 		t.filled[k] = idx
 		return nil
 	}
-	if _, err := st.l1.Publish(idx); err != nil { // false: already resident, discarded
+	published, err := st.l1.Publish(idx) // false: already resident, discarded
+	if err != nil {
 		return err
 	}
-	st.l1.MaybeEvict()
+	if published {
+		st.l1.MaybeEvict()
+	}
 	return nil
 }
 
