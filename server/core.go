@@ -27,7 +27,7 @@ type Options struct {
 	// OnCommit, when set, receives the objects each COMMIT publishes, each
 	// pinned (see Pin): it is called without the core's lock, must not
 	// block, and must Unpin every object once. Not with L2 adapters (the
-	// store then uses its writer).
+	// core then uses its writer).
 	OnCommit func(objs []tier.Object)
 	// L2Adapters, when set, are used instead of opening Config.L2Adapters
 	// (tests, custom backends); the core closes them.
@@ -36,9 +36,10 @@ type Options struct {
 	L2BeforeLoad func(keys []l2.Key)
 }
 
-// Core is the server core: L1 memory, the object table, sessions, lookups
-// and their holds. Every operation is safe for concurrent use; one mutex
-// guards the table and every operation is O(its keys).
+// Core is the server core: sessions, lookups and their holds over the L1
+// cache (l1.Cache), and the L2 tier. Every operation is safe for
+// concurrent use; one mutex guards all of it and every operation is O(its
+// keys).
 type Core struct {
 	cfg      Config
 	filler   tier.Filler

@@ -35,7 +35,7 @@ type IPCSource struct {
 
 // setOnNew sets the new-segment hook and calls it for the segments that
 // already exist (handed to the core; a prepared one gets it when the
-// store takes it, as a new one does).
+// core takes it, as a new one does).
 func (s *IPCSource) setOnNew(f func(seg *ipc.Segment)) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

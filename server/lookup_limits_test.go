@@ -29,7 +29,7 @@ func lookupBound(cfg Config) uint64 {
 }
 
 // heapInUse is the Go heap in use after a full collection (what the
-// store's structures and everything else live still occupy).
+// core's structures and everything else live still occupy).
 func heapInUse() uint64 {
 	runtime.GC()
 	runtime.GC() // the first may leave finalizer-held objects for the second

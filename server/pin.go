@@ -10,8 +10,8 @@ import (
 // The core is the L1 that the L2 controllers unpin and budget against.
 var _ tier.L1 = (*Core)(nil)
 
-// Pins are read holds owned by an in-process component (the L2 store
-// controller) instead of a lookup: a pinned object is never evicted or
+// Pins are read holds owned by an in-process component (the L2 writer)
+// instead of a lookup: a pinned object is never evicted or
 // cleared and its bytes stay valid until Unpin. With Options.OnCommit set,
 // COMMIT pins every object it publishes and hands the pins over.
 

@@ -21,7 +21,7 @@ import (
 	"github.com/kvshim/kvshim/server/l2/redis/redisserver"
 )
 
-// L2 capacity through the real store and prefetch controllers: a stream
+// L2 capacity through the real writer and prefetch controller: a stream
 // of saves into an L2 far smaller than the stream.
 
 const objFile = objSize + 16 // an fs object file: payload and trailer

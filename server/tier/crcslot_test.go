@@ -15,7 +15,7 @@ import (
 )
 
 // The payload CRC slot (objfmt, kvshim.verify=l2): workers seal headers
-// only; the L2 store sets each object's payload CRC in L1 before any
+// only; the L2 writer sets each object's payload CRC in L1 before any
 // adapter reads it; fills serve only objects whose CRC is set and matches.
 
 // bare is pattern(h, rank) as a worker under kvshim.verify=l2 seals it:
@@ -48,7 +48,7 @@ func (e *env) putObjs(t *testing.T, rank uint32, hs []ipc.Hash, objs [][]byte) [
 	return mem
 }
 
-// Objects committed without a payload CRC get one from the L2 store, in
+// Objects committed without a payload CRC get one from the L2 writer, in
 // L1 (before any adapter reads them) and so in every L2 copy; a restarted
 // server fills them from L2 and serves them, CRC checked.
 func TestStoreSetsPayloadCRCBeforeL2(t *testing.T) {

@@ -66,7 +66,7 @@
 //     must name the key the fill asked for (namespace, rank, chunk hash),
 //     its size must match, and its payload CRC must be set and match the
 //     payload (objfmt.Verify): an L2 object without one (written by
-//     anything but this store) is rejected like a corrupt one. An object
+//     anything but this writer) is rejected like a corrupt one. An object
 //     that fails (a file copied over another key's, a stale writer's bytes,
 //     an object of another format version, a corrupt payload or payload
 //     CRC) is a failed load of that chunk, counted

@@ -216,8 +216,8 @@ func (pc *PrefetchController) Close() {
 
 // checkObject verifies an object loaded from L2 for key: header (magic,
 // format version, header checksum), the key it names, its size and, unless
-// the policy is VerifyOff, its payload CRC, which must be set (the L2 store
-// sets it before writing) and match. The server does not know the KV
+// the policy is VerifyOff, its payload CRC, which must be set (the L2
+// writer sets it before writing) and match. The server does not know the KV
 // layout; the layout fingerprint and chunk tokens are the worker's to
 // check.
 func checkObject(obj []byte, key l2.Key, policy objfmt.VerifyPolicy) error {

@@ -8,7 +8,7 @@ import (
 	"github.com/kvshim/kvshim/server/l2"
 )
 
-// L1 is what the controllers need from the L1 store.
+// L1 is what the controllers need from L1 (the server's Core).
 type L1 interface {
 	// Unpin drops the controller-owned holds of objs (taken at commit).
 	Unpin(objs []Object)

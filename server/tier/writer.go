@@ -171,7 +171,7 @@ type batchObj struct {
 // written to the adapters its policy selects and unpinned when the last
 // write ends; objects not written are unpinned at once. It never blocks
 // (adapter submission is asynchronous) and must be called without the
-// store's lock.
+// core's lock.
 func (wr *Writer) Committed(objs []Object) {
 	var drop []Object
 	per := make([][]*batchObj, len(wr.adapters))
