@@ -8,16 +8,16 @@ import (
 
 // Clear drops every resident object that has no holds (OpClear). Staging,
 // temporary and held objects stay.
-func (st *Core) Clear(s *Session) (*ipc.ClearResp, error) {
-	defer st.metrics.observe(opClear, time.Now())
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if err := st.check(s); err != nil {
+func (core *Core) Clear(s *Session) (*ipc.ClearResp, error) {
+	defer core.metrics.observe(opClear, time.Now())
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if err := core.check(s); err != nil {
 		return nil, err
 	}
 	var r ipc.ClearResp
-	r.Objects, r.Bytes = st.l1.Clear()
-	st.cnt.cleared += r.Objects
-	st.cnt.clearedBytes += r.Bytes
+	r.Objects, r.Bytes = core.l1.Clear()
+	core.cnt.cleared += r.Objects
+	core.cnt.clearedBytes += r.Bytes
 	return &r, nil
 }

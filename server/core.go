@@ -89,7 +89,7 @@ func NewCore(cfg Config, o Options) (*Core, error) {
 	if o.Source == nil {
 		o.Source = l1.HeapSource{}
 	}
-	st := &Core{
+	core := &Core{
 		cfg:      cfg,
 		filler:   o.Filler,
 		staging:  map[stageKey]stageEntry{},
@@ -99,42 +99,42 @@ func NewCore(cfg Config, o Options) (*Core, error) {
 		stop:     make(chan struct{}),
 		done:     make(chan struct{}),
 	}
-	st.l1 = l1.New(o.Source, l1.Config{
+	core.l1 = l1.New(o.Source, l1.Config{
 		Capacity: cfg.capacity(), SegmentSize: cfg.SegmentSize, SlabSize: cfg.SlabSize,
 		HighWatermark: cfg.HighWatermark, LowWatermark: cfg.LowWatermark,
-		OnSegment: o.OnSegment, OnEvict: st.traceEvict,
+		OnSegment: o.OnSegment, OnEvict: core.traceEvict,
 	})
-	st.metrics = newMetrics(st)
-	if err := st.openTier(o); err != nil {
+	core.metrics = newMetrics(core)
+	if err := core.openTier(o); err != nil {
 		return nil, err
 	}
-	go st.reaper()
-	return st, nil
+	go core.reaper()
+	return core, nil
 }
 
 // Config returns the effective configuration (defaults filled in).
-func (st *Core) Config() Config { return st.cfg }
+func (core *Core) Config() Config { return core.cfg }
 
 // Close closes every session, stops the reaper and closes the segment
 // source. Operations after Close fail with ErrClosed.
-func (st *Core) Close() error {
-	st.mu.Lock()
-	if st.closed {
-		st.mu.Unlock()
+func (core *Core) Close() error {
+	core.mu.Lock()
+	if core.closed {
+		core.mu.Unlock()
 		return nil
 	}
-	for _, s := range st.sessions {
-		st.closeSessionLocked(s)
+	for _, s := range core.sessions {
+		core.closeSessionLocked(s)
 	}
-	st.closed = true
-	st.mu.Unlock()
-	close(st.stop)
-	<-st.done
+	core.closed = true
+	core.mu.Unlock()
+	close(core.stop)
+	<-core.done
 	var terr error
-	if st.tier != nil {
-		terr = st.tier.close() // before the segments go: L2 I/O uses them
+	if core.tier != nil {
+		terr = core.tier.close() // before the segments go: L2 I/O uses them
 	}
-	return errors.Join(terr, st.l1.Close())
+	return errors.Join(terr, core.l1.Close())
 }
 
 // Session is one client connection (one connector instance). Its id is the
@@ -154,61 +154,61 @@ func (s *Session) ID() ipc.Tag { return s.id }
 // OpenSession registers a session of an in-process caller, whose writes to
 // L1 end before its calls return (no fencing). Two live sessions cannot
 // share an id.
-func (st *Core) OpenSession(id ipc.Tag) (*Session, error) {
-	return st.OpenSessionWith(id, SessionOptions{})
+func (core *Core) OpenSession(id ipc.Tag) (*Session, error) {
+	return core.OpenSessionWith(id, SessionOptions{})
 }
 
 // OpenSessionWith registers a session described by o. Two live sessions
 // cannot share an id.
-func (st *Core) OpenSessionWith(id ipc.Tag, o SessionOptions) (*Session, error) {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if st.closed {
+func (core *Core) OpenSessionWith(id ipc.Tag, o SessionOptions) (*Session, error) {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if core.closed {
 		return nil, ErrClosed
 	}
-	if _, ok := st.sessions[id]; ok {
+	if _, ok := core.sessions[id]; ok {
 		return nil, fmt.Errorf("%w: %x", ErrDuplicateSession, id)
 	}
 	if o.Drained {
-		st.unfenceDrained(id)
+		core.unfenceDrained(id)
 	}
 	s := &Session{id: id, opts: o, lookups: map[uint64]*lookup{}}
-	st.sessions[id] = s
-	st.cnt.sessionsOpened++
+	core.sessions[id] = s
+	core.cnt.sessionsOpened++
 	return s, nil
 }
 
 // CloseSession releases everything s owns: its staging objects, its
 // lookups and their holds (including holds taken for other sessions'
 // RETRIEVEs of those lookups). It is idempotent.
-func (st *Core) CloseSession(s *Session) {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	st.closeSessionLocked(s)
+func (core *Core) CloseSession(s *Session) {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	core.closeSessionLocked(s)
 }
 
-func (st *Core) closeSessionLocked(s *Session) {
+func (core *Core) closeSessionLocked(s *Session) {
 	if s.closed {
 		return
 	}
 	s.closed = true
 	for _, lk := range s.lookups {
-		st.dropLookup(lk)
+		core.dropLookup(lk)
 	}
-	for k, e := range st.staging {
+	for k, e := range core.staging {
 		if e.owner == s {
-			delete(st.staging, k)
-			st.releaseStaging(s, e.idx)
+			delete(core.staging, k)
+			core.releaseStaging(s, e.idx)
 		}
 	}
-	st.fenceClosed(s)
-	delete(st.sessions, s.id)
-	st.cnt.sessionsClosed++
+	core.fenceClosed(s)
+	delete(core.sessions, s.id)
+	core.cnt.sessionsClosed++
 }
 
 // check returns an error when the core or s is closed.
-func (st *Core) check(s *Session) error {
-	if st.closed {
+func (core *Core) check(s *Session) error {
+	if core.closed {
 		return ErrClosed
 	}
 	if s == nil || s.closed {
@@ -219,17 +219,17 @@ func (st *Core) check(s *Session) error {
 
 // LastSegmentError returns the most recent failure of the segment source
 // (nil if none): ALLOCs answered NoSpace because L1 could not grow.
-func (st *Core) LastSegmentError() error {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	return st.l1.LastSegmentError()
+func (core *Core) LastSegmentError() error {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	return core.l1.LastSegmentError()
 }
 
 // memAt returns the bytes at loc (tests and in-process callers).
-func (st *Core) memAt(loc ipc.Loc) []byte {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	return st.l1.At(loc)
+func (core *Core) memAt(loc ipc.Loc) []byte {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	return core.l1.At(loc)
 }
 
 // stageKey names a staging object: (namespace, rank, hash) plus writer tag.

@@ -28,12 +28,12 @@ type SessionOptions struct {
 // releaseStaging gives back a staging object that its writer s no longer
 // owns (session end, staging TTL): freed at once when s's writes cannot
 // outlive its calls, else fenced until s is known to be done writing.
-func (st *Core) releaseStaging(s *Session, i uint32) {
+func (core *Core) releaseStaging(s *Session, i uint32) {
 	if !s.opts.Fence {
-		st.l1.Free(i)
+		core.l1.Free(i)
 		return
 	}
-	if err := st.l1.Fence(i); err != nil {
+	if err := core.l1.Fence(i); err != nil {
 		// Not staging: a bug. Keep the slot (it may still be written).
 		slog.Error("server: fencing a staging slot", "err", err)
 		return
@@ -43,11 +43,11 @@ func (st *Core) releaseStaging(s *Session, i uint32) {
 
 // fenceClosed parks a closed session's fenced slots until its writer has
 // exited (watched with a pidfd) or says it has drained (HelloDrained).
-func (st *Core) fenceClosed(s *Session) {
+func (core *Core) fenceClosed(s *Session) {
 	if len(s.fenced) == 0 {
 		return
 	}
-	st.fences[s] = s.fenced
+	core.fences[s] = s.fenced
 	s.fenced = nil
 	lifted := make(chan struct{}) // closed by unfence: the watch ends with the fence
 	s.lifted = lifted
@@ -55,7 +55,7 @@ func (st *Core) fenceClosed(s *Session) {
 		stop := make(chan struct{}) // the core closed, or the fence was lifted
 		go func() {
 			select {
-			case <-st.stop:
+			case <-core.stop:
 			case <-lifted:
 			}
 			close(stop)
@@ -66,38 +66,38 @@ func (st *Core) fenceClosed(s *Session) {
 		}
 		select {
 		case <-exited:
-			st.mu.Lock()
-			if st.unfence(s) {
-				st.cnt.fencesExited++
+			core.mu.Lock()
+			if core.unfence(s) {
+				core.cnt.fencesExited++
 			}
-			st.mu.Unlock()
+			core.mu.Unlock()
 		case <-stop:
 		}
 	}()
 }
 
 // unfenceDrained frees the fenced slots of every ended session named id.
-func (st *Core) unfenceDrained(id ipc.Tag) {
-	for s := range st.fences {
-		if s.id == id && st.unfence(s) {
-			st.cnt.fencesDrained++
+func (core *Core) unfenceDrained(id ipc.Tag) {
+	for s := range core.fences {
+		if s.id == id && core.unfence(s) {
+			core.cnt.fencesDrained++
 		}
 	}
 }
 
 // unfence frees s's fenced slots; false if it had none (already freed).
-func (st *Core) unfence(s *Session) bool {
-	objs, ok := st.fences[s]
-	if !ok || st.closed {
+func (core *Core) unfence(s *Session) bool {
+	objs, ok := core.fences[s]
+	if !ok || core.closed {
 		return false
 	}
-	delete(st.fences, s)
+	delete(core.fences, s)
 	if s.lifted != nil {
 		close(s.lifted)
 		s.lifted = nil
 	}
 	for _, i := range objs {
-		st.l1.Free(i)
+		core.l1.Free(i)
 	}
 	return true
 }

@@ -24,8 +24,8 @@ type FillTask struct {
 	Start     uint32 // lookup index of Hashes[0]
 	Hashes    []ipc.Hash
 
-	st       *Core
-	lk       *lookup            // nil once the lookup is gone or answered (guarded by st.mu)
+	core     *Core
+	lk       *lookup            // nil once the lookup is gone or answered (guarded by core.mu)
 	done     bool               // Done was called
 	answered bool               // the lookup was made final (Answer or Done)
 	staged   map[fillKey]uint32 // reserved, not yet committed
@@ -51,16 +51,16 @@ func (t *FillTask) Ranks() uint32 {
 // out of range, already resident, or already reserved; with
 // ErrBadRequest for a bad size; and reports ok=false when L1 has no space.
 func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem []byte, ok bool, err error) {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	k := fillKey{rank, chunk}
 	switch {
-	case t.done || t.answered || t.lk == nil || st.closed:
+	case t.done || t.answered || t.lk == nil || core.closed:
 		return nil, false, fmt.Errorf("%w: task finished or cancelled", ErrFill)
 	case rank >= t.Ranks() || chunk < t.Start || chunk-t.Start >= uint32(len(t.Hashes)):
 		return nil, false, fmt.Errorf("%w: (rank %d, chunk %d) is outside the task", ErrFill, rank, chunk)
-	case size == 0 || size > st.l1.MaxObject():
+	case size == 0 || size > core.l1.MaxObject():
 		return nil, false, fmt.Errorf("%w: fill size %d", ErrBadRequest, size)
 	}
 	if _, dup := t.staged[k]; dup {
@@ -70,11 +70,11 @@ func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem
 		return nil, false, fmt.Errorf("%w: (rank %d, chunk %d) already filled", ErrFill, rank, chunk)
 	}
 	h := t.Hashes[chunk-t.Start]
-	sh, _ := st.l1.Shard(t.Namespace, true)
-	if _, res := st.l1.Find(sh, &h, rank); res {
+	sh, _ := core.l1.Shard(t.Namespace, true)
+	if _, res := core.l1.Find(sh, &h, rank); res {
 		return nil, false, fmt.Errorf("%w: (rank %d, chunk %d) is resident", ErrFill, rank, chunk)
 	}
-	idx, ok := st.l1.Reserve(sh, rank, &h, size, true)
+	idx, ok := core.l1.Reserve(sh, rank, &h, size, true)
 	if !ok {
 		return nil, false, nil
 	}
@@ -84,7 +84,7 @@ func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem
 	} else {
 		t.staged[k] = idx
 	}
-	return st.l1.Bytes(idx), true, nil
+	return core.l1.Bytes(idx), true, nil
 }
 
 // tempBit marks a staged fill object as temporary. Arena indices stay
@@ -94,9 +94,9 @@ const tempBit = 1 << 31
 // Commit finishes (rank, chunk): ok publishes it (resident, or temporary
 // for this lookup), !ok frees it. The memory must not be written after.
 func (t *FillTask) Commit(rank, chunk uint32, ok bool) error {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	k := fillKey{rank, chunk}
 	v, found := t.staged[k]
 	if !found {
@@ -104,13 +104,13 @@ func (t *FillTask) Commit(rank, chunk uint32, ok bool) error {
 	}
 	delete(t.staged, k)
 	idx := v &^ tempBit
-	if !ok || t.lk == nil || st.closed {
-		st.l1.Free(idx)
+	if !ok || t.lk == nil || core.closed {
+		core.l1.Free(idx)
 		return nil
 	}
 	if v&tempBit != 0 {
-		if err := st.l1.MakeTemporary(idx); err != nil {
-			st.l1.Free(idx)
+		if err := core.l1.MakeTemporary(idx); err != nil {
+			core.l1.Free(idx)
 			return err
 		}
 		if t.filled == nil {
@@ -119,12 +119,12 @@ func (t *FillTask) Commit(rank, chunk uint32, ok bool) error {
 		t.filled[k] = idx
 		return nil
 	}
-	published, err := st.l1.Publish(idx) // false: already resident, discarded
+	published, err := core.l1.Publish(idx) // false: already resident, discarded
 	if err != nil {
 		return err
 	}
 	if published {
-		st.l1.MaybeEvict()
+		core.l1.MaybeEvict()
 	}
 	return nil
 }
@@ -134,15 +134,15 @@ func (t *FillTask) Commit(rank, chunk uint32, ok bool) error {
 // present on every rank, releases filled objects beyond it, and becomes
 // final. Calls after the first do nothing.
 func (t *FillTask) Done() {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	if t.done {
 		return
 	}
 	t.done = true
 	for k, v := range t.staged {
-		st.l1.Free(v &^ tempBit)
+		core.l1.Free(v &^ tempBit)
 		delete(t.staged, k)
 	}
 	t.answerLocked()
@@ -154,16 +154,16 @@ func (t *FillTask) Done() {
 // uses it while loads still write into staging buffers. Done must still be
 // called.
 func (t *FillTask) Answer() {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	if !t.done {
 		t.answerLocked()
 	}
 }
 
 func (t *FillTask) answerLocked() {
-	st := t.st
+	core := t.core
 	if t.answered {
 		return
 	}
@@ -173,13 +173,13 @@ func (t *FillTask) answerLocked() {
 		return
 	}
 	from := uint32(len(lk.held[0]))
-	p := st.extend(lk, from)
-	st.cnt.hitChunks += uint64(p - from)
-	st.cnt.missedChunks -= uint64(p - from)
+	p := core.extend(lk, from)
+	core.cnt.hitChunks += uint64(p - from)
+	core.cnt.missedChunks -= uint64(p - from)
 	lk.chunks = p
 	lk.state = lkFinal
-	st.traceFinal(lk)
-	st.cnt.pending--
+	core.traceFinal(lk)
+	core.cnt.pending--
 	lk.fill = nil
 	t.lk = nil
 	t.dropFilled()
@@ -194,18 +194,18 @@ func (t *FillTask) request() tier.FillRequest {
 // Resident reports, for each cell (rank r, chunk Start+i) at index
 // i*Ranks()+r, whether L1 has it resident now.
 func (t *FillTask) Resident() []bool {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	ranks := t.Ranks()
 	out := make([]bool, uint32(len(t.Hashes))*ranks)
-	sh, ok := st.l1.Shard(t.Namespace, false)
+	sh, ok := core.l1.Shard(t.Namespace, false)
 	if !ok {
 		return out
 	}
 	found := make([]uint32, ranks)
 	for i := range t.Hashes {
-		st.l1.FindRanks(sh, &t.Hashes[i], found)
+		core.l1.FindRanks(sh, &t.Hashes[i], found)
 		for r, idx := range found {
 			out[uint32(i)*ranks+uint32(r)] = idx != l1.Nil
 		}
@@ -216,16 +216,16 @@ func (t *FillTask) Resident() []bool {
 // SizeHint is the size of an object the lookup already holds (its L1
 // prefix), or 0: L2 adapters that do not report sizes load with it.
 func (t *FillTask) SizeHint() uint64 {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	if t.lk == nil {
 		return 0
 	}
 	for _, row := range t.lk.held {
 		for _, i := range row {
 			if i != l1.Nil {
-				return st.l1.Size(i)
+				return core.l1.Size(i)
 			}
 		}
 	}
@@ -238,9 +238,9 @@ func (t *FillTask) SizeHint() uint64 {
 // calls Done; a load already writing into a reservation must report (and
 // Commit) before Done frees it, as after Answer (tier.Fill).
 func (t *FillTask) Context() context.Context {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	if t.ctx == nil {
 		t.ctx, t.cancel = context.WithCancel(context.Background())
 		if t.cancelled {
@@ -265,8 +265,8 @@ func (t *FillTask) cancelLocked() {
 // dropFilled frees temporary objects that no hold kept.
 func (t *FillTask) dropFilled() {
 	for k, idx := range t.filled {
-		if t.st.l1.Holds(idx) == 0 {
-			t.st.l1.Free(idx)
+		if t.core.l1.Holds(idx) == 0 {
+			t.core.l1.Free(idx)
 		}
 		delete(t.filled, k)
 	}

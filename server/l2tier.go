@@ -21,7 +21,7 @@ type l2Tier struct {
 
 // openTier opens the configured adapters (or takes o.L2Adapters) and
 // wires the controllers; with none it installs o's hooks as given.
-func (st *Core) openTier(o Options) (err error) {
+func (core *Core) openTier(o Options) (err error) {
 	adapters := o.L2Adapters
 	defer func() {
 		if err != nil {
@@ -31,8 +31,8 @@ func (st *Core) openTier(o Options) (err error) {
 		}
 	}()
 	if adapters == nil {
-		for i, raw := range st.cfg.L2Adapters {
-			a, err := l2.OpenJSON(raw, l2.Options{Registerer: st.metrics.reg})
+		for i, raw := range core.cfg.L2Adapters {
+			a, err := l2.OpenJSON(raw, l2.Options{Registerer: core.metrics.reg})
 			if err != nil {
 				return fmt.Errorf("%w: --l2-adapter #%d: %w", ErrConfig, i+1, err)
 			}
@@ -40,39 +40,39 @@ func (st *Core) openTier(o Options) (err error) {
 		}
 	}
 	if len(adapters) == 0 {
-		st.filler, st.onCommit = o.Filler, o.OnCommit
+		core.filler, core.onCommit = o.Filler, o.OnCommit
 		return nil
 	}
 	if o.Filler != nil || o.OnCommit != nil {
 		return fmt.Errorf("%w: Options.Filler / OnCommit cannot be combined with L2 adapters", ErrConfig)
 	}
-	policy, err := tier.ParseStorePolicy(st.cfg.L2StorePolicy)
+	policy, err := tier.ParseStorePolicy(core.cfg.L2StorePolicy)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
-	prefetchBudget, storeBytes := st.cfg.l2Budgets()
+	prefetchBudget, storeBytes := core.cfg.l2Budgets()
 	hints := &tier.SizeHints{}
 	log := slog.Default().With("component", "l2tier")
 	t := &l2Tier{adapters: adapters}
-	t.pc, err = tier.NewPrefetchController(st, adapters, tier.PrefetchConfig{
-		Budget: prefetchBudget, Timeout: st.cfg.L2PrefetchTimeout, AdmissionWait: st.cfg.L2AdmissionWait,
-		Retain: st.cfg.L2PrefetchRetain, Hints: hints, BeforeLoad: o.L2BeforeLoad,
-	}, st.metrics.reg, log)
+	t.pc, err = tier.NewPrefetchController(core, adapters, tier.PrefetchConfig{
+		Budget: prefetchBudget, Timeout: core.cfg.L2PrefetchTimeout, AdmissionWait: core.cfg.L2AdmissionWait,
+		Retain: core.cfg.L2PrefetchRetain, Hints: hints, BeforeLoad: o.L2BeforeLoad,
+	}, core.metrics.reg, log)
 	if err != nil {
 		return err
 	}
-	t.wr, err = tier.NewWriter(st, adapters, tier.WriterConfig{
+	t.wr, err = tier.NewWriter(core, adapters, tier.WriterConfig{
 		Policy: policy, MaxBytes: storeBytes, Hints: hints,
-	}, st.metrics.reg, log)
+	}, core.metrics.reg, log)
 	if err != nil {
 		return err
 	}
-	st.tier = t
-	st.filler = t.pc
+	core.tier = t
+	core.filler = t.pc
 	if !tier.IsNone(policy) {
-		st.onCommit = t.wr.Committed
+		core.onCommit = t.wr.Committed
 	}
-	if src, ok := st.l1.Source().(*IPCSource); ok {
+	if src, ok := core.l1.Source().(*IPCSource); ok {
 		src.setOnNew(t.registerSegment)
 	}
 	return nil
@@ -108,25 +108,25 @@ func (t *l2Tier) close() error {
 }
 
 // L2Adapters are the core's L2 adapters (nil: L1 only).
-func (st *Core) L2Adapters() []*l2.Adapter {
-	if st.tier == nil {
+func (core *Core) L2Adapters() []*l2.Adapter {
+	if core.tier == nil {
 		return nil
 	}
-	return st.tier.adapters
+	return core.tier.adapters
 }
 
 // Writer is the L2 writer (nil: L1 only).
-func (st *Core) Writer() *tier.Writer {
-	if st.tier == nil {
+func (core *Core) Writer() *tier.Writer {
+	if core.tier == nil {
 		return nil
 	}
-	return st.tier.wr
+	return core.tier.wr
 }
 
 // PrefetchController is the L2 prefetch controller (nil: L1 only).
-func (st *Core) PrefetchController() *tier.PrefetchController {
-	if st.tier == nil {
+func (core *Core) PrefetchController() *tier.PrefetchController {
+	if core.tier == nil {
 		return nil
 	}
-	return st.tier.pc
+	return core.tier.pc
 }

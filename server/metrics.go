@@ -35,7 +35,7 @@ type metrics struct {
 	usage   lookupUsage // lookup limits (lookup.go), guarded by Core.mu
 }
 
-func newMetrics(st *Core) *metrics {
+func newMetrics(core *Core) *metrics {
 	m := &metrics{reg: prometheus.NewRegistry(), latency: map[string]prometheus.Observer{},
 		usage: lookupUsage{cells: map[*Session]uint64{}}}
 	hist := prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -46,8 +46,8 @@ func newMetrics(st *Core) *metrics {
 	for _, op := range opNames {
 		m.latency[op] = hist.WithLabelValues(op)
 	}
-	st.metrics = m // registering collects a snapshot, which reads m.usage
-	m.reg.MustRegister(hist, &collector{st: st})
+	core.metrics = m // registering collects a snapshot, which reads m.usage
+	m.reg.MustRegister(hist, &collector{core: core})
 	return m
 }
 
@@ -56,21 +56,21 @@ func (m *metrics) observe(op string, start time.Time) {
 }
 
 // Registry is the core's private Prometheus registry.
-func (st *Core) Registry() *prometheus.Registry { return st.metrics.reg }
+func (core *Core) Registry() *prometheus.Registry { return core.metrics.reg }
 
 // MetricsHandler serves the core's metrics in the Prometheus text format
 // (mount it at /metrics).
-func (st *Core) MetricsHandler() http.Handler {
-	return promhttp.HandlerFor(st.metrics.reg, promhttp.HandlerOpts{Registry: st.metrics.reg})
+func (core *Core) MetricsHandler() http.Handler {
+	return promhttp.HandlerFor(core.metrics.reg, promhttp.HandlerOpts{Registry: core.metrics.reg})
 }
 
 // HealthHandler answers liveness probes (mount it at /healthz): 200 "ok"
 // while the core is open, 503 "closed" once Close has begun.
-func (st *Core) HealthHandler() http.Handler {
+func (core *Core) HealthHandler() http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		st.mu.Lock()
-		closed := st.closed
-		st.mu.Unlock()
+		core.mu.Lock()
+		closed := core.closed
+		core.mu.Unlock()
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.Header().Set("Cache-Control", "no-store")
 		if closed {
@@ -93,11 +93,11 @@ type metric struct {
 }
 
 // snapshot returns every number of the core, under the lock.
-func (st *Core) snapshot() []metric {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	a := st.l1.Stats()
-	c := &st.cnt
+func (core *Core) snapshot() []metric {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	a := core.l1.Stats()
+	c := &core.cnt
 	g := func(name, help string, v uint64) metric { return metric{name: name, help: help, value: float64(v)} }
 	k := func(name, help string, v uint64) metric {
 		return metric{name: name, help: help, counter: true, value: float64(v)}
@@ -116,8 +116,8 @@ func (st *Core) snapshot() []metric {
 		g("kvshim_l1_holds", "Read holds outstanding.", a.Holds),
 		g("kvshim_lookups_live", "Lookups registered and not yet forgotten.", c.lookupsNow),
 		g("kvshim_lookups_pending", "Lookups waiting for a fill.", c.pending),
-		g("kvshim_lookup_cells", "Hold-table cells (chunks × readers) of live lookups; each session's are bounded by --max-lookup-cells-per-session.", st.metrics.usage.total),
-		g("kvshim_sessions", "Connected sessions.", uint64(len(st.sessions))),
+		g("kvshim_lookup_cells", "Hold-table cells (chunks × readers) of live lookups; each session's are bounded by --max-lookup-cells-per-session.", core.metrics.usage.total),
+		g("kvshim_sessions", "Connected sessions.", uint64(len(core.sessions))),
 		k("kvshim_lookups_total", "Lookups registered.", c.lookups),
 		k("kvshim_lookup_hit_chunks_total", "Chunks answered present on every rank.", c.hitChunks),
 		k("kvshim_lookup_missed_chunks_total", "Chunks beyond the answered prefix.", c.missedChunks),
@@ -140,7 +140,7 @@ func (st *Core) snapshot() []metric {
 			metric{name: "kvshim_l1_objects", help: "L1 objects by state.", label: "state=" + s.String(), value: float64(a.Objects[s])},
 			metric{name: "kvshim_l1_object_bytes", help: "Requested bytes of L1 objects by state.", label: "state=" + s.String(), value: float64(a.ObjectBytes[s])})
 	}
-	for l, v := range st.metrics.usage.rejected {
+	for l, v := range core.metrics.usage.rejected {
 		out = append(out, metric{name: "kvshim_lookups_rejected_total", counter: true, label: "limit=" + lookupLimitNames[l], value: float64(v),
 			help: "LOOKUPs refused (StatusBadRequest) because the session was at a limit: lookups = --max-lookups-per-session, cells = --max-lookup-cells-per-session."})
 	}
@@ -160,13 +160,13 @@ func (st *Core) snapshot() []metric {
 }
 
 // collector exports the snapshot; one lock per scrape.
-type collector struct{ st *Core }
+type collector struct{ core *Core }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) { prometheus.DescribeByCollect(c, ch) }
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	descs := map[string]*prometheus.Desc{}
-	for _, s := range c.st.snapshot() {
+	for _, s := range c.core.snapshot() {
 		var labels []string
 		var lv []string
 		if s.label != "" {
@@ -192,15 +192,15 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 
 // stats is the snapshot plus the L2 controllers' numbers (their
 // Prometheus collectors are registered separately).
-func (st *Core) stats() []metric {
-	out := st.snapshot()
-	if st.tier != nil {
+func (core *Core) stats() []metric {
+	out := core.snapshot()
+	if core.tier != nil {
 		add := func(name, labels string, v float64, isCounter bool) {
 			out = append(out, metric{name: name, label: labels, value: v, counter: isCounter})
 		}
-		st.tier.wr.Export(add)
-		st.tier.pc.Export(add)
-		out = append(out, st.adapterStats()...)
+		core.tier.wr.Export(add)
+		core.tier.pc.Export(add)
+		out = append(out, core.adapterStats()...)
 	}
 	return out
 }
@@ -208,12 +208,12 @@ func (st *Core) stats() []metric {
 // Stats answers OpStats with the same numbers the metrics export,
 // including the L2 controllers'. Labelled metrics are named
 // "name{key=value}" ("name{k=v,k2=v2}" with two labels).
-func (st *Core) Stats(s *Session) (*ipc.StatsResp, error) {
-	defer st.metrics.observe(opStats, time.Now())
-	snap := st.stats()
-	st.mu.Lock()
-	err := st.check(s)
-	st.mu.Unlock()
+func (core *Core) Stats(s *Session) (*ipc.StatsResp, error) {
+	defer core.metrics.observe(opStats, time.Now())
+	snap := core.stats()
+	core.mu.Lock()
+	err := core.check(s)
+	core.mu.Unlock()
 	if err != nil {
 		return nil, err
 	}
@@ -230,8 +230,8 @@ func (st *Core) Stats(s *Session) (*ipc.StatsResp, error) {
 
 // Stat returns one STATS value by name (as Stats names it), for tests and
 // callers in the same process; ok is false for an unknown name.
-func (st *Core) Stat(name string) (v float64, ok bool) {
-	for _, x := range st.stats() {
+func (core *Core) Stat(name string) (v float64, ok bool) {
+	for _, x := range core.stats() {
 		n := x.name
 		if x.label != "" {
 			n += "{" + x.label + "}"

@@ -16,68 +16,68 @@ var _ tier.L1 = (*Core)(nil)
 // COMMIT pins every object it publishes and hands the pins over.
 
 // pinLocked adds a pin to resident object i and describes it.
-func (st *Core) pinLocked(i uint32) tier.Object {
-	st.l1.Hold(i, 1)
-	st.cnt.pins++
-	if st.pinned == nil {
-		st.pinned = map[uint32]uint32{}
+func (core *Core) pinLocked(i uint32) tier.Object {
+	core.l1.Hold(i, 1)
+	core.cnt.pins++
+	if core.pinned == nil {
+		core.pinned = map[uint32]uint32{}
 	}
-	st.pinned[i]++
-	o := st.l1.Get(i)
-	return tier.Object{Key: tier.Key(o.Namespace, o.Rank, o.Hash), Mem: st.l1.Bytes(i), Ref: uint64(i)}
+	core.pinned[i]++
+	o := core.l1.Get(i)
+	return tier.Object{Key: tier.Key(o.Namespace, o.Rank, o.Hash), Mem: core.l1.Bytes(i), Ref: uint64(i)}
 }
 
 // Pin pins the resident object (ns, rank, h) and returns it; ok is false
 // when it is not resident.
-func (st *Core) Pin(ns ipc.Namespace, rank uint32, h ipc.Hash) (o tier.Object, ok bool) {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if st.closed {
+func (core *Core) Pin(ns ipc.Namespace, rank uint32, h ipc.Hash) (o tier.Object, ok bool) {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if core.closed {
 		return o, false
 	}
-	sh, found := st.l1.Shard(ns, false)
+	sh, found := core.l1.Shard(ns, false)
 	if !found {
 		return o, false
 	}
-	i, res := st.l1.Find(sh, &h, rank)
+	i, res := core.l1.Find(sh, &h, rank)
 	if !res {
 		return o, false
 	}
-	return st.pinLocked(i), true
+	return core.pinLocked(i), true
 }
 
 // Unpin drops pins taken by Pin or handed over by OnCommit. Each pin must
 // be dropped exactly once; after Close it does nothing.
-func (st *Core) Unpin(objs []tier.Object) {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if st.closed {
+func (core *Core) Unpin(objs []tier.Object) {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if core.closed {
 		return
 	}
 	for _, p := range objs {
 		i := uint32(p.Ref)
-		if st.pinned[i] == 0 {
+		if core.pinned[i] == 0 {
 			// A caller bug; refusing keeps the hold counts consistent.
 			slog.Error("server: Unpin of an object that is not pinned", "key", p.Key)
 			continue
 		}
-		if o := st.l1.Get(i); o.Rank != p.Key.Rank || o.Hash != p.Key.Hash {
+		if o := core.l1.Get(i); o.Rank != p.Key.Rank || o.Hash != p.Key.Hash {
 			// A caller bug; refusing keeps the hold counts consistent.
 			slog.Error("server: Unpin of an object that is not pinned", "key", p.Key)
 			continue
 		}
-		if st.pinned[i]--; st.pinned[i] == 0 {
-			delete(st.pinned, i)
+		if core.pinned[i]--; core.pinned[i] == 0 {
+			delete(core.pinned, i)
 		}
-		st.l1.Unhold(i)
-		st.cnt.pins--
+		core.l1.Unhold(i)
+		core.cnt.pins--
 	}
 }
 
 // PrefetchBytes is the L1 slot bytes of prefetch staging and temporary
 // objects (the prefetch admission budget counts them).
-func (st *Core) PrefetchBytes() uint64 {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	return st.l1.PrefetchBytes()
+func (core *Core) PrefetchBytes() uint64 {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	return core.l1.PrefetchBytes()
 }

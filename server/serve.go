@@ -9,10 +9,10 @@ import (
 )
 
 // Serve accepts sessions on ln until it is closed and runs each on its own
-// goroutine: requests are decoded with ipc's codec, answered by st, and the
+// goroutine: requests are decoded with ipc's codec, answered by core, and the
 // session's resources are released (CloseSession) when its peer goes. It
 // returns nil once ln is closed and every session goroutine has ended.
-func Serve(ln *ipc.Listener, st *Core) error {
+func Serve(ln *ipc.Listener, core *Core) error {
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	for {
@@ -26,27 +26,27 @@ func Serve(ln *ipc.Listener, st *Core) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			serveConn(c, st)
+			serveConn(c, core)
 		}()
 	}
 }
 
-func serveConn(c *ipc.ServerConn, st *Core) {
+func serveConn(c *ipc.ServerConn, core *Core) {
 	hello, cred := c.Hello(), c.PeerCred()
-	s, err := st.OpenSessionWith(ipc.Tag(hello.Instance), SessionOptions{
+	s, err := core.OpenSessionWith(ipc.Tag(hello.Instance), SessionOptions{
 		Fence: true, PeerPID: int(cred.Pid), UID: cred.Uid, Drained: hello.Flags&ipc.HelloDrained != 0})
 	if err != nil {
 		c.Close()
 		return
 	}
-	defer st.CloseSession(s)
-	c.Serve(ipc.ServiceHandler(&service{st: st, s: s}))
+	defer core.CloseSession(s)
+	c.Serve(ipc.ServiceHandler(&service{core: core, s: s}))
 }
 
 // service binds one session to the core as an ipc.Service.
 type service struct {
-	st *Core
-	s  *Session
+	core *Core
+	s    *Session
 }
 
 func wrap[T any](op ipc.Op, v T, err error) (T, error) {
@@ -57,52 +57,52 @@ func wrap[T any](op ipc.Op, v T, err error) (T, error) {
 }
 
 func (x *service) Alloc(r *ipc.AllocReq) (*ipc.AllocResp, error) {
-	v, err := x.st.Alloc(x.s, r)
+	v, err := x.core.Alloc(x.s, r)
 	return wrap(ipc.OpAlloc, v, err)
 }
 
 func (x *service) Commit(r *ipc.CommitReq) (*ipc.CommitResp, error) {
-	v, err := x.st.Commit(x.s, r)
+	v, err := x.core.Commit(x.s, r)
 	return wrap(ipc.OpCommit, v, err)
 }
 
 func (x *service) Abort(r *ipc.CommitReq) (*ipc.CommitResp, error) {
-	v, err := x.st.Abort(x.s, r)
+	v, err := x.core.Abort(x.s, r)
 	return wrap(ipc.OpAbort, v, err)
 }
 
 func (x *service) Lookup(r *ipc.LookupReq) error {
-	_, err := wrap(ipc.OpLookup, 0, x.st.Lookup(x.s, r))
+	_, err := wrap(ipc.OpLookup, 0, x.core.Lookup(x.s, r))
 	return err
 }
 
 func (x *service) LookupResult(r *ipc.LookupResultReq) (*ipc.LookupResultResp, error) {
-	v, err := x.st.LookupResult(x.s, r)
+	v, err := x.core.LookupResult(x.s, r)
 	return wrap(ipc.OpLookupResult, v, err)
 }
 
 func (x *service) Free(r *ipc.FreeReq) error {
-	_, err := wrap(ipc.OpFree, 0, x.st.Free(x.s, r))
+	_, err := wrap(ipc.OpFree, 0, x.core.Free(x.s, r))
 	return err
 }
 
 func (x *service) Retrieve(r *ipc.RetrieveReq) (*ipc.RetrieveResp, error) {
-	v, err := x.st.Retrieve(x.s, r)
+	v, err := x.core.Retrieve(x.s, r)
 	return wrap(ipc.OpRetrieve, v, err)
 }
 
 func (x *service) Release(r *ipc.ReleaseReq) error {
-	_, err := wrap(ipc.OpRelease, 0, x.st.Release(x.s, r))
+	_, err := wrap(ipc.OpRelease, 0, x.core.Release(x.s, r))
 	return err
 }
 
 func (x *service) Stats() (*ipc.StatsResp, error) {
-	v, err := x.st.Stats(x.s)
+	v, err := x.core.Stats(x.s)
 	return wrap(ipc.OpStats, v, err)
 }
 
 func (x *service) Clear() (*ipc.ClearResp, error) {
-	v, err := x.st.Clear(x.s)
+	v, err := x.core.Clear(x.s)
 	return wrap(ipc.OpClear, v, err)
 }
 
@@ -141,14 +141,14 @@ func Start(cfg Config, ipcCfg *ipc.ServerConfig, o Options) (*Server, error) {
 	src := NewIPCSource(ln)
 	src.Prefault = cfg.prefaultBytes()
 	o.Source = src
-	st, err := NewCore(cfg, o)
+	core, err := NewCore(cfg, o)
 	if err != nil {
 		ln.Close()
 		src.Close() // segments prepared meanwhile
 		return nil, err
 	}
-	srv := &Server{Core: st, Listener: ln, done: make(chan error, 1)}
-	go func() { srv.done <- Serve(ln, st) }()
+	srv := &Server{Core: core, Listener: ln, done: make(chan error, 1)}
+	go func() { srv.done <- Serve(ln, core) }()
 	return srv, nil
 }
 

@@ -22,9 +22,9 @@ type traceSink struct{ w atomic.Pointer[trace.Writer] }
 
 // SetTrace makes the core write lifecycle records to w (nil: stop). The
 // caller closes w after the core.
-func (st *Core) SetTrace(w *trace.Writer) { st.trace.w.Store(w) }
+func (core *Core) SetTrace(w *trace.Writer) { core.trace.w.Store(w) }
 
-func (st *Core) tracer() *trace.Writer { return st.trace.w.Load() }
+func (core *Core) tracer() *trace.Writer { return core.trace.w.Load() }
 
 func hexTag(t ipc.Tag) string      { return hex.EncodeToString(t[:]) }
 func hexNS(n ipc.Namespace) string { return hex.EncodeToString(n[:]) }
@@ -35,18 +35,18 @@ func lookupRecord(k trace.Kind, ev string, lk *lookup) trace.Record {
 
 // traceRegistered: the ack of a LOOKUP, with the per-chunk fold across
 // ranks (mu held), then "final" or "pending".
-func (st *Core) traceRegistered(lk *lookup, p uint32) {
-	w := st.tracer()
+func (core *Core) traceRegistered(lk *lookup, p uint32) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
-	sh, _ := st.l1.Shard(lk.ns, false)
+	sh, _ := core.l1.Shard(lk.ns, false)
 	n := len(lk.hashes)
 	found := make([]uint32, lk.ranks())
 	inL1 := make([]bool, n)
 	stop, stopRank := int32(-1), int32(-1)
 	for c := range n {
-		st.l1.FindRanks(sh, &lk.hashes[c], found)
+		core.l1.FindRanks(sh, &lk.hashes[c], found)
 		inL1[c] = true
 		for r, i := range found {
 			if i == l1.Nil {
@@ -70,12 +70,12 @@ func (st *Core) traceRegistered(lk *lookup, p uint32) {
 		w.Emit(r)
 		return
 	}
-	st.traceFinal(lk)
+	core.traceFinal(lk)
 }
 
 // traceFinal: a lookup's answer and why it stopped (mu held).
-func (st *Core) traceFinal(lk *lookup) {
-	w := st.tracer()
+func (core *Core) traceFinal(lk *lookup) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
@@ -104,9 +104,9 @@ func (st *Core) traceFinal(lk *lookup) {
 		r.Result = "full"
 	} else {
 		r.Result, r.Chunk = "missing", int32(lk.chunks)
-		sh, _ := st.l1.Shard(lk.ns, false)
+		sh, _ := core.l1.Shard(lk.ns, false)
 		found := make([]uint32, lk.ranks())
-		st.l1.FindRanks(sh, &lk.hashes[lk.chunks], found)
+		core.l1.FindRanks(sh, &lk.hashes[lk.chunks], found)
 		for rk, i := range found {
 			if i == l1.Nil {
 				r.StopRank = int32(rk)
@@ -119,8 +119,8 @@ func (st *Core) traceFinal(lk *lookup) {
 }
 
 // traceConsumed: the scheduler read the answer (mu held).
-func (st *Core) traceConsumed(lk *lookup) {
-	if w := st.tracer(); w != nil {
+func (core *Core) traceConsumed(lk *lookup) {
+	if w := core.tracer(); w != nil {
 		r := lookupRecord(trace.KindLookup, "consumed", lk)
 		r.Matched = lk.chunks
 		w.Emit(r)
@@ -131,8 +131,8 @@ var lookupStates = [...]string{lkPending: "pending", lkFinal: "final", lkConsume
 
 // traceFree: FREE of chunks [start, end): the holds it is about to release
 // were never loaded (mu held; called before the release).
-func (st *Core) traceFree(lk *lookup, start, end uint32) {
-	w := st.tracer()
+func (core *Core) traceFree(lk *lookup, start, end uint32) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
@@ -152,8 +152,8 @@ func (st *Core) traceFree(lk *lookup, start, end uint32) {
 // traceDrop: a lookup forgotten with holds or a fill outstanding (session
 // end, hold TTL, close); a lookup that ends normally (answer read, nothing
 // held) has no drop record (mu held; called before the release).
-func (st *Core) traceDrop(lk *lookup) {
-	w := st.tracer()
+func (core *Core) traceDrop(lk *lookup) {
+	w := core.tracer()
 	if w == nil || (lk.holds == 0 && lk.state != lkPending) {
 		return
 	}
@@ -165,8 +165,8 @@ func (st *Core) traceDrop(lk *lookup) {
 }
 
 // traceCommit: the objects a COMMIT published (L1 readable).
-func (st *Core) traceCommit(s *Session, req *ipc.CommitReq, resp *ipc.CommitResp, err error) {
-	w := st.tracer()
+func (core *Core) traceCommit(s *Session, req *ipc.CommitReq, resp *ipc.CommitResp, err error) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
@@ -190,8 +190,8 @@ func (st *Core) traceCommit(s *Session, req *ipc.CommitReq, resp *ipc.CommitResp
 }
 
 // traceEvict: an object evicted from L1 (l1.Config.OnEvict; mu held).
-func (st *Core) traceEvict(ns ipc.Namespace, rank uint32, size uint64) {
-	w := st.tracer()
+func (core *Core) traceEvict(ns ipc.Namespace, rank uint32, size uint64) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
@@ -201,8 +201,8 @@ func (st *Core) traceEvict(ns ipc.Namespace, rank uint32, size uint64) {
 
 // TraceL2Saved (tier.L2Tracer): an L2 write ended (the seed's third
 // "done" of a save: L2 saved).
-func (st *Core) TraceL2Saved(adapter string, key l2.Key, bytes int, err error) {
-	w := st.tracer()
+func (core *Core) TraceL2Saved(adapter string, key l2.Key, bytes int, err error) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
@@ -216,8 +216,8 @@ func (st *Core) TraceL2Saved(adapter string, key l2.Key, bytes int, err error) {
 
 // traceRelease: a worker's RELEASE of its rank's holds after its copies
 // (mu held; called before the release).
-func (st *Core) traceRelease(lk *lookup, rank uint32) {
-	w := st.tracer()
+func (core *Core) traceRelease(lk *lookup, rank uint32) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
@@ -234,17 +234,17 @@ func (st *Core) traceRelease(lk *lookup, rank uint32) {
 // TraceAdmission records the L2 prefetch's admission decision for t's
 // lookup (fill records, event admission; see trace/doc.go; tier.Fill).
 func (t *FillTask) TraceAdmission(a tier.Admission) {
-	st := t.st
-	w := st.tracer()
+	core := t.core
+	w := core.tracer()
 	if w == nil {
 		return
 	}
-	st.mu.Lock()
+	core.mu.Lock()
 	rec := trace.Record{Kind: trace.KindFill, Namespace: hexNS(t.Namespace), Rank: -1, Chunk: -1, StopRank: -1}
 	if t.lk != nil {
 		rec = lookupRecord(trace.KindFill, "", t.lk)
 	}
-	st.mu.Unlock()
+	core.mu.Unlock()
 	rec.Event, rec.Start, rec.Chunks, rec.Matched = "admission", t.Start, uint32(a.Cells), uint32(a.Staged)
 	rec.Bytes, rec.Result = a.Bytes, a.Result
 	if a.Waited > 0 {
