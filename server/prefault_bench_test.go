@@ -35,7 +35,7 @@ func BenchmarkPrefaultStartup(b *testing.B) {
 		}
 		for {
 			srv.Core.mu.Lock()
-			n, _ := srv.Core.l1.Prepared()
+			_, _, n, _ := srv.Core.l1.Growth()
 			srv.Core.mu.Unlock()
 			if n == 4 {
 				break

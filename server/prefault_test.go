@@ -102,7 +102,7 @@ func TestPrefaultServerAnnouncesFaultedSegmentsBeforeAlloc(t *testing.T) {
 	time.Sleep(50 * time.Millisecond)
 	assert.Equal(t, c.Segments().Len(), 5)
 	srv.Core.mu.Lock()
-	on, prepared := srv.Core.l1.ReadyAhead()
+	on, prepared, _, _ := srv.Core.l1.Growth()
 	srv.Core.mu.Unlock()
 	assert.Assert(t, on)
 	assert.Equal(t, prepared, uint64(5), "every segment came from the grower")
@@ -134,7 +134,7 @@ func TestPrefaultServerRespectsL1Size(t *testing.T) {
 func TestPrefaultZeroIsLazy(t *testing.T) {
 	srv, path := startPrefaultServer(t, 8, 0)
 	srv.Core.mu.Lock()
-	on, _ := srv.Core.l1.ReadyAhead()
+	on, _, _, _ := srv.Core.l1.Growth()
 	srv.Core.mu.Unlock()
 	assert.Assert(t, !on)
 	c := dial(t, path, ipc.RoleWorker)

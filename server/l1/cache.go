@@ -176,26 +176,19 @@ func (c *Cache) Touch(at, i uint32) uint32 {
 // if none).
 func (c *Cache) LastSegmentError() error { return c.lastSegErr }
 
-// Prepared is the number and bytes of segments a ReadySource made ready
-// and the allocator has not adopted yet.
-func (c *Cache) Prepared() (n int, bytes uint64) {
-	if c.mem.ahead == nil {
-		return 0, 0
-	}
-	return c.mem.ahead.readyNow()
-}
-
-// ReadyAhead reports whether the source makes segments ready ahead of use
-// (a ReadySource with ReadyAhead > 0) and how many it has prepared in the
-// background in all.
-func (c *Cache) ReadyAhead() (on bool, prepared uint64) {
+// Growth describes the background grower: whether the source makes
+// segments ready ahead of use (a ReadySource with ReadyAhead > 0), how
+// many segments it has prepared in all, and the number and bytes of those
+// ready and not yet adopted by the allocator.
+func (c *Cache) Growth() (ahead bool, prepared uint64, readyN int, readyBytes uint64) {
 	g := c.mem.ahead
 	if g == nil {
-		return false, 0
+		return false, 0, 0, 0
 	}
+	readyN, readyBytes = g.readyNow()
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	return true, g.prepared
+	return true, g.prepared, readyN, readyBytes
 }
 
 // Stats is the cache's accounting.
