@@ -14,6 +14,7 @@ import (
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server"
+	"github.com/kvshim/kvshim/server/l1"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
 	"github.com/kvshim/kvshim/server/l2/mooncake"
@@ -123,10 +124,11 @@ var codeTable = []sentinel{
 	{"server.ErrUnknownLookup", server.ErrUnknownLookup, codeInval},
 	{"server.ErrDuplicateSession", server.ErrDuplicateSession, codeInval},
 	{"server.ErrSessionClosed", server.ErrSessionClosed, codeClosed},
-	{"server.ErrStoreClosed", server.ErrStoreClosed, codeClosed},
+	{"server.ErrClosed", server.ErrClosed, codeClosed},
 	{"server.ErrFill", server.ErrFill, codeInternal}, // the server's own fill bookkeeping: only a bug
 	{"stdlib syscall.ENOSPC", syscall.ENOSPC, codeNoSpace},
-	{"server.ErrSegment", server.ErrSegment, codeIO},
+	{"l1.ErrSegment", l1.ErrSegment, codeIO}, // also server.ErrSegment (the same value)
+	{"l1.ErrTransition", l1.ErrTransition, codeInternal}, // an object state change the L1 state machine refuses: only a bug
 
 	// L2 adapters (the embedded server's --l2-adapter configs); a full
 	// backend is ENOSPC.

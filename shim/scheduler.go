@@ -60,12 +60,12 @@ type schedReq struct {
 	hits      int // final answer: chunks present on all ranks, held for us
 	local     int // vLLM's own prefix-cache hit, as last given to Match
 
-	blocks     []int64 // block ids of the request, token order (group 0)
-	computed   int     // tokens vLLM has computed, as of the last step
-	loadPlaned bool    // a load was planned (holds now belong to the workers)
-	holdsFreed bool    // our holds were released (or never taken)
-	saved      int     // chunks that need no save (stored, or dispatched)
-	savesOut   bool    // saves were dispatched: the workers may still read its blocks
+	blocks      []int64 // block ids of the request, token order (group 0)
+	computed    int     // tokens vLLM has computed, as of the last step
+	loadPlanned bool    // a load was planned (holds now belong to the workers)
+	holdsFreed  bool    // our holds were released (or never taken)
+	saved       int     // chunks that need no save (stored, or dispatched)
+	savesOut    bool    // saves were dispatched: the workers may still read its blocks
 }
 
 // NewScheduler checks cfg and computes the namespace.
@@ -105,13 +105,13 @@ func (s *Scheduler) Match(req string, tokens []uint32, ex Extras, numComputed in
 		}
 	}
 	r.local = numComputed
-	if r.loadPlaned {
+	if r.loadPlanned {
 		// vLLM asks again only after our load failed and it dropped the
 		// request's blocks to recompute them (kv_load_failure_policy
 		// "recompute"): the workers released the holds, so answer a final
 		// miss (never retry a load that just failed: it could fail forever)
 		// and save the recomputed chunks again.
-		r.loadPlaned, r.hits, r.saved = false, 0, 0
+		r.loadPlanned, r.hits, r.saved = false, 0, 0
 	}
 	if r.state == lookupPending {
 		s.poll(r)
@@ -239,7 +239,7 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 	}
 	r.blocks = append(r.blocks[:0], blocks...)
 	r.computed = numComputed
-	if r.loadPlaned {
+	if r.loadPlanned {
 		return nil
 	}
 	if numExternal <= 0 || r.state != lookupFinal {
@@ -287,7 +287,7 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 		Start: uint32(first), End: uint32(last), Hashes: hs, Blocks: ids})
 	// vLLM itself keeps the blocks of a request whose load is in flight
 	// (WAITING_FOR_REMOTE_KVS) until the workers report it received.
-	r.loadPlaned, r.holdsFreed = true, true
+	r.loadPlanned, r.holdsFreed = true, true
 	return nil
 }
 
@@ -321,7 +321,7 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 	// before they are reused) and comes back through a new lookup.
 	for _, id := range step.Preempted {
 		if r := s.reqs[id]; r != nil {
-			if !r.loadPlaned {
+			if !r.loadPlanned {
 				s.free(r, 0)
 			}
 			delete(s.reqs, id)
@@ -398,7 +398,7 @@ func (s *Scheduler) FinishedSaving(req string, fin *FinishState) (delay bool, er
 		return false, nil
 	}
 	delete(s.reqs, req)
-	if !r.loadPlaned {
+	if !r.loadPlanned {
 		s.free(r, 0)
 	}
 	if fin != nil {

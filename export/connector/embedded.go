@@ -96,7 +96,7 @@ func startEmbedded(socket string, c *Config, info server.BuildInfo) (*embeddedSe
 			srv.Close()
 			return nil, fmt.Errorf("kvshim.trace_dir: %w", err)
 		}
-		srv.Store.SetTrace(e.trace)
+		srv.Core.SetTrace(e.trace)
 	}
 	if sc.MetricsPort != 0 {
 		ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(sc.MetricsPort)))
@@ -105,7 +105,7 @@ func startEmbedded(socket string, c *Config, info server.BuildInfo) (*embeddedSe
 			e.trace.Close()
 			return nil, fmt.Errorf("kvshim.metrics_port: %w", err)
 		}
-		e.metrics = srv.Store.ServeMetrics(ln, info)
+		e.metrics = srv.Core.ServeMetrics(ln, info)
 	}
 	return e, nil
 }
