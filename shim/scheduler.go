@@ -72,6 +72,20 @@ type groupReq struct {
 	holdsFreed bool    // our holds were released (or never taken)
 	saved      int     // chunks that need no save (stored, dispatched, or no longer savable)
 	blocks     []int64 // block ids of the request, token order; -1: none (a null block)
+	// win is a windowed group's second lookup: only the chunks its window
+	// needs at the boundary the full-attention groups reached (foldHits);
+	// useWin: the load reads it, not the first one.
+	win    *winLookup
+	useWin bool
+}
+
+// winLookup is a lookup of chunks [base, ...) of a request.
+type winLookup struct {
+	id    uint64
+	state lookupState
+	hits  int // chunks present from base on
+	base  int
+	freed bool
 }
 
 type schedReq struct {
@@ -85,6 +99,7 @@ type schedReq struct {
 	local     int // vLLM's own prefix-cache hit, as last given to Match
 
 	g          []groupReq // one per KV-cache group
+	winTried   bool       // windowed groups' second lookups were considered
 	computed   int        // tokens vLLM has computed, as of the last step
 	loadPlaned bool       // a load was planned (holds now belong to the workers)
 	savesOut   bool       // saves were dispatched: the workers may still read its blocks
@@ -199,33 +214,37 @@ func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, e
 
 // poll reads the pending lookups' answers; a server that is gone or too
 // slow turns the request into a miss. Once every group's answer is final,
-// the request's hit is their fold (foldHits).
+// windowed groups that fall short of the full-attention groups' boundary
+// get a second lookup of just their window there (submitWindows), and the
+// request's hit is the fold of all answers (foldHits).
 func (s *Scheduler) poll(r *schedReq) {
-	for i := range r.g {
-		g := &r.g[i]
-		if g.state != lookupPending {
-			continue
-		}
+	read := func(id uint64) (lookupState, int) {
 		var res *ipc.LookupResultResp
 		err := s.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
-			res, err = c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: g.lookupID})
+			res, err = c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: id})
 			return err
 		})
 		switch {
 		case err != nil || res.Status == ipc.StatusUnknown:
-			g.state, g.holdsFreed = lookupNone, true
+			return lookupNone, 0
 		case res.Status == ipc.StatusPending:
-		default:
-			g.state, g.hits = lookupFinal, int(res.Chunks)
-			if g.hits == 0 {
-				g.holdsFreed = true
-			}
+			return lookupPending, 0
 		}
+		return lookupFinal, int(res.Chunks)
 	}
 	pending, none := false, false
 	for i := range r.g {
-		pending = pending || r.g[i].state == lookupPending
-		none = none || r.g[i].state == lookupNone
+		g := &r.g[i]
+		if g.state == lookupPending {
+			g.state, g.hits = read(g.lookupID)
+			g.holdsFreed = g.state == lookupNone || g.state == lookupFinal && g.hits == 0
+		}
+		if w := g.win; w != nil && w.state == lookupPending {
+			w.state, w.hits = read(w.id)
+			w.freed = w.state == lookupNone || w.state == lookupFinal && w.hits == 0
+		}
+		pending = pending || g.state == lookupPending || g.win != nil && g.win.state == lookupPending
+		none = none || g.state == lookupNone
 	}
 	switch {
 	case none:
@@ -236,6 +255,8 @@ func (s *Scheduler) poll(r *schedReq) {
 			s.free(r, 0)
 			r.state = lookupNone
 		}
+	case !r.winTried && s.submitWindows(r):
+		// asked; answered in a later poll
 	default:
 		r.state, r.hits = lookupFinal, s.foldHits(r)
 		for i := range r.g {
@@ -247,25 +268,121 @@ func (s *Scheduler) poll(r *schedReq) {
 	}
 }
 
-// foldHits is the request's hit in chunks from its groups' answers: the
-// largest chunk boundary every group can restore. The server answers a
-// group with the contiguous prefix of its chunks present on every rank. A
-// full-attention group restores a boundary k when chunks [0, k) are there;
-// a windowed group needs only the objects of the chunks that hold blocks
-// inside its window at k (ObjectFirstBlock), which are in that prefix when
-// k is. So the fold is the smallest group answer.
-func (s *Scheduler) foldHits(r *schedReq) int {
+// fullBoundary is the boundary (in chunks) every full-attention group of r
+// can restore: the smallest of their answers.
+func (s *Scheduler) fullBoundary(r *schedReq) int {
 	k := len(r.hashes)
-	for i := range r.g {
-		k = min(k, r.g[i].hits)
+	for i, gs := range s.groups {
+		if !gs.Windowed() {
+			k = min(k, r.g[i].hits)
+		}
 	}
 	return k
 }
 
-// free releases our holds on chunks [from, end) of every group's lookup.
+// windowChunk is the first chunk a windowed group needs for a hit of k
+// chunks (ending where Match's answer ends it: one token short of the
+// prompt when every prompt chunk hits).
+func (s *Scheduler) windowChunk(r *schedReq, gs GroupSpec, k int) int {
+	end := min(k*s.chunk, r.prompt-1)
+	return gs.Skipped(end) / s.cfg.BlockSize / (s.chunk / s.cfg.BlockSize)
+}
+
+// submitWindows registers, for every windowed group whose answer (the
+// contiguous prefix of its chunks) is shorter than the full-attention
+// groups' boundary k, a lookup of the chunks its window needs at k. Such a
+// group does not need its earlier chunks: a request that finished after a
+// long answer stored only the windows its blocks still held. It reports
+// whether any lookup was submitted.
+func (s *Scheduler) submitWindows(r *schedReq) bool {
+	r.winTried = true
+	k := s.fullBoundary(r)
+	if k == 0 {
+		return false
+	}
+	submitted := false
+	for i, gs := range s.groups {
+		g := &r.g[i]
+		if !gs.Windowed() || g.hits >= k {
+			continue
+		}
+		base := s.windowChunk(r, gs, k)
+		s.nextLookup++
+		w := &winLookup{id: s.nextLookup, base: base, freed: true}
+		lk := &ipc.LookupReq{LookupID: w.id, Namespace: s.gns[i], WorldSize: uint32(s.cfg.Namespace.KVWorldSize()),
+			MLA: s.cfg.Namespace.MLA, Hashes: r.hashes[base:k]}
+		if s.cfg.Namespace.MLA {
+			lk.WorldSize = uint32(s.cfg.Namespace.WorldSize)
+		}
+		if err := s.link.call(func(ctx context.Context, c *ipc.Client) error { return c.Lookup(ctx, lk) }); err != nil {
+			continue // that group stays at its first answer
+		}
+		w.state, w.freed = lookupPending, false
+		g.win = w
+		submitted = true
+		s.traceSubmitted(r, w.id, s.gns[i])
+	}
+	return submitted
+}
+
+// foldHits is the request's hit in chunks from its groups' answers: the
+// largest chunk boundary every group can restore, each by its own
+// protocol. A full-attention group restores a boundary k when chunks
+// [0, k) are there (the server's contiguous prefix). A windowed group
+// needs only the objects of the chunks that hold blocks inside its window
+// at k (ObjectFirstBlock): there when its first answer reaches k, or when
+// its window lookup (submitWindows) found all of them. If a windowed group
+// cannot restore the full groups' boundary, the hit is the smallest first
+// answer. The lookups not used are released.
+func (s *Scheduler) foldHits(r *schedReq) int {
+	k := s.fullBoundary(r)
+	ok := true
+	for i, gs := range s.groups {
+		g := &r.g[i]
+		if gs.Windowed() && g.hits < k && (g.win == nil || g.win.state != lookupFinal || g.win.base+g.win.hits < k) {
+			ok = false
+		}
+	}
+	if !ok {
+		for i := range r.g {
+			k = min(k, r.g[i].hits)
+		}
+	}
+	for i := range r.g {
+		g := &r.g[i]
+		g.useWin = ok && g.win != nil && g.hits < k
+		if g.useWin {
+			s.freeGroup(r, i, 0)
+		} else {
+			s.freeWin(g)
+		}
+	}
+	return k
+}
+
+// free releases our holds on chunks [from, end) of every group's lookup
+// (and, from 0, every window lookup).
 func (s *Scheduler) free(r *schedReq, from uint32) {
 	for i := range r.g {
 		s.freeGroup(r, i, from)
+		if from == 0 {
+			s.freeWin(&r.g[i])
+		}
+	}
+}
+
+// freeWin releases a group's window lookup, if any.
+func (s *Scheduler) freeWin(g *groupReq) {
+	w := g.win
+	if w == nil || w.freed {
+		return
+	}
+	_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
+		return c.Free(ctx, &ipc.FreeReq{LookupID: w.id, Start: 0, End: ^uint32(0)})
+	})
+	w.freed = true
+	if w.state == lookupPending {
+		s.orphans = append(s.orphans, w.id)
 	}
 }
 
@@ -383,17 +500,12 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 				ids = append(ids, -1)
 			}
 		}
-		// Holds outside the chunks we load are not needed; the workers
-		// release the rest after their copies.
-		if gFirst > 0 {
-			_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
-				return c.Free(ctx, &ipc.FreeReq{LookupID: g.lookupID, Start: 0, End: uint32(gFirst)})
-			})
-		}
-		if last < g.hits {
-			_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
-				return c.Free(ctx, &ipc.FreeReq{LookupID: g.lookupID, Start: uint32(last), End: ^uint32(0)})
-			})
+		// The lookup the load reads: the group's, or its window lookup,
+		// whose chunk 0 is chunk base of the request.
+		id, base, hits := g.lookupID, 0, g.hits
+		if g.useWin {
+			id, base, hits = g.win.id, g.win.base, g.win.base+g.win.hits
+			g.win.freed = true
 		}
 		// The chunk hashes go with the load: the workers check each object's
 		// header names its key before a byte of it reaches the KV cache.
@@ -401,8 +513,28 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 		for _, h := range r.hashes[gFirst:last] {
 			hs = append(hs, Hash(h))
 		}
-		s.loads = append(s.loads, LoadSpec{Req: req, Group: uint32(i), Owner: Tag(s.cfg.Instance), Lookup: g.lookupID,
-			Start: uint32(gFirst), End: uint32(last), Hashes: hs, Blocks: ids})
+		lo, hi := gFirst-base, last-base
+		if gFirst < base {
+			// vLLM loads fewer tokens than Match offered and the window
+			// starts before the chunks held: a load without hashes, so
+			// every block of it is a load error (no object is checked or
+			// copied) and vLLM recomputes them.
+			hs, lo, hi = nil, 0, last-gFirst
+		}
+		// Holds outside the chunks we load are not needed; the workers
+		// release the rest after their copies.
+		if lo > 0 {
+			_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
+				return c.Free(ctx, &ipc.FreeReq{LookupID: id, Start: 0, End: uint32(lo)})
+			})
+		}
+		if last < hits {
+			_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
+				return c.Free(ctx, &ipc.FreeReq{LookupID: id, Start: uint32(last - base), End: ^uint32(0)})
+			})
+		}
+		s.loads = append(s.loads, LoadSpec{Req: req, Group: uint32(i), Owner: Tag(s.cfg.Instance), Lookup: id,
+			Start: uint32(lo), End: uint32(hi), Hashes: hs, Blocks: ids})
 		g.holdsFreed = true
 	}
 	// vLLM itself keeps the blocks of a request whose load is in flight
@@ -438,6 +570,11 @@ func (s *Scheduler) groupSave(r *schedReq, i int, full int, hashes []ipc.Hash, b
 		}
 		if slices.ContainsFunc(blocks[lo:hi], func(id int64) bool { return id < 0 }) {
 			continue // the window moved on: gone
+		}
+		if len(sv.Hashes) == 0 {
+			// (chunks passed over come first: a window only moves on, so
+			// the chunks saved are consecutive from here)
+			sv.First = uint32(c)
 		}
 		sv.Hashes = append(sv.Hashes, Hash(hashes[c]))
 		for b := c * cb; b < hi; b++ {
