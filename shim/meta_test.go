@@ -21,10 +21,10 @@ func metaSample() *StepMeta {
 		Loads: []LoadSpec{
 			{Req: "a", Owner: Tag{1, 2, 15: 3}, Lookup: 1 << 40, Start: 1, End: 3,
 				Hashes: []Hash{{1, 31: 2}, {3}}, Blocks: []int64{-1, 5, 6, 7}},
-			{Req: "", Lookup: 7, Start: 4, End: 4},
+			{Req: "", Group: 300, Lookup: 7, Start: 4, End: 4},
 		},
 		Saves: []SaveSpec{
-			{Req: "b", First: 2, Hashes: []Hash{{9}}, Blocks: []int64{1, 2}},
+			{Req: "b", Group: 1, First: 2, Hashes: []Hash{{9}}, Blocks: []int64{-1, 2}},
 			{Req: "ü\x00", First: 1<<32 - 1, Hashes: []Hash{{0xff}, {31: 0xff}}, Blocks: []int64{0, 63, 64, 70000}},
 		},
 		Finished:  []string{"c", ""},
