@@ -163,3 +163,30 @@ func TestPlanLoadSkipsBlocks(t *testing.T) {
 	assert.NilError(t, err)
 	assert.Equal(t, len(spans), 0)
 }
+
+// vLLM's kernel block split: dim 0 of a (blocks, heads, block_size, head)
+// view counts kernel blocks, two per block. Described with a kernel_blocks
+// dim, a block is its two kernel blocks (block size 2 × 4 tokens), and in
+// this head-major page (heads outside the tokens) still one run.
+func TestPlanKernelBlocks(t *testing.T) {
+	const base = 1 << 20
+	descs := []TensorDesc{{Layer: "x", Backend: Paged, Device: Device{Kind: CPU}, DataPtr: base, DTypeSize: 2,
+		Shape:   []int64{4, 2, 2, 4, 8},
+		Strides: []int64{256, 128, 64, 16, 2},
+		Dims:    []Dim{DimBlocks, DimKernelBlocks, DimHeads, DimBlockSize, DimHead}}}
+	l, err := New(descs, 16)
+	assert.NilError(t, err)
+	assert.Equal(t, l.BlockSize(), 8)
+	assert.Equal(t, l.ChunkBlocks(), 2)
+	assert.Equal(t, l.BlockBytes(), uint64(256))
+	const obj = 1 << 30
+	spans, err := l.Plan([]int64{1, 2}, obj, Save)
+	assert.NilError(t, err)
+	assert.DeepEqual(t, spans, []Span{{Src: base + 256, Dst: obj + HeaderSize, Len: 512}})
+	// Without the dim the same view is 4-token blocks: another layout.
+	descs[0].Shape, descs[0].Strides, descs[0].Dims = []int64{8, 2, 4, 8}, []int64{128, 64, 16, 2}, nil
+	l2, err := New(descs, 16)
+	assert.NilError(t, err)
+	assert.Equal(t, l2.BlockSize(), 4)
+	assert.Check(t, l2.Fingerprint() != l.Fingerprint())
+}

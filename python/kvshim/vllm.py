@@ -418,27 +418,30 @@ def _tensor_desc(name: str, t: torch.Tensor, group: int) -> dict[str, Any]:
     }
 
 
-def _whole_blocks(name: str, t: torch.Tensor, block_size: int) -> torch.Tensor:
-    """A (blocks, heads, kernel block, content) view whose blocks vLLM split
-    into kernel blocks (v1/worker/utils.py prepare_kernel_block_sizes and
-    allocate_kv_cache: dim 0 counts kernel blocks, k of them per block, in
-    order) as the same memory viewed in whole blocks, which is what the
-    scheduler's block ids index: (blocks, heads, block_size, content).
-    That view exists when a kernel block's tokens continue where the
-    previous one's end (token-major per-layer pages: LBNHC): block b is kernel
-    blocks [k*b, k*b+k), one run of tokens. With heads outside the tokens in
-    a page (LBHNC, ...) a block is k separate runs per head, which no
-    4-dimensional view describes: refused with a message."""
+def _kernel_split_desc(name: str, t: torch.Tensor, block_size: int, group: int) -> dict[str, Any]:
+    """The descriptor of a (blocks, heads, kernel block, content) view whose
+    blocks vLLM split into kernel blocks (v1/worker/utils.py
+    prepare_kernel_block_sizes and allocate_kv_cache: dim 0 counts kernel
+    blocks, k of them per block, in order), in the whole blocks the
+    scheduler's block ids index. When a kernel block's tokens continue where
+    the previous one's end (token-major per-layer pages: LBNHC), the same
+    memory is a (blocks, heads, block_size, content) view: one run of tokens
+    a block. Otherwise (heads outside the tokens: LBHNC, ...) a
+    kernel_blocks dimension says that a block is k kernel blocks
+    (layout.DimKernelBlocks)."""
     kbs = t.shape[2]
     if block_size % kbs or t.shape[0] % (block_size // kbs):
         raise ValueError(f"KV tensor {name}: kernel blocks of {kbs} tokens do not divide vLLM's {block_size}-token blocks")
     k = block_size // kbs
     s0, s1, s2, s3 = t.stride()
-    if s0 != kbs * s2:
-        raise ValueError(f"KV tensor {name}: kernel blocks of {kbs} tokens in vLLM's {block_size}-token blocks, with "
-                         f"strides {tuple(t.stride())}: a block's tokens are not one run; kvshim restores such a split "
-                         'only in vLLM\'s default per-layer token-major layout LBNHC')
-    return t.as_strided((t.shape[0] // k, t.shape[1], block_size, t.shape[3]), (k * s0, s1, s2, s3))
+    if s0 == kbs * s2:
+        return _tensor_desc(name, t.as_strided((t.shape[0] // k, t.shape[1], block_size, t.shape[3]), (k * s0, s1, s2, s3)), group)
+    d = _tensor_desc(name, t, group)
+    esize = t.element_size()
+    d["shape"] = [t.shape[0] // k, k, t.shape[1], kbs, t.shape[3]]
+    d["stride_bytes"] = [x * esize for x in (k * s0, s0, s1, s2, s3)]
+    d["dims"] = ["blocks", "kernel_blocks", "heads", "block_size", "head"]
+    return d
 
 
 _U32_MAX = 0xFFFFFFFF
@@ -693,8 +696,9 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
             seen.add((g, t.data_ptr()))
             block_size = block_of.get(name) or self._vllm_config.cache_config.block_size
             if t.dim() == 4 and t.shape[2] != block_size:
-                t = _whole_blocks(name, t, block_size)
-            descs.append(_tensor_desc(name, t, g or 0))
+                descs.append(_kernel_split_desc(name, t, block_size, g or 0))
+            else:
+                descs.append(_tensor_desc(name, t, g or 0))
         self._h.check(self._lib.kvshim_worker_register(self._h.value, json.dumps(descs).encode()))
 
     def _bind(self, meta: KVConnectorMetadata) -> None:
