@@ -1,13 +1,17 @@
 package shim
 
 import (
+	"bytes"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
+
+	"github.com/kvshim/kvshim/server"
 )
 
 // A layout string without groups (every model before KV-cache groups, and
@@ -132,4 +136,57 @@ func TestWindowedSaveFencesItsBlocks(t *testing.T) {
 	assert.DeepEqual(t, m.Preempted, []string{"A"})
 	m = meta(&Step{Requests: []StepRequest{{Req: "B", NewBlocks: []int64{32}, NewGroupBlocks: [][]int64{{23}}, Scheduled: 1}}})
 	assert.Equal(t, len(m.Preempted), 0) // waited once
+}
+
+// Two KV-cache groups through the real server and a worker: group 0 full
+// attention (layer0), group 1 a sliding window of 3 tokens (layer1). A
+// request saves both; another restores group 0's whole prefix and group
+// 1's window only, each into its own blocks, and is reported received
+// once.
+func TestGroupsSaveAndRestoreByTheirProtocol(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "kvshim.sock")
+	cfg := server.DefaultConfig()
+	cfg.Socket, cfg.L1SizeGB, cfg.SegmentSize = sock, 0.0625, 16<<20
+	srv, err := server.Start(cfg, nil, server.Options{})
+	assert.NilError(t, err)
+	defer srv.Close()
+	ns := NamespaceSpec{Model: "m", DType: "bfloat16", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk,
+		LayoutFingerprint: `{"groups": [{"kind": "full"}, {"kind": "sliding_window", "window": 3}]}`}
+	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS, Timeout: 2 * time.Second, Instance: uuid.New()})
+	assert.NilError(t, err)
+	defer s.Close()
+	w, err := NewWorker(WorkerConfig{Socket: sock, Namespace: ns, Timeout: 2 * time.Second, Instance: uuid.New(), Workers: 2})
+	assert.NilError(t, err)
+	defer w.Close()
+	c := newRankCache(t)
+	c.descs[1].Group = 1
+	assert.NilError(t, w.Register(c.descs))
+	r := &rig{cfg: cfg, srv: srv, sched: s, workers: []*Worker{w}, caches: []*rankCache{c}}
+
+	tokens := conversation(2*tChunk+1, 100)
+	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
+	a0, a1 := seq(10, 5), seq(20, 5)
+	assert.NilError(t, s.AfterAlloc("A", append(slices.Clone(a0), a1...), 0, 0))
+	for _, b := range append(slices.Clone(a0), a1...) {
+		c.fill(int(b), 7)
+	}
+	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: a0, GroupBlocks: [][]int64{a1}, Scheduled: len(tokens)}}})
+	assert.Equal(t, w.Stats().SavedChunks, uint64(4))
+
+	// B hits both chunks (16 tokens, one less than the prompt: 16 is a
+	// chunk boundary). vLLM gives group 1 null blocks below its window:
+	// Skipped(16) = 14, block 3 on.
+	assert.Equal(t, r.match(t, "B", tokens, Extras{}, 0), 2*tChunk)
+	b0, b1 := seq(30, 5), []int64{0, 0, 0, 43, 44}
+	assert.NilError(t, s.AfterAlloc("B", append(slices.Clone(b0), b1...), 0, 2*tChunk))
+	recving, errBlocks := r.step(t, &Step{})
+	assert.DeepEqual(t, recving, map[string]int{"B": 1})
+	assert.Equal(t, len(errBlocks), 0)
+	for i := range 4 { // group 0 (layer0): the whole prefix
+		assert.Check(t, bytes.Equal(c.block(0, int(b0[i])), c.block(0, int(a0[i]))), "group 0 block %d", i)
+	}
+	// group 1 (layer1): its window's block only
+	assert.Check(t, bytes.Equal(c.block(1, 43), c.block(1, 23)))
+	assert.Equal(t, w.Stats().LoadedChunks, uint64(3)) // 2 of group 0, 1 of group 1
+	assert.Equal(t, holds(t, srv), 0.0)                // group 1's hold on chunk 0 too
 }

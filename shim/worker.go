@@ -184,8 +184,8 @@ func (w *Worker) group(g uint32) (*layout.Layout, ipc.Namespace, cuda.Engine, er
 // copying run in the background. Failures are not returned: they become
 // load errors reported by Poll, with the request reported as received.
 //
-// A request's loads (one per KV-cache group) run one after the other in
-// one job, and the request is reported received once, after the last.
+// A request's loads (one per KV-cache group: disjoint blocks) run side by
+// side, and the request is reported received once, after the last.
 func (w *Worker) StartLoads(meta *StepMeta) {
 	var order []string
 	byReq := map[string][]*LoadSpec{}
@@ -198,16 +198,20 @@ func (w *Worker) StartLoads(meta *StepMeta) {
 	}
 	for _, req := range order {
 		lds := byReq[req]
-		w.background(req, func(func()) {
-			defer func() {
-				w.mu.Lock()
-				w.recving = append(w.recving, req)
-				w.mu.Unlock()
-			}()
-			for _, ld := range lds {
+		left := new(atomic.Int32)
+		left.Store(int32(len(lds)))
+		for _, ld := range lds {
+			w.background(req, func(func()) {
+				defer func() {
+					if left.Add(-1) == 0 {
+						w.mu.Lock()
+						w.recving = append(w.recving, req)
+						w.mu.Unlock()
+					}
+				}()
 				w.load(ld)
-			}
-		})
+			})
+		}
 	}
 }
 
