@@ -380,6 +380,12 @@ def test_multiturn_restores_the_answer_through_the_windows_it_kept(hybrid):
     h.settle()
     wait_jobs(h)
     turn1 = p + h.outputs[a.request_id]
+    # While A decoded, vLLM freed blocks behind its windows and handed some
+    # out again while saves that read them could still run: those steps made
+    # the workers wait for A's copies first (the fence; vLLM itself preempted
+    # nothing).
+    fenced = [st for st in h.steps if a.request_id in read_meta(st.scheduler_output.kv_connector_metadata.data).get("preempted", [])]
+    assert fenced and not any(st.scheduler_output.preempted_req_ids for st in h.steps)
     assert len(turn1) == 4 * CHUNK + 5
     saved = {}
     for sv in saves_of(h, a.request_id):
