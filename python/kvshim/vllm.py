@@ -335,7 +335,7 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str) -> list[dict[str,
     block: a full group. Mamba/SSM state and other kinds of group are
     refused with an error naming the group and the model (see
     tests/vllm/NOTES.md, "Hybrid models")."""
-    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) <= 1:
+    if kv_cache_config is None:
         return []
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -344,14 +344,21 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str) -> list[dict[str,
         SlidingWindowSpec,
     )
 
+    def where(i: int, grp: Any) -> str:
+        names = list(grp.layer_names)
+        return (f"KV-cache group {i} ({type(grp.kv_cache_spec).__name__}, layers {names[:3]}"
+                f"{'...' if len(names) > 3 else ''}) of model {model}")
+
+    for i, grp in enumerate(kv_cache_config.kv_cache_groups):
+        if isinstance(grp.kv_cache_spec, MambaSpec):  # a hybrid or an attention-free model alike
+            raise ValueError(f"kvshim: {where(i, grp)} holds Mamba/SSM state, which kvshim does not save or restore: "
+                             "serve this model without kv_connector KVShimConnector")
+    if len(kv_cache_config.kv_cache_groups) <= 1:
+        return []
     out = []
     sizes = set()
     for i, grp in enumerate(kv_cache_config.kv_cache_groups):
         spec = grp.kv_cache_spec
-        where = f"KV-cache group {i} ({type(spec).__name__}, layers {list(grp.layer_names)[:3]}...) of model {model}"
-        if isinstance(spec, MambaSpec):
-            raise ValueError(f"kvshim: {where} holds Mamba/SSM state, which kvshim does not save or restore: "
-                             "serve this model without kv_connector KVShimConnector")
         if isinstance(spec, SlidingWindowSpec):
             g = {"kind": "sliding_window", "window": int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))}
         elif isinstance(spec, ChunkedLocalAttentionSpec):
@@ -359,8 +366,8 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str) -> list[dict[str,
         elif isinstance(spec, FullAttentionSpec):
             g = {"kind": "full"}
         else:
-            raise ValueError(f"kvshim: {where}: kvshim restores full, sliding-window and chunked local attention "
-                             "groups only")
+            raise ValueError(f"kvshim: {where(i, grp)}: kvshim restores full, sliding-window and chunked local "
+                             "attention groups only")
         g |= {"spec": type(spec).__name__, "block_size": spec.block_size,
               "kv_heads": getattr(spec, "num_kv_heads", None), "head_size": getattr(spec, "head_size", None),
               "layers": len(grp.layer_names)}

@@ -477,8 +477,13 @@ def test_mamba_group_is_refused_naming_group_and_model(tiny_model_dir):
             KVCacheGroupSpec([layer(1)], MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float16,))),
         ],
     )
-    with pytest.raises(ValueError, match=r"KV-cache group 1 \(MambaSpec.*of model .*Mamba/SSM state"):
+    with pytest.raises(ValueError, match=r"KV-cache group 1 \(MambaSpec, layers \['model.layers.1.self_attn.attn'\]\) "
+                       r"of model .*tiny-llama.*@main holds Mamba/SSM state"):
         KVShimConnector(cfg, KVConnectorRole.WORKER, kvc)
+    # an attention-free model (one Mamba group) too
+    kvc.kv_cache_groups = kvc.kv_cache_groups[1:]
+    with pytest.raises(ValueError, match=r"KV-cache group 0 \(MambaSpec"):
+        KVShimConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
 
 
 def test_connector_supports_hma():
