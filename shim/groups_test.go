@@ -189,4 +189,28 @@ func TestGroupsSaveAndRestoreByTheirProtocol(t *testing.T) {
 	assert.Check(t, bytes.Equal(c.block(1, 43), c.block(1, 23)))
 	assert.Equal(t, w.Stats().LoadedChunks, uint64(3)) // 2 of group 0, 1 of group 1
 	assert.Equal(t, holds(t, srv), 0.0)                // group 1's hold on chunk 0 too
+
+	// A group's objects never reach another group: group 1's load read as
+	// group 0's names group 1's namespace in its header, a key mismatch,
+	// so its blocks are load errors and nothing is copied.
+	assert.Equal(t, r.match(t, "C", tokens, Extras{}, 0), 2*tChunk)
+	c0, c1 := seq(50, 5), []int64{0, 0, 0, 53, 54}
+	assert.NilError(t, s.AfterAlloc("C", append(slices.Clone(c0), c1...), 0, 2*tChunk))
+	b, err := s.BuildMeta(&Step{})
+	assert.NilError(t, err)
+	m, err := DecodeStepMeta(b, tChunk/tBS, tBlocks)
+	assert.NilError(t, err)
+	assert.Equal(t, len(m.Loads), 2)
+	assert.Equal(t, m.Loads[1].Group, uint32(1))
+	m.Loads = m.Loads[1:]
+	m.Loads[0].Group = 0
+	c.fill(53, 99)
+	before := c.block(0, 53)
+	w.StartLoads(m)
+	w.wg.Wait()
+	_, rv, eb := w.Poll()
+	assert.DeepEqual(t, rv, []string{"C"})
+	assert.DeepEqual(t, eb, []int64{53})
+	assert.Equal(t, w.Stats().KeyMismatches, uint64(1))
+	assert.Check(t, bytes.Equal(c.block(0, 53), before))
 }
