@@ -90,11 +90,11 @@ def llama4_specs(num_layers: int = 4, attention_chunk: int = 2 * CHUNK) -> dict[
     }
 
 
-def hma_config(model_dir, specs: dict[str, Any], layout: str = "LBNHC") -> tuple[Any, KVCacheConfig]:
+def hma_config(model_dir, specs: dict[str, Any], layout: str = "LBNHC", *, prefix_caching: bool = False) -> tuple[Any, KVCacheConfig]:
     """A VllmConfig with the hybrid manager on and vLLM's KVCacheConfig for
     the specs (groups by get_kv_cache_groups, tensors by
     get_kv_cache_config_from_groups)."""
-    cfg = kvshim_config(model_dir, enable_prefix_caching=False)
+    cfg = kvshim_config(model_dir, enable_prefix_caching=prefix_caching)
     # The factory's check: KVShimConnector no longer turns HMA off.
     assert KVConnectorFactory.supports_hma_config(cfg.kv_transfer_config)
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on a GPU platform
@@ -246,8 +246,8 @@ class HybridRunner:
 def hybrid(tiny_model_dir):
     made = []
 
-    def make(specs: dict[str, Any], kernel_block_size: int | None = None, layout: str = "LBNHC"):
-        cfg, kvc = hma_config(tiny_model_dir, specs, layout)
+    def make(specs: dict[str, Any], kernel_block_size: int | None = None, layout: str = "LBNHC", **kw: Any):
+        cfg, kvc = hma_config(tiny_model_dir, specs, layout, **kw)
         h = SchedulerHarness(cfg, kvc)
         h.runners = [HybridRunner(cfg, kvc, kernel_block_size)]
         made.append(h)
@@ -408,6 +408,32 @@ def test_multiturn_restores_the_answer_through_the_windows_it_kept(hybrid):
             assert (ld["start"], ld["end"]) == (0, 1) and len(ld["hashes"]) == 1, ld
         else:
             assert (ld["start"], ld["end"]) == (0, 4), ld
+    assert all(not e for e in r.load_errors)
+    h.settle()
+    assert_clean(h)
+
+
+def test_with_vllms_prefix_cache_on(hybrid):
+    """vLLM's prefix cache on (HybridKVCacheCoordinator, as in production):
+    once vLLM evicted its own copy, kvshim restores every group."""
+    h, r = hybrid(gemma3_specs(), prefix_caching=True)
+    assert type(h.scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
+    p = prompt(51, 3 * CHUNK + 5)
+    h.add_request(h.make_request(p, max_tokens=1))
+    h.settle()
+    wait_jobs(h)
+    for i in range(4):  # other prompts fill the pool: vLLM's cached blocks of p are evicted
+        h.add_request(h.make_request(prompt(60 + i, 5 * CHUNK), max_tokens=1))
+        h.settle()
+        wait_jobs(h)
+    r.scribble()
+    b = h.add_request(h.make_request(p[: 3 * CHUNK] + prompt(52, 9), max_tokens=1))
+    s = run_until_scheduled(h, b)
+    assert new_req_data(s, b.request_id).num_computed_tokens == 3 * CHUNK
+    loads = [ld for st in h.steps for ld in loads_of(st, b.request_id)]
+    assert sorted(ld.get("group", 0) for ld in loads) == list(range(len(r.specs)))
+    n, wrong = r.reqs[b.request_id].first_check
+    assert n == 3 * CHUNK and wrong == {g: [] for g in range(len(r.specs))}, wrong
     assert all(not e for e in r.load_errors)
     h.settle()
     assert_clean(h)
