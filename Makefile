@@ -11,7 +11,7 @@ SOURCES := $(shell find . -path ./$(OUT) -prune -o \( -name '*.go' -o -name '*.c
 STAMP   := $(OUT)/version.stamp
 $(shell mkdir -p $(OUT); [ "$$(cat $(STAMP) 2>/dev/null)" = "$(VERSION)" ] || echo "$(VERSION)" > $(STAMP))
 
-.PHONY: all lib ctest test chaos demo wheel bench-ipc bench-match bench-server bench-copy bench-l2 bench-keys gpu-check gpu-check-dry clean
+.PHONY: all lib ctest test check test-go test-py test-vllm chaos demo wheel bench-ipc bench-match bench-server bench-copy bench-l2 bench-keys gpu-check gpu-check-dry clean
 
 all: lib
 
@@ -24,15 +24,36 @@ $(LIB): $(SOURCES) $(STAMP)
 	$(PYTHON) build/check-header.py export/kvshim.h $(OUT)/libkvshim.h
 
 # The C ABI test: compiled against the handwritten header, linked to the .so.
+# Run twice: with no CUDA driver (KVSHIM_ENOTSUP), then its device tests
+# against the emulated driver with slow copies (KVSHIM_ETIMEDOUT).
 ctest: $(LIB)
 	$(CC) -std=c11 -Wall -Wextra -Werror -Iexport -o $(OUT)/abi_test tests/c/abi_test.c \
-		-L$(OUT) -lkvshim -Wl,-rpath,'$$ORIGIN'
-	$(OUT)/abi_test
+		-L$(OUT) -lkvshim -Wl,-rpath,'$$ORIGIN' -pthread -ldl
+	$(CC) -std=c11 -O1 -shared -fPIC -pthread -o $(OUT)/libcuda-fake.so internal/fakecuda/testdata/fakecuda.c
+	KVSHIM_LIBCUDA=/nonexistent/libcuda.so.1 $(OUT)/abi_test
+	KVSHIM_LIBCUDA=$(CURDIR)/$(OUT)/libcuda-fake.so FAKECUDA_COPY_DELAY_US=100000 $(OUT)/abi_test
 
-# Everything CI runs: installs what a fresh machine lacks, then gofmt, vet,
-# go test -race, the C ABI test and pytest.
+# Everything CI runs: installs what a fresh machine lacks, then the four
+# parts below in order. Each part runs alone as well (build/test.sh PART).
 test:
 	build/test.sh
+
+# gofmt, go vet, go.mod tidy, the Python linters.
+check:
+	build/test.sh check
+
+# go test -race (every package, Mooncake against a real master), the C ABI
+# test, the GPU check's dry run.
+test-go:
+	build/test.sh go
+
+# pytest outside tests/vllm (library, CLI, demo, wheel, traces).
+test-py:
+	build/test.sh py
+
+# pytest tests/vllm: the connector through vLLM 0.33.0's real classes.
+test-vllm:
+	build/test.sh vllm
 
 # The fault tests at the issue's counts (make test runs a few rounds of
 # each): a writer frozen past its heartbeat, the server SIGKILLed mid-copy.

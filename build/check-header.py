@@ -3,23 +3,38 @@
 
 Compares every `kvshim_*` function declared in export/kvshim.h with the
 functions cgo generated into the build header (what the .so really exports):
-the same names, each with the same number of parameters. Usage:
+the same names, each with the same return type and the same parameter
+types, in order. Types are compared as C sees them: `const` and parameter
+names dropped, `kvshim_handle` read as its typedef, int64_t. (The Python
+side is held to kvshim.h by tests/test_abi_header.py.) Usage:
 check-header.py export/kvshim.h build/libkvshim.h
 """
 import re
 import sys
 
-DECL = re.compile(r"(?:extern\s+)?[A-Za-z_][\w\s\*]*?\b(kvshim_\w+)\s*\(([^;{]*?)\)\s*;", re.S)
+DECL = re.compile(r"(?:extern\s+)?([A-Za-z_][\w\s\*]*?)\s*\b(kvshim_\w+)\s*\(([^;{]*?)\)\s*;", re.S)
+TYPEDEFS = {"kvshim_handle": "int64_t"}
 
 
-def functions(path: str) -> dict[str, int]:
+def ctype(decl: str, named: bool = True) -> str:
+    """'const uint32_t *tokens' -> 'uint32_t*'; 'char** argv' -> 'char**'."""
+    d = re.sub(r"\b(?:const|extern)\b", " ", decl)
+    d = re.sub(r"\s*\*\s*", " * ", d).split()
+    if named and len(d) > 1 and re.fullmatch(r"[A-Za-z_]\w*", d[-1]):
+        d = d[:-1]  # the parameter's name
+    words = [TYPEDEFS.get(w, w) for w in d]
+    return " ".join(w for w in words if w != "*") + "*" * words.count("*")
+
+
+def functions(path: str) -> dict[str, tuple[str, list[str]]]:
     text = open(path, encoding="utf-8").read()
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
     text = re.sub(r"//[^\n]*", "", text)
-    out: dict[str, int] = {}
-    for name, params in DECL.findall(text):
-        params = params.strip()
-        out[name] = 0 if params in ("", "void") else params.count(",") + 1
+    out: dict[str, tuple[str, list[str]]] = {}
+    for ret, name, params in DECL.findall(text):
+        params = " ".join(params.split())
+        types = [] if params in ("", "void") else [ctype(p) for p in params.split(",")]
+        out[name] = (ctype(ret.split("\n")[-1], named=False), types)
     return out
 
 
@@ -32,14 +47,15 @@ def main() -> int:
         elif name not in want:
             problems.append(f"{name}: exported by the library but missing from {sys.argv[1]}")
         elif want[name] != have[name]:
-            problems.append(f"{name}: {want[name]} parameters in the header, {have[name]} in the export")
+            (wr, wp), (hr, hp) = want[name], have[name]
+            problems.append(f"{name}: {wr} ({', '.join(wp)}) in the header, {hr} ({', '.join(hp)}) in the export")
     for p in problems:
         print("check-header:", p, file=sys.stderr)
     if not want:
         print("check-header: no kvshim_ functions found in the header", file=sys.stderr)
         return 1
     if not problems:
-        print(f"check-header: {len(want)} functions agree")
+        print(f"check-header: {len(want)} functions agree (names, return and parameter types)")
     return 1 if problems else 0
 
 

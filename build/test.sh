@@ -1,50 +1,94 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it (.ci/run calls `make test`).
+# The test suite, as CI runs it (.ci/run calls `make test`, which runs every
+# part in this order). Each part also runs alone: build/test.sh PART, or its
+# make target:
+#   check     gofmt, go vet, go.mod tidy, the Python linters      (make check)
+#   go        go test -race, Mooncake runs, C ABI test, GPU dry run (make test-go)
+#   py        pytest tests/ outside tests/vllm, pyarrow traces     (make test-py)
+#   vllm      pytest tests/vllm (vLLM 0.33.0's real classes)        (make test-vllm)
+# With no argument it runs all four. Every part first installs what it needs
+# and this machine lacks, saying what before it installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache=${KVSHIM_CACHE:-$HOME/.cache/kvshim}
-echo "== make test installs what this machine lacks, each step saying what before it installs:"
-echo "   Debian packages (build/deps.sh: gcc, libc6-dev, redis-server, redis-tools, libibverbs1, libnuma1, libcurl4; no service is enabled),"
-echo "   Go modules (go mod download, into $(go env GOMODCACHE)),"
-echo "   virtualenvs under $cache from python/requirements-mooncake.txt, python/requirements-trace.txt and python/requirements-test.txt"
-echo "   (the latter vLLM 0.33.0 + PyTorch: ~4.6 GB and 7-8 minutes the first time, reused after)."
-build/deps.sh
-echo "== Go modules (go mod download)"
-go mod download
 
-echo "== gofmt"
-bad=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
-if [ -n "$bad" ]; then echo "gofmt needed: $bad"; exit 1; fi
-echo "== go vet"
-go vet ./...
+deps_go() {
+  echo "== Debian packages (build/deps.sh: gcc, libc6-dev, redis-server, redis-tools, libibverbs1, libnuma1, libcurl4; no service is enabled)"
+  build/deps.sh
+  echo "== Go modules (go mod download, into $(go env GOMODCACHE))"
+  go mod download
+}
 
-echo "== build (with the kvshim.h check)"
-make lib
+test_venv() {
+  echo "== virtualenv under $cache from python/requirements-test.txt (vLLM 0.33.0 + PyTorch: ~4.6 GB and 7-8 minutes the first time, reused after)" >&2
+  build/venv.sh python/requirements-test.txt
+}
 
-echo "== C ABI test"
-make ctest
+part_check() {
+  deps_go
+  echo "== gofmt"
+  bad=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
+  if [ -n "$bad" ]; then echo "gofmt needed: $bad"; exit 1; fi
+  echo "== go vet"
+  go vet ./...
+  echo "== go.mod tidy (direct requirements not marked indirect, nothing unused)"
+  go mod tidy -diff
+  if [ -x build/lint-py.sh ]; then
+    echo "== Python lint and types (build/lint-py.sh)"
+    build/lint-py.sh
+  fi
+}
 
-echo "== go test -race (with fuzz seed corpora)"
-go test -race -count=1 -timeout 20m ./...
+part_go() {
+  deps_go
+  echo "== build (with the kvshim.h check)"
+  make lib
+  echo "== C ABI test"
+  make ctest
+  echo "== go test -race (with fuzz seed corpora)"
+  go test -race -count=1 -timeout 20m ./...
+  # The Mooncake Store tests need the wheel's store client and a real
+  # mooncake_master; they run on their own, one package at a time, so two
+  # masters and their clients never compete for the two cores.
+  echo "== go test -race: Mooncake Store (real mooncake_master on loopback; venv from python/requirements-mooncake.txt)"
+  mc=$(build/venv.sh python/requirements-mooncake.txt)
+  KVSHIM_MOONCAKE_PYTHON="$mc/bin/python" go test -race -count=1 -p 1 -timeout 10m \
+    ./server/l2/mooncake ./server/tier -run 'Mooncake|RoundTrip|HelperDeath|Config'
+  KVSHIM_MOONCAKE_PYTHON="$mc/bin/python" go test -race -count=1 -p 1 -timeout 10m ./shim -run 'TwoHosts'
+  echo "== GPU check script, dry run against the emulated CUDA driver"
+  make gpu-check-dry
+}
 
-# The Mooncake Store tests need the wheel's store client and a real
-# mooncake_master; they run on their own, one package at a time, so two
-# masters and their clients never compete for the two cores.
-echo "== go test -race: Mooncake Store (real mooncake_master on loopback)"
-mc=$(build/venv.sh python/requirements-mooncake.txt)
-KVSHIM_MOONCAKE_PYTHON="$mc/bin/python" go test -race -count=1 -p 1 -timeout 10m \
-  ./server/l2/mooncake ./server/tier -run 'Mooncake|RoundTrip|HelperDeath|Config'
-KVSHIM_MOONCAKE_PYTHON="$mc/bin/python" go test -race -count=1 -p 1 -timeout 10m ./shim -run 'TwoHosts'
+pytest_env() {
+  make lib
+  export KVSHIM_LIBRARY="$PWD/out/libkvshim.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+}
 
-echo "== GPU check script, dry run against the emulated CUDA driver"
-make gpu-check-dry
+part_py() {
+  deps_go
+  pytest_env
+  echo "== pytest: trace files read by real pyarrow and pandas (venv from python/requirements-trace.txt)"
+  tv=$(build/venv.sh python/requirements-trace.txt)
+  "$tv/bin/python" -m pytest -q -rs tests/test_trace_pyarrow.py
+  venv=$(test_venv)
+  echo "== pytest tests/ (outside tests/vllm)"
+  # No automatic rerun: a flaky test is a bug to find, not to retry.
+  "$venv/bin/python" -m pytest -q -rs -rf tests --ignore=tests/vllm --ignore=tests/test_trace_pyarrow.py
+}
 
-echo "== pytest: trace files read by real pyarrow and pandas (their own small venv)"
-tv=$(build/venv.sh python/requirements-trace.txt)
-"$tv/bin/python" -m pytest -q -rs tests/test_trace_pyarrow.py
+part_vllm() {
+  deps_go
+  pytest_env
+  venv=$(test_venv)
+  echo "== pytest tests/vllm"
+  "$venv/bin/python" -m pytest -q -rs -rf tests/vllm
+}
 
-echo "== pytest"
-venv=$(build/venv.sh python/requirements-test.txt)
-export KVSHIM_LIBRARY="$PWD/out/libkvshim.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
-# No automatic rerun: a flaky test is a bug to find, not to retry.
-"$venv/bin/python" -m pytest -q -rs -rf tests
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(check go py vllm)
+for p in "${parts[@]}"; do
+  case $p in
+    check | go | py | vllm) "part_$p" ;;
+    *) echo "build/test.sh: unknown part \"$p\" (parts: check go py vllm)" >&2; exit 2 ;;
+  esac
+done

@@ -161,7 +161,7 @@ func serve(args []string, stop <-chan os.Signal, hooks serveHooks, stdout, stder
 			srv.Close()
 			return 1
 		}
-		srv.Store.SetTrace(tw)
+		srv.Core.SetTrace(tw)
 		defer tw.Close() // after the server's shutdown below
 	}
 	metricsURL := "off"
@@ -174,11 +174,11 @@ func serve(args []string, stop <-chan os.Signal, hooks serveHooks, stdout, stder
 			srv.Close()
 			return 1
 		}
-		ms = srv.Store.ServeMetrics(ln, server.BuildInfo{Version: hooks.info.Version, ABI: hooks.info.ABI})
+		ms = srv.Core.ServeMetrics(ln, server.BuildInfo{Version: hooks.info.Version, ABI: hooks.info.ABI})
 		httpErr = ms.Failed()
 		metricsURL = ms.URL()
 	}
-	if as := srv.Store.L2Adapters(); len(as) > 0 {
+	if as := srv.Core.L2Adapters(); len(as) > 0 {
 		names := make([]string, len(as))
 		for i, a := range as {
 			names[i] = a.Type()
@@ -199,7 +199,7 @@ func serve(args []string, stop <-chan os.Signal, hooks serveHooks, stdout, stder
 		why, failed = fmt.Sprintf("after a metrics listener failure: %v", err), true
 		fmt.Fprintf(stderr, "kvshim serve: metrics listener: %v\n", err)
 	}
-	stat := func(n string) float64 { v, _ := srv.Store.Stat(n); return v }
+	stat := func(n string) float64 { v, _ := srv.Core.Stat(n); return v }
 	sessions, lookups := stat("kvshim_sessions_opened_total"), stat("kvshim_lookups_total")
 	commits, evictions := stat("kvshim_l1_commits_total"), stat("kvshim_l1_evictions_total")
 	closed := make(chan error, 1)

@@ -1,34 +1,23 @@
 package cuda
 
-import "time"
+import (
+	"time"
 
-// Span is one contiguous copy of Len bytes from Src to Dst (raw addresses).
-// It aliases the same unnamed struct as layout.Span, so a plan from
-// layout.Plan is a []cuda.Span without conversion.
-type Span = struct {
-	Src, Dst, Len uint64
-}
-
-// Direction of a copy job. The values match layout.Save and layout.Load, so
-// cuda.Direction(layoutDir) converts.
-type Direction uint8
-
-const (
-	// Save copies KV blocks out: device to host (D2H) on a CUDA engine.
-	Save Direction = 1
-	// Load copies KV blocks in: host to device (H2D) on a CUDA engine.
-	Load Direction = 2
+	"github.com/kvshim/kvshim/kv"
 )
 
-func (d Direction) String() string {
-	switch d {
-	case Save:
-		return "save"
-	case Load:
-		return "load"
-	}
-	return "direction(?)"
-}
+// Span, Direction, Save and Load are kv's (transitional names: references
+// move to kv.*). Save is device to host (D2H) on a CUDA engine, Load host to
+// device (H2D).
+type (
+	Span      = kv.Span
+	Direction = kv.Direction
+)
+
+const (
+	Save = kv.Save
+	Load = kv.Load
+)
 
 // Engine executes copy plans. Both implementations (HostEngine for CPU KV
 // caches, DeviceEngine for CUDA) are safe for concurrent use.

@@ -58,9 +58,9 @@ func TestHostPlansRoundTrip(t *testing.T) {
 	defer e.Close()
 	for _, g := range geoms(layout.Device{Kind: layout.CPU}) {
 		t.Run(g.name, func(t *testing.T) {
-			kv, kvA := mmapTB(t, g.bytes, rw())
-			fill(kv, 3)
-			orig := append([]byte(nil), kv...)
+			cache, kvA := mmapTB(t, g.bytes, rw())
+			fill(cache, 3)
+			orig := append([]byte(nil), cache...)
 			l, err := layout.New(g.descs(kvA), 4*gBS)
 			assert.NilError(t, err)
 			size, err := l.ObjectSize(l.ChunkTokens())
@@ -78,7 +78,7 @@ func TestHostPlansRoundTrip(t *testing.T) {
 				assert.NilError(t, l.SealObject(o, layout.ObjectKey{}))
 				assert.NilError(t, l.VerifyObject(o, layout.ObjectKey{}))
 			}
-			clear(kv)
+			clear(cache)
 			for c, blocks := range chunks {
 				spans, err := l.Plan(blocks, objA+uint64(c)*size, layout.Load)
 				assert.NilError(t, err)
@@ -93,11 +93,11 @@ func TestHostPlansRoundTrip(t *testing.T) {
 					restored[b] = true
 				}
 			}
-			want := make([]byte, len(kv))
+			want := make([]byte, len(cache))
 			for _, d := range g.descs(kvA) {
 				markBlocks(want, orig, kvA, d, restored)
 			}
-			assert.Assert(t, bytes.Equal(kv, want))
+			assert.Assert(t, bytes.Equal(cache, want))
 		})
 	}
 }

@@ -46,9 +46,6 @@ func benchEngineOf(in *instance, ws *workerState, l *layout.Layout) (cuda.Engine
 	default:
 		de, err := cuda.NewDeviceEngine(dev.Index)
 		if err != nil {
-			if errors.Is(err, cuda.ErrNotSupported) {
-				err = fmt.Errorf("%w: %w", errors.ErrUnsupported, err)
-			}
 			return nil, fmt.Errorf("KV cache on %s: %w", dev, err)
 		}
 		e = de
@@ -116,9 +113,6 @@ func engineCopy(in *instance, ws *workerState, direction int, objects unsafe.Poi
 	}
 	job, err := eng.Submit(spans, cuda.Direction(dir))
 	if err != nil {
-		if errors.Is(err, cuda.ErrBadSpan) {
-			err = fmt.Errorf("%v: %w", err, errInvalid)
-		}
 		return 0, err
 	}
 	err = job.Wait(timeout)
@@ -139,24 +133,21 @@ func engineCopy(in *instance, ws *workerState, direction int, objects unsafe.Poi
 
 //export kvshim_worker_engine_copy
 func kvshim_worker_engine_copy(h C.int64_t, direction C.int, objects unsafe.Pointer, objectStride C.uint64_t,
-	blockIDs *C.int64_t, nBlocks C.size_t, timeoutMS C.int64_t, elapsedNs *C.uint64_t) (rc C.int) {
-	defer guard(int64(h), &rc)
-	in, ws, err := stateOf[*workerState](h, "worker")
-	if err != nil {
-		return C.int(fail(int64(h), err))
-	}
-	ids, err := cSlice[int64](unsafe.Pointer(blockIDs), uint64(nBlocks), "block_ids")
-	if err == nil && elapsedNs == nil {
-		err = fmt.Errorf("elapsed_ns is NULL: %w", errInvalid)
-	}
-	var d time.Duration
-	if err == nil {
-		d, err = engineCopy(in, ws, int(direction), objects, uint64(objectStride), ids,
+	blockIDs *C.int64_t, nBlocks C.size_t, timeoutMS C.int64_t, elapsedNs *C.uint64_t) C.int {
+	return call(h, func(in *instance, ws *workerState) error {
+		ids, err := cSlice[int64](unsafe.Pointer(blockIDs), uint64(nBlocks), "block_ids")
+		if err != nil {
+			return err
+		}
+		if elapsedNs == nil {
+			return fmt.Errorf("elapsed_ns is NULL: %w", errInvalid)
+		}
+		d, err := engineCopy(in, ws, int(direction), objects, uint64(objectStride), ids,
 			time.Duration(timeoutMS)*time.Millisecond)
-	}
-	if err != nil {
-		return C.int(fail(in.id, err))
-	}
-	*elapsedNs = C.uint64_t(d.Nanoseconds())
-	return codeOK
+		if err != nil {
+			return err
+		}
+		*elapsedNs = C.uint64_t(d.Nanoseconds())
+		return nil
+	})
 }

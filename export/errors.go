@@ -5,9 +5,24 @@ import (
 	"errors"
 	"os"
 	"sync"
+	"syscall"
+
+	"github.com/kvshim/kvshim/cuda"
+	"github.com/kvshim/kvshim/export/connector"
+	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
+	"github.com/kvshim/kvshim/layout"
+	"github.com/kvshim/kvshim/objfmt"
+	"github.com/kvshim/kvshim/server"
+	"github.com/kvshim/kvshim/server/l1"
+	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/fs"
+	"github.com/kvshim/kvshim/server/l2/mooncake"
+	"github.com/kvshim/kvshim/server/l2/redis"
+	"github.com/kvshim/kvshim/shim"
 )
 
-// Return codes; kvshim.h declares the same values.
+// Return codes; kvshim.h declares the same values (TestCodesMatchHeader).
 const (
 	codeOK       = 0
 	codeInval    = -1  // bad argument (null pointer, malformed JSON, bad geometry)
@@ -17,47 +32,161 @@ const (
 	codeNotSup   = -5  // not supported here (e.g. no CUDA driver)
 	codeTimedOut = -6  // a wait ran past its timeout
 	codeIO       = -7  // the server or a peer failed
-	codeNoSpace  = -8  // the cache is full
+	codeNoSpace  = -8  // no space: the kernel refused memory or disk, or an L2 backend is full
 	codeClosed   = -9  // the handle or its connection is shutting down
 	codeInternal = -10 // anything else
 )
 
-// Sentinel errors that map to codes; packages wrap them with %w.
+// codeNames are the header's names of the codes (the Go test checks them
+// against kvshim.h).
+var codeNames = map[int]string{
+	codeOK:       "KVSHIM_OK",
+	codeInval:    "KVSHIM_EINVAL",
+	codeBadH:     "KVSHIM_EBADH",
+	codePanic:    "KVSHIM_EPANIC",
+	codeRange:    "KVSHIM_ERANGE",
+	codeNotSup:   "KVSHIM_ENOTSUP",
+	codeTimedOut: "KVSHIM_ETIMEDOUT",
+	codeIO:       "KVSHIM_EIO",
+	codeNoSpace:  "KVSHIM_ENOSPC",
+	codeClosed:   "KVSHIM_ECLOSED",
+	codeInternal: "KVSHIM_EINTERNAL",
+}
+
+// Sentinel errors of this package; they map to codes like every other
+// package's (codeTable).
 var (
 	errInvalid   = errors.New("invalid argument")
 	errBadHandle = errors.New("unknown or closed handle")
 	errRange     = errors.New("buffer too small")
 )
 
-// codeOf maps an error to its return code.
+// sentinel is one row of codeTable: an error value, the name it is
+// declared under (package.Name; TestCodeTableCoversEverySentinel checks the
+// names against the sources) and the code a failure wrapping it returns.
+type sentinel struct {
+	name string
+	err  error
+	code int
+}
+
+// codeTable is the C ABI's error vocabulary in one place: every sentinel
+// error of every package linked into the library, and the code a failure
+// that wraps it (errors.Is, through any number of %w) returns. The first
+// row that matches wins, so the order is a priority: the library's own
+// argument checks first, then the outer layers (shim classifies the ipc
+// and cuda failures it wraps), then the inner ones, the standard library
+// last. An error that matches no row is KVSHIM_EINTERNAL.
+//
+// A new sentinel anywhere in the library fails the Go test until it has a
+// row here; KVSHIM_EINTERNAL is a valid answer for errors only a bug can
+// produce, but it has to be chosen.
+var codeTable = []sentinel{
+	// export: the C boundary's own checks.
+	{"main.errInvalid", errInvalid, codeInval},
+	{"main.errBadHandle", errBadHandle, codeBadH},
+	{"main.errRange", errRange, codeRange},
+	{"connector.ErrConfig", connector.ErrConfig, codeInval},
+
+	// shim: the connector's logic. A dead or unreachable server is EIO
+	// whatever the transport said underneath (a refused dial, a timeout).
+	{"shim.ErrUnavailable", shim.ErrUnavailable, codeIO},
+	{"shim.ErrBadMeta", shim.ErrBadMeta, codeInval},
+	{"shim.ErrBadChunkSize", shim.ErrBadChunkSize, codeInval},
+	{"shim.ErrBadExtras", shim.ErrBadExtras, codeInval},
+	{"shim.ErrBadPrefix", shim.ErrBadPrefix, codeInval},
+	{"shim.ErrBadNamespaceSpec", shim.ErrBadNamespaceSpec, codeInval},
+	{"shim.ErrNoChunkHash", shim.ErrNoChunkHash, codeInval},
+
+	// layout: geometry of the registered KV caches (bad tensors, registered
+	// twice, block ids out of range) and objects that do not verify.
+	{"layout.ErrGeometry", layout.ErrGeometry, codeInval},
+	{"layout.ErrCorrupt", layout.ErrCorrupt, codeIO},
+	{"objfmt.ErrKeyMismatch", objfmt.ErrKeyMismatch, codeIO}, // also layout.ErrKeyMismatch (the same value)
+	{"objfmt.ErrNoPayloadCRC", objfmt.ErrNoPayloadCRC, codeIO},
+	{"objfmt.ErrCorrupt", objfmt.ErrCorrupt, codeIO},
+	{"objfmt.ErrUnaligned", objfmt.ErrUnaligned, codeInval},
+
+	// cuda: the driver and the copy engines.
+	{"cuda.ErrNotSupported", cuda.ErrNotSupported, codeNotSup},
+	{"cuda.ErrTimeout", cuda.ErrTimeout, codeTimedOut},
+	{"cuda.ErrClosed", cuda.ErrClosed, codeClosed},
+	{"cuda.ErrBadSpan", cuda.ErrBadSpan, codeInval},
+
+	// server: the embedded server's configuration and start, and its
+	// answers. The kernel's ENOSPC (a trace directory on a full disk at
+	// kvshim_open, memory for L1) is KVSHIM_ENOSPC wherever it is wrapped
+	// with %w, so it ranks before server.ErrSegment. A save that finds L1
+	// full is skipped by design (ipc.StatusNoSpace), never an error.
+	{"server.ErrConfig", server.ErrConfig, codeInval},
+	{"server.ErrLookupLimit", server.ErrLookupLimit, codeInval},
+	{"server.ErrBadRequest", server.ErrBadRequest, codeInval},
+	{"server.ErrUnknownLookup", server.ErrUnknownLookup, codeInval},
+	{"server.ErrDuplicateSession", server.ErrDuplicateSession, codeInval},
+	{"server.ErrSessionClosed", server.ErrSessionClosed, codeClosed},
+	{"server.ErrClosed", server.ErrClosed, codeClosed},
+	{"server.ErrFill", server.ErrFill, codeInternal}, // the server's own fill bookkeeping: only a bug
+	{"stdlib syscall.ENOSPC", syscall.ENOSPC, codeNoSpace},
+	{"l1.ErrSegment", l1.ErrSegment, codeIO}, // also server.ErrSegment (the same value)
+	{"l1.ErrTransition", l1.ErrTransition, codeInternal}, // an object state change the L1 state machine refuses: only a bug
+
+	// L2 adapters (the embedded server's --l2-adapter configs); a full
+	// backend is ENOSPC.
+	{"l2.ErrBadConfig", l2.ErrBadConfig, codeInval},
+	{"l2.ErrUnknownType", l2.ErrUnknownType, codeInval},
+	{"kv.ErrBadKey", kv.ErrBadKey, codeInval}, // also l2.ErrBadKey (the same value)
+	{"l2.ErrBufferSize", l2.ErrBufferSize, codeInval},
+	{"l2.ErrBadBatch", l2.ErrBadBatch, codeInval},
+	{"l2.ErrNotSupported", l2.ErrNotSupported, codeNotSup},
+	{"l2.ErrClosed", l2.ErrClosed, codeClosed},
+	{"l2.ErrHeld", l2.ErrHeld, codeIO},
+	{"l2.ErrNotReported", l2.ErrNotReported, codeIO},
+	{"l2.ErrUnavailable", l2.ErrUnavailable, codeIO},
+	{"fs.ErrFull", fs.ErrFull, codeNoSpace},
+	{"fs.ErrCorrupt", fs.ErrCorrupt, codeIO},
+	{"redis.ErrOOM", redis.ErrOOM, codeNoSpace},
+	{"mooncake.ErrHelper", mooncake.ErrHelper, codeIO},
+	{"mooncake.ErrStore", mooncake.ErrStore, codeIO},
+
+	// ipc: the transport. A wait past its deadline is ETIMEDOUT (a full
+	// ring is a producer that waited its whole timeout); a peer that broke
+	// the protocol or went away is EIO.
+	{"ipc.ErrTimeout", ipc.ErrTimeout, codeTimedOut},
+	{"ipc.ErrRingFull", ipc.ErrRingFull, codeTimedOut},
+	{"ipc.ErrClosed", ipc.ErrClosed, codeClosed},
+	{"ipc.ErrTooLarge", ipc.ErrTooLarge, codeInval},
+	{"ipc.ErrVersion", ipc.ErrVersion, codeNotSup},
+	{"ipc.ErrMalformed", ipc.ErrMalformed, codeIO},
+	{"ipc.ErrCorrupt", ipc.ErrCorrupt, codeIO},
+	{"ipc.ErrPeerStalled", ipc.ErrPeerStalled, codeIO},
+	{"ipc.ErrNoHeartbeat", ipc.ErrNoHeartbeat, codeIO},
+	{"ipc.ErrPeerGone", ipc.ErrPeerGone, codeIO},
+	{"ipc.ErrRefused", ipc.ErrRefused, codeIO},
+	{"ipc.ErrPermission", ipc.ErrPermission, codeIO},
+	{"ipc.ErrRange", ipc.ErrRange, codeIO},
+	{"ipc.ErrRemote", ipc.ErrRemote, codeIO},
+	{"ipc.ErrLimit", ipc.ErrLimit, codeIO},
+
+	// The standard library's, as the packages above wrap them.
+	{"stdlib errors.ErrUnsupported", errors.ErrUnsupported, codeNotSup},
+	{"stdlib os.ErrDeadlineExceeded", os.ErrDeadlineExceeded, codeTimedOut},
+	{"stdlib context.DeadlineExceeded", context.DeadlineExceeded, codeTimedOut},
+	{"stdlib os.ErrClosed", os.ErrClosed, codeClosed},
+}
+
+// codeOf maps an error to its return code: the first codeTable row it
+// wraps, else KVSHIM_EINTERNAL.
 func codeOf(err error) int {
-	switch {
-	case err == nil:
+	if err == nil {
 		return codeOK
-	case errors.Is(err, errInvalid):
-		return codeInval
-	case errors.Is(err, errBadHandle):
-		return codeBadH
-	case errors.Is(err, errRange):
-		return codeRange
-	case errors.Is(err, errors.ErrUnsupported):
-		return codeNotSup
-	case errors.Is(err, os.ErrDeadlineExceeded), errors.Is(err, context.DeadlineExceeded):
-		return codeTimedOut
-	case errors.Is(err, os.ErrClosed):
-		return codeClosed
 	}
-	for _, m := range codeMappers {
-		if c := m(err); c != 0 {
-			return c
+	for _, s := range codeTable {
+		if errors.Is(err, s.err) {
+			return s.code
 		}
 	}
 	return codeInternal
 }
-
-// codeMappers let other files map package sentinels to codes without this
-// file importing every package.
-var codeMappers []func(error) int
 
 // globalErr is the last error of calls made without a valid handle
 // (kvshim_open failures, unknown handles), read with handle 0.

@@ -9,7 +9,6 @@ import "C"
 import (
 	"encoding/json"
 	"fmt"
-	"runtime/debug"
 	"slices"
 	"strings"
 	"unsafe"
@@ -22,15 +21,6 @@ const abiVersion = 1
 
 // version is stamped by the build (-ldflags -X main.version=...).
 var version = "0.0.0-dev"
-
-// guard turns a panic into KVSHIM_EPANIC with the panic text as the last
-// error of h. Every export defers it first.
-func guard(h int64, rc *C.int) {
-	if r := recover(); r != nil {
-		fail(h, fmt.Errorf("panic in libkvshim: %v\n%s", r, debug.Stack()))
-		*rc = codePanic
-	}
-}
 
 // copyOut copies s NUL-terminated into buf[:n]; errRange when truncated.
 func copyOut(buf *C.char, n C.size_t, s string) error {
@@ -50,12 +40,8 @@ func copyOut(buf *C.char, n C.size_t, s string) error {
 func kvshim_abi_version() C.int { return abiVersion }
 
 //export kvshim_version
-func kvshim_version(buf *C.char, n C.size_t) (rc C.int) {
-	defer guard(0, &rc)
-	if err := copyOut(buf, n, version); err != nil {
-		return C.int(fail(0, err))
-	}
-	return codeOK
+func kvshim_version(buf *C.char, n C.size_t) C.int {
+	return callLib(func() error { return copyOut(buf, n, version) })
 }
 
 //export kvshim_last_error
@@ -104,40 +90,42 @@ func roleNames() string {
 }
 
 //export kvshim_open
-func kvshim_open(config *C.char, out *C.int64_t) (rc C.int) {
-	defer guard(0, &rc)
-	if config == nil || out == nil {
-		return C.int(fail(0, fmt.Errorf("kvshim_open: config and out must not be NULL: %w", errInvalid)))
-	}
-	raw := []byte(C.GoString(config))
-	var cfg openConfig
-	if err := json.Unmarshal(raw, &cfg); err != nil {
-		return C.int(fail(0, fmt.Errorf("kvshim_open: config is not JSON: %v: %w", err, errInvalid)))
-	}
-	open, ok := openers[cfg.Role]
-	if !ok {
-		return C.int(fail(0, fmt.Errorf("kvshim_open: unknown role %q (valid: %s): %w", cfg.Role, roleNames(), errInvalid)))
-	}
-	in := &instance{}
-	if err := open(in, raw); err != nil {
-		_ = in.close()
-		return C.int(fail(0, fmt.Errorf("kvshim_open: %w", err)))
-	}
-	*out = C.int64_t(handles.add(in))
-	return codeOK
+func kvshim_open(config *C.char, out *C.int64_t) C.int {
+	return callLib(func() error {
+		if config == nil || out == nil {
+			return fmt.Errorf("kvshim_open: config and out must not be NULL: %w", errInvalid)
+		}
+		raw := []byte(C.GoString(config))
+		var cfg openConfig
+		if err := json.Unmarshal(raw, &cfg); err != nil {
+			return fmt.Errorf("kvshim_open: config is not JSON: %v: %w", err, errInvalid)
+		}
+		open, ok := openers[cfg.Role]
+		if !ok {
+			return fmt.Errorf("kvshim_open: unknown role %q (valid: %s): %w", cfg.Role, roleNames(), errInvalid)
+		}
+		in := &instance{}
+		if err := open(in, raw); err != nil {
+			_ = in.close()
+			return fmt.Errorf("kvshim_open: %w", err)
+		}
+		*out = C.int64_t(handles.add(in))
+		return nil
+	})
 }
 
 //export kvshim_close
-func kvshim_close(h C.int64_t) (rc C.int) {
-	defer guard(0, &rc)
-	in, err := handles.remove(int64(h))
-	if err != nil {
-		return C.int(fail(0, fmt.Errorf("kvshim_close: %w", err)))
-	}
-	if err := in.close(); err != nil {
-		return C.int(fail(0, fmt.Errorf("kvshim_close: %w", err)))
-	}
-	return codeOK
+func kvshim_close(h C.int64_t) C.int {
+	return callLib(func() error {
+		in, err := handles.remove(int64(h))
+		if err != nil {
+			return fmt.Errorf("kvshim_close: %w", err)
+		}
+		if err := in.close(); err != nil {
+			return fmt.Errorf("kvshim_close: %w", err)
+		}
+		return nil
+	})
 }
 
 //export kvshim_handle_count

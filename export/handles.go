@@ -17,8 +17,29 @@ type instance struct {
 	mu      sync.Mutex
 	lastErr string
 	closers []func() error // run in reverse order by close
-	state   any            // the role-specific object (skeleton store, connector, ...)
-	pending []byte         // output that did not fit the caller's buffer (kvshim_take_output)
+	state   any            // the role-specific object (*shim.Scheduler, *workerState, *toolState)
+	pending map[int][]byte // by OS thread: output that did not fit the caller's buffer (kvshim_take_output)
+}
+
+// setPending keeps data for thread tid until it takes it (one per thread:
+// a newer output replaces an older one not taken).
+func (in *instance) setPending(tid int, data []byte) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.pending == nil {
+		in.pending = map[int][]byte{}
+	}
+	in.pending[tid] = data
+}
+
+// takePending removes and returns thread tid's pending output; ok is
+// false when it has none.
+func (in *instance) takePending(tid int) (data []byte, ok bool) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	data, ok = in.pending[tid]
+	delete(in.pending, tid)
+	return data, ok
 }
 
 func (in *instance) setErr(err error) {

@@ -48,9 +48,13 @@ typedef int64_t kvshim_handle;
 #define KVSHIM_ENOTSUP   -5  /* not supported here (e.g. no CUDA driver) */
 #define KVSHIM_ETIMEDOUT -6  /* a wait ran past its timeout */
 #define KVSHIM_EIO       -7  /* the server or a peer failed */
-#define KVSHIM_ENOSPC    -8  /* the cache is full */
+#define KVSHIM_ENOSPC    -8  /* no space: the kernel refused memory or disk, or an L2 backend is full */
 #define KVSHIM_ECLOSED   -9  /* the handle or its connection is shutting down */
 #define KVSHIM_EINTERNAL -10 /* anything else; see kvshim_last_error */
+/* The codes are assigned in one place (export/errors.go: every sentinel
+ * error of the library and its code). A save that finds the cache full is
+ * skipped, as a cache may skip, and is never an error: KVSHIM_ENOSPC is
+ * for space the library needs and cannot get. */
 
 /* Returns KVSHIM_ABI_VERSION of the loaded library. Never fails. */
 int kvshim_abi_version(void);
@@ -92,36 +96,14 @@ int kvshim_debug_panic(kvshim_handle h);
  * (0 success, 1 failure, 2 usage error). */
 int kvshim_main(int argc, char **argv);
 
-/* Walking skeleton (role "skeleton"): an in-process host-memory store that
- * proves the wiring ctypes -> export -> shim -> store -> copies. The
- * connector roles replace it. cache points at num_blocks * block_bytes
- * bytes of a paged KV cache whose blocks are contiguous; tokens are the
- * prompt's token ids; block_ids[i] holds tokens [i*B, (i+1)*B).
- *
- * kvshim_skeleton_save stores every full chunk of the prompt not yet stored
- * and sets *saved to the number of chunks written. */
-int kvshim_skeleton_save(kvshim_handle h, void *cache, uint64_t cache_bytes,
-                         const int64_t *block_ids, size_t n_blocks,
-                         const uint32_t *tokens, size_t n_tokens,
-                         uint64_t *saved);
-
-/* Sets *chunks to the number of leading full chunks of the prompt that are
- * stored. */
-int kvshim_skeleton_lookup(kvshim_handle h, const uint32_t *tokens,
-                           size_t n_tokens, uint64_t *chunks);
-
-/* Restores the first `chunks` chunks of the prompt into block_ids (which may
- * differ from the blocks they were saved from). KVSHIM_EINVAL when a chunk
- * is missing or a block id is out of range; nothing is written then. */
-int kvshim_skeleton_load(kvshim_handle h, void *cache, uint64_t cache_bytes,
-                         const int64_t *block_ids, size_t n_blocks,
-                         const uint32_t *tokens, size_t n_tokens,
-                         uint64_t chunks);
-
 /* Returns output that did not fit: a call that writes variable-length
  * output into (buf, cap) sets *out_len to the length; when it does not fit
- * it returns KVSHIM_ERANGE and keeps the bytes on the handle, and this call
- * copies them into a buffer of at least *out_len bytes. */
+ * it returns KVSHIM_ERANGE and keeps the bytes on the handle for the
+ * calling thread, and this call, made on the same thread, copies them into
+ * a buffer of at least *out_len bytes. Threads sharing a handle never see
+ * each other's pending output: each thread has at most one per handle (a
+ * newer KVSHIM_ERANGE replaces it), taken once, or freed by kvshim_close.
+ * KVSHIM_EINVAL when this thread has nothing pending on h. */
 int kvshim_take_output(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* Server and connector counters of h as one JSON object (variable-length
@@ -187,13 +169,16 @@ int kvshim_sched_finished_tokens(kvshim_handle h, const char *req_id, const uint
 
 /* Registers the KV cache tensors: a JSON array of tensor descriptions
  * (layer, group, backend, device, data_ptr, dtype_size, shape,
- * stride_bytes, dims). Refuses unsupported or inconsistent geometry with a
- * message naming the layer and the field. */
+ * stride_bytes, dims). Errors: KVSHIM_EINVAL for unsupported or
+ * inconsistent geometry (the message names the layer and the field) and
+ * for a second registration on the same handle; KVSHIM_ENOTSUP for a GPU
+ * cache where no CUDA driver can be loaded. */
 int kvshim_worker_register(kvshim_handle h, const char *tensors_json);
 
 /* Binds one step's metadata (meta[0:n] from kvshim_sched_build_meta) and
  * waits at most timeout_ms for the copies of requests it lists as
- * preempted. */
+ * preempted: KVSHIM_ETIMEDOUT when they still run then (the metadata is
+ * bound regardless). */
 int kvshim_worker_bind(kvshim_handle h, const void *meta, size_t n, int64_t timeout_ms);
 
 /* Starts the bound step's loads (asynchronous; see kvshim_worker_poll). */

@@ -13,6 +13,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kvshim/kvshim/export/connector"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/shim"
 )
@@ -27,36 +28,33 @@ type toolState struct {
 
 func init() {
 	openers["tool"] = func(in *instance, raw []byte) error {
-		_, socket, inst, timeout, err := parseConnector(raw)
+		_, r, err := connector.Parse(raw)
 		if err != nil {
 			return err
 		}
-		c, err := ipc.Dial(socket, ipc.Hello{Version: ipc.ProtocolVersion, Role: ipc.RoleTool, PID: uint32(os.Getpid()), Instance: inst}, timeout)
+		c, err := ipc.Dial(r.Socket, ipc.Hello{Version: ipc.ProtocolVersion, Role: ipc.RoleTool, PID: uint32(os.Getpid()), Instance: r.Instance}, r.Timeout)
 		if err != nil {
-			return fmt.Errorf("%w: connect to %s: %w", shim.ErrUnavailable, socket, err) // KVSHIM_EIO
+			return fmt.Errorf("%w: connect to %s: %w", shim.ErrUnavailable, r.Socket, err) // KVSHIM_EIO
 		}
-		in.state = &toolState{c: c, timeout: timeout}
+		in.state = &toolState{c: c, timeout: r.Timeout}
 		in.closers = append(in.closers, c.Close)
 		return nil
 	}
 }
 
 //export kvshim_ping
-func kvshim_ping(h C.int64_t, body unsafe.Pointer, n C.size_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) (rc C.int) {
-	defer guard(int64(h), &rc)
-	in, ts, err := stateOf[*toolState](h, "tool")
-	if err != nil {
-		return C.int(fail(int64(h), err))
-	}
-	req, err := cSlice[byte](body, uint64(n), "body")
-	if err != nil {
-		return C.int(fail(in.id, err))
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), ts.timeout)
-	defer cancel()
-	resp, err := ts.c.Echo(ctx, req)
-	if err != nil {
-		return C.int(fail(in.id, err))
-	}
-	return output(in, resp, buf, capacity, outLen)
+func kvshim_ping(h C.int64_t, body unsafe.Pointer, n C.size_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) C.int {
+	return call(h, func(in *instance, ts *toolState) error {
+		req, err := cSlice[byte](body, uint64(n), "body")
+		if err != nil {
+			return err
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), ts.timeout)
+		defer cancel()
+		resp, err := ts.c.Echo(ctx, req)
+		if err != nil {
+			return err
+		}
+		return output(in, resp, buf, capacity, outLen)
+	})
 }

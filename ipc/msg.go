@@ -1,5 +1,7 @@
 package ipc
 
+import "github.com/kvshim/kvshim/kv"
+
 // This file is the protocol contract between clients (shim/, export/) and the
 // server (server/). It declares the operations and their Go shapes; codec.go
 // encodes and decodes them (little-endian, fixed headers, explicit lengths,
@@ -44,18 +46,16 @@ const (
 	StatusInProgress Status = 8 // ALLOC: another writer of the same tag is staging the key
 )
 
-// HashSize is the size of a chunk hash (SHA-256, see shim/keys).
-const HashSize = 32
+// HashSize is the size of a chunk hash (kv.HashSize).
+const HashSize = kv.HashSize
 
-// Hash is a chained chunk hash.
-type Hash [HashSize]byte
-
-// Namespace is a 128-bit fingerprint of everything that makes KV bytes
-// incompatible (model, dtype, layout, world size, chunk size, group).
-type Namespace [16]byte
-
-// Tag names a writer (one uuid per worker connector), see architecture §2.1.
-type Tag [16]byte
+// Hash, Namespace and Tag are kv's (transitional names: references move to
+// kv.* and these go).
+type (
+	Hash      = kv.Hash
+	Namespace = kv.Namespace
+	Tag       = kv.Tag
+)
 
 // Loc is where an object lives: always (segment id, offset), range-checked by
 // the receiver against the segments it has mapped.

@@ -1,35 +1,22 @@
 package layout
 
-import "math/bits"
+import (
+	"math/bits"
 
-// Span is one contiguous copy: Len bytes from address Src to address Dst.
-//
-// It is an alias of an unnamed struct type so that []layout.Span and
-// []cuda.Span are the same type and plans pass to a copy engine without a
-// conversion (cuda imports only the standard library).
-type Span = struct {
-	Src, Dst, Len uint64
-}
-
-// Direction says which way a plan copies.
-type Direction uint8
-
-const (
-	// Save copies KV blocks into an object (device to host for CUDA).
-	Save Direction = 1
-	// Load copies an object back into KV blocks (host to device for CUDA).
-	Load Direction = 2
+	"github.com/kvshim/kvshim/kv"
 )
 
-func (d Direction) String() string {
-	switch d {
-	case Save:
-		return "save"
-	case Load:
-		return "load"
-	}
-	return "direction(?)"
-}
+// Span, Direction, Save and Load are kv's (transitional names: references
+// move to kv.*).
+type (
+	Span      = kv.Span
+	Direction = kv.Direction
+)
+
+const (
+	Save = kv.Save
+	Load = kv.Load
+)
 
 // Plan returns the copy spans that move one chunk between the KV tensors
 // and the object at objectBase (the address of the object's header; the

@@ -2,12 +2,13 @@ package objfmt
 
 import (
 	"encoding/binary"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"hash/crc32"
 	"sync/atomic"
 	"unsafe"
+
+	"github.com/kvshim/kvshim/kv"
 )
 
 // Format constants.
@@ -59,18 +60,8 @@ var (
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
-// Key is an object's key: (namespace fingerprint, rank, chunk hash). The
-// fields are raw bytes so this package needs no other kvshim package.
-type Key struct {
-	Namespace [16]byte
-	Rank      uint32
-	Hash      [32]byte
-}
-
-// String is a short form for logs: namespace and hash prefixes, rank.
-func (k Key) String() string {
-	return fmt.Sprintf("%s@%d@%s", hex.EncodeToString(k.Namespace[:4]), k.Rank, hex.EncodeToString(k.Hash[:8]))
-}
+// Key is kv.Key (transitional name: references move to kv.Key).
+type Key = kv.Key
 
 // Header is a decoded object header (format Version).
 type Header struct {

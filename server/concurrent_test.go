@@ -13,7 +13,7 @@ import (
 // retrieve and release, some sessions die mid-way; L1 is small enough to
 // evict. Afterwards every hold and staging byte is accounted for.
 func TestConcurrentSessions(t *testing.T) {
-	st := newStore(t, 1, Options{}, func(c *Config) { c.HighWatermark, c.LowWatermark = 0.8, 0.5 })
+	st := newCore(t, 1, Options{}, func(c *Config) { c.HighWatermark, c.LowWatermark = 0.8, 0.5 })
 	const workers, rounds, world = 8, 60, 2
 	var wg sync.WaitGroup
 	errs := make(chan error, workers)

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvshim/kvshim/server/l1"
 	"github.com/kvshim/kvshim/server/l2"
 	_ "github.com/kvshim/kvshim/server/l2/adapters" // fs, redis, mooncake_store
 	"github.com/kvshim/kvshim/server/tier"
@@ -136,7 +137,7 @@ func (c *Config) Validate() error {
 	add := func(f string, a ...any) { errs = append(errs, fmt.Sprintf(f, a...)) }
 	if !(c.L1SizeGB > 0) || c.L1SizeGB > MaxL1SizeGB {
 		add("--l1-size-gb must be > 0 and <= %d, got %v", MaxL1SizeGB, c.L1SizeGB)
-	} else if c.capacity() < pageSize {
+	} else if c.capacity() < l1.PageSize {
 		add("--l1-size-gb %v is smaller than one 4 KiB page", c.L1SizeGB)
 	}
 	if !(c.L1PrefaultGB >= 0) || c.L1PrefaultGB > MaxL1SizeGB {
@@ -159,10 +160,10 @@ func (c *Config) Validate() error {
 	if c.MetricsPort < 0 || c.MetricsPort > 65535 {
 		add("--metrics-port must be in [0, 65535], got %d", c.MetricsPort)
 	}
-	if c.SegmentSize != 0 && c.SegmentSize%pageSize != 0 {
+	if c.SegmentSize != 0 && c.SegmentSize%l1.PageSize != 0 {
 		add("segment size %d is not a multiple of 4 KiB", c.SegmentSize)
 	}
-	if c.SlabSize != 0 && c.SlabSize%pageSize != 0 {
+	if c.SlabSize != 0 && c.SlabSize%l1.PageSize != 0 {
 		add("slab size %d is not a multiple of 4 KiB", c.SlabSize)
 	}
 	if c.StagingTTL < 0 || c.ReapInterval < 0 {
@@ -223,7 +224,7 @@ func (c *Config) validateL2() []string {
 	return errs
 }
 
-// l2Budgets are the prefetch admission budget and the store controller's
+// l2Budgets are the prefetch admission budget and the writer's
 // pinned-bytes cap, in bytes (default: a quarter of L1 each).
 func (c *Config) l2Budgets() (prefetch, store uint64) {
 	capacity := c.capacity()
@@ -234,17 +235,17 @@ func (c *Config) l2Budgets() (prefetch, store uint64) {
 	if c.L2StoreMaxInflightGB > 0 {
 		store = uint64(c.L2StoreMaxInflightGB * GiB)
 	}
-	return max(prefetch, pageSize), max(store, pageSize)
+	return max(prefetch, l1.PageSize), max(store, l1.PageSize)
 }
 
 // prefaultBytes is L1PrefaultGB in bytes, at most the L1 size (0: lazy).
 func (c *Config) prefaultBytes() uint64 {
-	return min(roundPage(uint64(c.L1PrefaultGB*GiB)), c.capacity())
+	return min(l1.RoundPage(uint64(c.L1PrefaultGB*GiB)), c.capacity())
 }
 
 // capacity is the L1 size in bytes, rounded down to a page.
 func (c *Config) capacity() uint64 {
-	return uint64(c.L1SizeGB*GiB) &^ (pageSize - 1)
+	return uint64(c.L1SizeGB*GiB) &^ (l1.PageSize - 1)
 }
 
 // withDefaults fills the fields below the line.

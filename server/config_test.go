@@ -39,7 +39,7 @@ func TestConfigValidate(t *testing.T) {
 			}
 			assert.Assert(t, errors.Is(err, ErrConfig))
 			assert.ErrorContains(t, err, tc.want)
-			_, err = NewStore(c, Options{})
+			_, err = NewCore(c, Options{})
 			assert.Assert(t, errors.Is(err, ErrConfig))
 		})
 	}

@@ -12,7 +12,7 @@ import (
 )
 
 // The Grafana dashboard (deploy/grafana-kvshim.json) asks only for what
-// the server exports: every metric name in its PromQL is one the store's
+// the server exports: every metric name in its PromQL is one the core's
 // registry gathers (with an L2 adapter configured, so the L2 metrics
 // exist), every label it matches or groups by is one that metric has, and
 // every exact label value is one the server emits.
@@ -35,7 +35,7 @@ type exported map[string]map[string]map[string]bool
 func gatherExported(t *testing.T) exported {
 	t.Helper()
 	dir := t.TempDir()
-	st := newStore(t, 4, Options{}, func(c *Config) {
+	st := newCore(t, 4, Options{}, func(c *Config) {
 		c.L2Adapters = []string{`{"type": "fs", "base_path": "` + dir + `/l2"}`}
 	})
 	mfs, err := st.Registry().Gather()

@@ -1,26 +1,31 @@
-// Package server is kvshim's MP server core: L1 host memory in shared
-// segments, the object table, sessions, lookups and their read holds, LRU
-// eviction and metrics. It is transport independent: every operation is a
-// Store method taking the calling *Session and the ipc request type, and
-// returning the ipc response type (or an error that StatusOf maps to a
-// frame status). The session loop (rings, codec) calls these methods.
+// Package server is kvshim's MP server core: sessions, lookups and their
+// read holds, the L1 cache behind them, the L2 wiring and metrics. It is
+// transport independent: every operation is a Core method taking the
+// calling *Session and the ipc request type, and returning the ipc
+// response type (or an error that StatusOf maps to a frame status). The
+// session loop (rings, codec; serve.go) calls these methods.
 //
-// L1 layout. Segments are created lazily (SegmentSource) up to the L1
-// size. Each segment is cut into slabs; a slab holds equal slots of one
-// size class (object size rounded up to 4 KiB), so many equal-sized KV
-// chunk objects pack with no per-object headers in shared memory:
+// Names. Each word below has one meaning across server, server/l1 and
+// server/tier:
 //
-//	segment 1 (SegmentSize, e.g. 1 GiB, shared with every client)
-//	┌──────────────────────────┬──────────────────────────┬───────────────┐
-//	│ slab A: class 2 MiB      │ slab B: class 8 KiB      │ free extent   │
-//	│ ┌──────┬──────┬──────┬─┐ │ ┌──┬──┬──┬──┬──┬──┬───┐  │ (coalesced;   │
-//	│ │slot 0│slot 1│slot 2│…│ │ │0 │1 │2 │3 │… │  │   │  │  slabs come   │
-//	│ └──────┴──────┴──────┴─┘ │ └──┴──┴──┴──┴──┴──┴───┘  │  back here    │
-//	└──────────────────────────┴──────────────────────────┴───────────────┘
-//	 Loc{Segment: 1, Offset: slab.off + slot*class, Size: object bytes}
+//	Core         the server core (sessions, lookups, one mutex); a Server
+//	             is a Core behind an ipc listener
+//	l1.Cache     L1: segments, allocator, object table, LRU, object states
+//	store        only the L2 write of one object: l2.Adapter.Store, the
+//	             store policy (--l2-store-policy), kvshim_l2_store_*
+//	tier.Writer  stores committed L1 objects to L2 (write-through)
+//	fill         the L1<->L2 seam, L2 -> L1 for one lookup: tier.Filler
+//	             (L2 side, Fill(req, f); the PrefetchController),
+//	             tier.Fill (L1 side: one lookup's fill; *FillTask here),
+//	             tier.FillRequest (what to fill)
+//	prefetch     the policy behind the L2 side of a fill: the
+//	             PrefetchController, its byte budget, --l2-prefetch-*,
+//	             kvshim_l2_prefetch_*
+//	save         a client's ALLOC + COMMIT into L1 (test helpers)
 //
-// An empty slab returns to its segment's free extents. Fragmentation is
-// exported: "rounding" (slot padding) and "slab_free" (free slots).
+// L1 (package l1): the shared segments, the slab allocator, the object
+// table, the LRU list and the object state machine, as pure bookkeeping
+// that the Core guards with its one mutex. Its doc has the segment layout.
 //
 // Objects. Key = (namespace, rank, chunk hash). States:
 //
@@ -29,6 +34,7 @@
 //	                              │   is discarded and its space freed)
 //	                              └──ABORT / session close / staging TTL──► gone
 //	FillTask.Reserve ──► staging ──Commit(temporary)──► temporary ──last hold──► gone
+//	                              └──Commit (retained)──► resident (as COMMIT)
 //
 // Staging objects are invisible to lookups. Read holds are counters on the
 // object, owned by a (session, lookup) pair per reader rank; held objects
@@ -41,7 +47,7 @@
 // Lookups. LOOKUP checks each chunk on every rank 0..WorldSize-1 (MLA: the
 // rank-0 object, read by WorldSize readers, one hold each), holds the
 // longest prefix present on all ranks, and is final at once, or pending
-// while a Prefetcher fills the missing suffix (FillTask); then the prefix
+// while a tier.Filler fills the missing suffix (FillTask); then the prefix
 // is recomputed over resident + filled objects and the rest released.
 // LOOKUP_RESULT returns Pending, the final count once, then Unknown. FREE,
 // RELEASE, session close and the hold TTL release holds; a lookup whose
@@ -62,14 +68,15 @@
 // missing cell while it runs, up to --l2-prefetch-timeout, even after its
 // lookup is gone; and the Go runtime returns freed heap to the OS lazily.
 //
-// L2. With Config.L2Adapters (--l2-adapter JSON, repeatable) the store
+// L2. With Config.L2Adapters (--l2-adapter JSON, repeatable) the core
 // opens the adapters (package l2, types fs, redis, mooncake_store) and
 // wires package tier's controllers (l2tier.go):
 //
-//	COMMIT ──publish──► resident ──pin (hold owned by the store controller)──►
-//	    StoreController.Committed (after the lock) ──► adapter.Store ──► Unpin
-//	LOOKUP ──miss──► FillTask ──► PrefetchController (L2 lookup, plan,
-//	    byte-aware admission, Reserve, Load, Commit per key, Done/Answer)
+//	COMMIT ──publish──► resident ──pin (hold owned by the writer)──►
+//	    Writer.Committed (after the lock) ──► adapter.Store ──► Unpin
+//	LOOKUP ──miss──► FillTask ──tier.Filler.Fill──► PrefetchController (L2
+//	    lookup, plan, byte-aware admission, Reserve, Load, Commit per key,
+//	    Done/Answer through the FillTask)
 //
 // Pins (Pin/Unpin) are holds that no lookup owns: a pinned object is never
 // evicted or cleared. PrefetchBytes (fill staging + temporary objects) is

@@ -4,6 +4,7 @@ import (
 	"errors"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
 )
 
 // Sentinel errors. Operations wrap them with %w and context; StatusOf maps
@@ -18,12 +19,13 @@ var (
 	ErrSessionClosed = errors.New("server: session closed")
 	// ErrDuplicateSession: a live session already has that instance id.
 	ErrDuplicateSession = errors.New("server: duplicate session instance id")
-	// ErrStoreClosed: the store was closed.
-	ErrStoreClosed = errors.New("server: store closed")
+	// ErrClosed: the core was closed.
+	ErrClosed = errors.New("server: closed")
 	// ErrConfig: an invalid configuration value.
 	ErrConfig = errors.New("server: invalid config")
-	// ErrSegment: the segment source failed to provide memory.
-	ErrSegment = errors.New("server: segment source failed")
+	// ErrSegment: the segment source failed to provide memory (l1's
+	// sentinel: errors.Is matches either name).
+	ErrSegment = l1.ErrSegment
 	// ErrFill: a prefetch fill call was not valid (task finished, chunk out
 	// of range, chunk already present or being filled).
 	ErrFill = errors.New("server: invalid fill")

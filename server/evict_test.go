@@ -9,12 +9,12 @@ import (
 
 func TestEvictionSparesHeldAndStaging(t *testing.T) {
 	// 256 KiB of L1 = 32 objects of 8 KiB; watermarks 0.9 / 0.5.
-	st := newStore(t, 0.25, Options{}, func(c *Config) {
+	st := newCore(t, 0.25, Options{}, func(c *Config) {
 		c.HighWatermark, c.LowWatermark = 0.9, 0.5
 	})
 	s := open(t, st, 0)
 	held := hashes("held", 8)
-	store(t, st, s, 1, 0, held)
+	save(t, st, s, 1, 0, held)
 	r := lookupNow(t, st, s, 1, 1, false, held)
 	assert.Equal(t, r.Chunks, uint32(8))
 	staged := hashes("staged", 8)
@@ -25,7 +25,7 @@ func TestEvictionSparesHeldAndStaging(t *testing.T) {
 	}
 	// Fill the rest many times over: only the unheld residents churn.
 	for i := range 10 {
-		store(t, st, s, 2, 0, hashes(string(rune('a'+i)), 8))
+		save(t, st, s, 2, 0, hashes(string(rune('a'+i)), 8))
 		assert.Assert(t, used(t, st) <= 0.9*float64(256<<10))
 	}
 	assert.Assert(t, stat(t, st, "kvshim_l1_evictions_total") > 0)
@@ -63,16 +63,16 @@ func TestEvictionSparesHeldAndStaging(t *testing.T) {
 func TestLRUOrder(t *testing.T) {
 	// 32 slots; low watermark 0 evicts everything unheld: use demand
 	// eviction instead (high watermark 1).
-	st := newStore(t, 0.25, Options{}, func(c *Config) { c.HighWatermark, c.LowWatermark = 1, 0.5 })
+	st := newCore(t, 0.25, Options{}, func(c *Config) { c.HighWatermark, c.LowWatermark = 1, 0.5 })
 	s := open(t, st, 0)
 	old, hot := hashes("old", 16), hashes("hot", 16)
-	store(t, st, s, 1, 0, old)
-	store(t, st, s, 1, 0, hot)
+	save(t, st, s, 1, 0, old)
+	save(t, st, s, 1, 0, hot)
 	// Touch "old" with a lookup hit, then release: old is now most recent.
 	r := lookupNow(t, st, s, 1, 1, false, old)
 	assert.Equal(t, r.Chunks, uint32(16))
 	assert.NilError(t, st.Free(s, &ipc.FreeReq{LookupID: 1, End: ^uint32(0)}))
-	store(t, st, s, 1, 0, hashes("new", 4))
+	save(t, st, s, 1, 0, hashes("new", 4))
 	assert.Equal(t, lookupNow(t, st, s, 2, 1, false, old).Chunks, uint32(16))
 	// hot's tail went first (a prefix's tail is older than its head).
 	assert.Equal(t, lookupNow(t, st, s, 3, 1, false, hot).Chunks, uint32(12))

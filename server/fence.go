@@ -1,6 +1,10 @@
 package server
 
-import "github.com/kvshim/kvshim/ipc"
+import (
+	"log/slog"
+
+	"github.com/kvshim/kvshim/ipc"
+)
 
 // SessionOptions describe a session's peer.
 type SessionOptions struct {
@@ -24,30 +28,34 @@ type SessionOptions struct {
 // releaseStaging gives back a staging object that its writer s no longer
 // owns (session end, staging TTL): freed at once when s's writes cannot
 // outlive its calls, else fenced until s is known to be done writing.
-func (st *Store) releaseStaging(s *Session, i uint32) {
+func (core *Core) releaseStaging(s *Session, i uint32) {
 	if !s.opts.Fence {
-		st.freeObject(i)
+		core.l1.Free(i)
 		return
 	}
-	st.setState(i, stFenced)
+	if err := core.l1.Fence(i); err != nil {
+		// Not staging: a bug. Keep the slot (it may still be written).
+		slog.Error("server: fencing a staging slot", "err", err)
+		return
+	}
 	s.fenced = append(s.fenced, i)
 }
 
 // fenceClosed parks a closed session's fenced slots until its writer has
 // exited (watched with a pidfd) or says it has drained (HelloDrained).
-func (st *Store) fenceClosed(s *Session) {
+func (core *Core) fenceClosed(s *Session) {
 	if len(s.fenced) == 0 {
 		return
 	}
-	st.fences[s] = s.fenced
+	core.fences[s] = s.fenced
 	s.fenced = nil
 	lifted := make(chan struct{}) // closed by unfence: the watch ends with the fence
 	s.lifted = lifted
 	go func() {
-		stop := make(chan struct{}) // the store closed, or the fence was lifted
+		stop := make(chan struct{}) // the core closed, or the fence was lifted
 		go func() {
 			select {
-			case <-st.stop:
+			case <-core.stop:
 			case <-lifted:
 			}
 			close(stop)
@@ -58,38 +66,38 @@ func (st *Store) fenceClosed(s *Session) {
 		}
 		select {
 		case <-exited:
-			st.mu.Lock()
-			if st.unfence(s) {
-				st.cnt.fencesExited++
+			core.mu.Lock()
+			if core.unfence(s) {
+				core.cnt.fencesExited++
 			}
-			st.mu.Unlock()
+			core.mu.Unlock()
 		case <-stop:
 		}
 	}()
 }
 
 // unfenceDrained frees the fenced slots of every ended session named id.
-func (st *Store) unfenceDrained(id ipc.Tag) {
-	for s := range st.fences {
-		if s.id == id && st.unfence(s) {
-			st.cnt.fencesDrained++
+func (core *Core) unfenceDrained(id ipc.Tag) {
+	for s := range core.fences {
+		if s.id == id && core.unfence(s) {
+			core.cnt.fencesDrained++
 		}
 	}
 }
 
 // unfence frees s's fenced slots; false if it had none (already freed).
-func (st *Store) unfence(s *Session) bool {
-	objs, ok := st.fences[s]
-	if !ok || st.closed {
+func (core *Core) unfence(s *Session) bool {
+	objs, ok := core.fences[s]
+	if !ok || core.closed {
 		return false
 	}
-	delete(st.fences, s)
+	delete(core.fences, s)
 	if s.lifted != nil {
 		close(s.lifted)
 		s.lifted = nil
 	}
 	for _, i := range objs {
-		st.freeObject(i)
+		core.l1.Free(i)
 	}
 	return true
 }

@@ -13,7 +13,7 @@ import (
 )
 
 // stage ALLOCs hs as writer tag without committing and returns the locations.
-func stage(t *testing.T, st *Store, s *Session, tag byte, hs []ipc.Hash) []ipc.Loc {
+func stage(t *testing.T, st *Core, s *Session, tag byte, hs []ipc.Hash) []ipc.Loc {
 	t.Helper()
 	resp, err := st.Alloc(s, &ipc.AllocReq{Tag: ipc.Tag{tag}, Namespace: ns1, Hashes: hs, Sizes: sizes(len(hs))})
 	assert.NilError(t, err)
@@ -23,7 +23,7 @@ func stage(t *testing.T, st *Store, s *Session, tag byte, hs []ipc.Hash) []ipc.L
 	return resp.Locs
 }
 
-func fenced(t *testing.T, st *Store) float64 { return stat(t, st, "kvshim_l1_objects{state=fenced}") }
+func fenced(t *testing.T, st *Core) float64 { return stat(t, st, "kvshim_l1_objects{state=fenced}") }
 
 // A writer whose session ended while its process lives keeps its slots out
 // of use: with L1 full of them, another writer gets NoSpace, never one of
@@ -33,10 +33,10 @@ func TestFenceUntilWriterExits(t *testing.T) {
 	assert.NilError(t, child.Start())
 	t.Cleanup(func() { child.Process.Kill(); child.Wait() })
 
-	st := newStore(t, 1, Options{}) // 128 slots of 8 KiB
+	st := newCore(t, 1, Options{}) // 128 slots of 8 KiB
 	a, err := st.OpenSessionWith(sessionID(0), SessionOptions{Fence: true, PeerPID: child.Process.Pid})
 	assert.NilError(t, err)
-	n := int(st.mem.capacity / objSize)
+	n := int(st.l1.Stats().Capacity / objSize)
 	mine := stage(t, st, a, 1, hashes("a", n))
 	st.CloseSession(a) // e.g. its heartbeat expired: it may still be writing
 	assert.Equal(t, fenced(t, st), float64(n))
@@ -79,7 +79,7 @@ func TestFenceUntilWriterExits(t *testing.T) {
 // can never be seen exiting: its fence lifts when it reconnects saying its
 // earlier sessions have drained, and only then.
 func TestFenceLiftedByDrainedHello(t *testing.T) {
-	st := newStore(t, 1, Options{})
+	st := newCore(t, 1, Options{})
 	opts := SessionOptions{Fence: true, PeerPID: os.Getpid()}
 	a, err := st.OpenSessionWith(sessionID(0), opts)
 	assert.NilError(t, err)
@@ -108,7 +108,7 @@ func TestFenceLiftedByDrainedHello(t *testing.T) {
 // The staging TTL takes a live writer's forgotten keys (others may stage
 // them again) but fences the slots: the writer may still be copying.
 func TestStagingTTLFencesLiveWriter(t *testing.T) {
-	st := newStore(t, 1, Options{}, func(c *Config) { c.StagingTTL = time.Minute })
+	st := newCore(t, 1, Options{}, func(c *Config) { c.StagingTTL = time.Minute })
 	now := time.Now()
 	st.now = func() time.Time { return now }
 	a, err := st.OpenSessionWith(sessionID(0), SessionOptions{Fence: true, PeerPID: os.Getpid()})
@@ -131,7 +131,7 @@ func TestStagingTTLFencesLiveWriter(t *testing.T) {
 
 // In-process sessions (no fence) free their staging at close, as before.
 func TestNoFenceFreesAtClose(t *testing.T) {
-	st := newStore(t, 1, Options{})
+	st := newCore(t, 1, Options{})
 	a := open(t, st, 0)
 	stage(t, st, a, 1, hashes("a", 5))
 	st.CloseSession(a)
@@ -145,7 +145,7 @@ func TestFenceWatchEndsWhenLifted(t *testing.T) {
 	child := exec.Command("sleep", "60")
 	assert.NilError(t, child.Start())
 	t.Cleanup(func() { child.Process.Kill(); child.Wait() })
-	st := newStore(t, 1, Options{})
+	st := newCore(t, 1, Options{})
 	opts := SessionOptions{Fence: true, PeerPID: child.Process.Pid}
 	base := runtime.NumGoroutine()
 	a, err := st.OpenSessionWith(sessionID(0), opts)

@@ -5,22 +5,27 @@ import (
 	"testing"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/tier"
 	"gotest.tools/v3/assert"
 )
 
-type manualPrefetcher struct{ tasks []*FillTask }
+// manualFiller keeps every fill for the test to drive.
+type manualFiller struct{ tasks []*FillTask }
 
-func (m *manualPrefetcher) Prefetch(t *FillTask) bool { m.tasks = append(m.tasks, t); return true }
+func (m *manualFiller) Fill(_ tier.FillRequest, f tier.Fill) bool {
+	m.tasks = append(m.tasks, f.(*FillTask))
+	return true
+}
 
 // The seed's counter-example: L1 has chunk 0, L2 has 0-2, chunk 3 missing;
 // the L2 load of chunk 1 fails, chunk 2 succeeds → prefix is chunk 0 only.
 func TestFillPrefixCounterExample(t *testing.T) {
 	for _, temporary := range []bool{true, false} {
-		pf := &manualPrefetcher{}
-		st := newStore(t, 4, Options{Prefetcher: pf})
+		pf := &manualFiller{}
+		st := newCore(t, 4, Options{Filler: pf})
 		s := open(t, st, 0)
 		hs := hashes("1024 tokens", 4)
-		store(t, st, s, 1, 0, hs[:1])
+		save(t, st, s, 1, 0, hs[:1])
 		base := used(t, st)
 		assert.NilError(t, st.Lookup(s, &ipc.LookupReq{LookupID: 3, Namespace: ns1, WorldSize: 1, Hashes: hs}))
 		assert.Equal(t, len(pf.tasks), 1)
@@ -28,14 +33,13 @@ func TestFillPrefixCounterExample(t *testing.T) {
 		assert.Equal(t, ft.Start, uint32(1))
 		assert.Equal(t, len(ft.Hashes), 3)
 		for _, c := range []uint32{1, 2} {
-			mem, loc, ok, err := ft.Reserve(0, c, objSize, temporary)
+			mem, ok, err := ft.Reserve(0, c, objSize, temporary)
 			assert.NilError(t, err)
 			assert.Assert(t, ok)
 			assert.Equal(t, len(mem), objSize)
-			assert.Equal(t, loc.Size, uint64(objSize))
 			mem[0] = byte(c)
 		}
-		_, _, _, err := ft.Reserve(0, 0, objSize, temporary)
+		_, _, err := ft.Reserve(0, 0, objSize, temporary)
 		assert.Assert(t, errors.Is(err, ErrFill))
 		assert.NilError(t, ft.Commit(0, 1, false)) // load of chunk 1 failed
 		assert.NilError(t, ft.Commit(0, 2, true))
@@ -57,8 +61,8 @@ func TestFillPrefixCounterExample(t *testing.T) {
 }
 
 func TestFillTemporaryServedAndFreed(t *testing.T) {
-	pf := &manualPrefetcher{}
-	st := newStore(t, 4, Options{Prefetcher: pf})
+	pf := &manualFiller{}
+	st := newCore(t, 4, Options{Filler: pf})
 	sched, worker := open(t, st, 0), open(t, st, 1)
 	hs := hashes("mla", 3)
 	base := used(t, st)
@@ -66,7 +70,7 @@ func TestFillTemporaryServedAndFreed(t *testing.T) {
 	ft := pf.tasks[0]
 	assert.Equal(t, ft.Ranks(), uint32(1))
 	for c := range uint32(3) {
-		mem, _, ok, err := ft.Reserve(0, c, objSize, true)
+		mem, ok, err := ft.Reserve(0, c, objSize, true)
 		assert.NilError(t, err)
 		assert.Assert(t, ok)
 		mem[0] = 0xA0 + byte(c)
@@ -93,22 +97,22 @@ func TestFillTemporaryServedAndFreed(t *testing.T) {
 }
 
 func TestFillCancelledBySessionClose(t *testing.T) {
-	pf := &manualPrefetcher{}
-	st := newStore(t, 4, Options{Prefetcher: pf})
+	pf := &manualFiller{}
+	st := newCore(t, 4, Options{Filler: pf})
 	s := open(t, st, 0)
 	hs := hashes("cancel", 2)
 	assert.NilError(t, st.Lookup(s, &ipc.LookupReq{LookupID: 1, Namespace: ns1, WorldSize: 1, Hashes: hs}))
 	ft := pf.tasks[0]
-	_, _, ok, err := ft.Reserve(0, 0, objSize, true)
+	_, ok, err := ft.Reserve(0, 0, objSize, true)
 	assert.Assert(t, ok && err == nil)
 	assert.NilError(t, ft.Commit(0, 0, true))
-	_, _, ok, err = ft.Reserve(0, 1, objSize, true)
+	_, ok, err = ft.Reserve(0, 1, objSize, true)
 	assert.Assert(t, ok && err == nil)
 	st.CloseSession(s)
-	// The still-reserved chunk stays until the prefetcher lets go of it.
+	// The still-reserved chunk stays until the filler lets go of it.
 	assert.Equal(t, stat(t, st, "kvshim_l1_objects{state=staging}"), 1.0)
 	assert.Equal(t, stat(t, st, "kvshim_l1_objects{state=temporary}"), 0.0)
-	_, _, _, err = ft.Reserve(0, 1, objSize, true)
+	_, _, err = ft.Reserve(0, 1, objSize, true)
 	assert.Assert(t, errors.Is(err, ErrFill))
 	ft.Done()
 	assert.Equal(t, used(t, st), 0.0)

@@ -11,7 +11,7 @@ import (
 )
 
 func TestHealthHandler(t *testing.T) {
-	st := newStore(t, 4, Options{})
+	st := newCore(t, 4, Options{})
 	srv := httptest.NewServer(st.HealthHandler())
 	defer srv.Close()
 	get := func() (int, string) {

@@ -6,23 +6,24 @@ import (
 	"testing"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
 	"gotest.tools/v3/assert"
 )
 
 const objSize = 8 << 10 // 8 KiB test objects
 
-// newStore returns a store of capMiB MiB (segments of a quarter of it,
+// newCore returns a core of capMiB MiB (segments of a quarter of it,
 // slabs of 64 KiB) that is closed when the test ends.
-func newStore(t testing.TB, capMiB float64, o Options, tweak ...func(*Config)) *Store {
+func newCore(t testing.TB, capMiB float64, o Options, tweak ...func(*Config)) *Core {
 	t.Helper()
 	cfg := DefaultConfig()
 	cfg.L1SizeGB = capMiB / 1024
-	cfg.SegmentSize = uint64(capMiB*(1<<20)/4) &^ (pageSize - 1)
+	cfg.SegmentSize = uint64(capMiB*(1<<20)/4) &^ (l1.PageSize - 1)
 	cfg.SlabSize = 64 << 10
 	for _, f := range tweak {
 		f(&cfg)
 	}
-	st, err := NewStore(cfg, o)
+	st, err := NewCore(cfg, o)
 	assert.NilError(t, err)
 	t.Cleanup(func() { assert.NilError(t, st.Close()) })
 	return st
@@ -34,7 +35,7 @@ func sessionID(n int) ipc.Tag {
 	return t
 }
 
-func open(t testing.TB, st *Store, n int) *Session {
+func open(t testing.TB, st *Core, n int) *Session {
 	t.Helper()
 	s, err := st.OpenSession(sessionID(n))
 	assert.NilError(t, err)
@@ -57,8 +58,8 @@ func hashes(seed string, n int) []ipc.Hash {
 	return out
 }
 
-// store writes chunks hs on rank (alloc + fill + commit) as writer tag.
-func store(t testing.TB, st *Store, s *Session, tag byte, rank uint32, hs []ipc.Hash) []ipc.Status {
+// save writes chunks hs on rank (alloc + fill + commit) as writer tag.
+func save(t testing.TB, st *Core, s *Session, tag byte, rank uint32, hs []ipc.Hash) []ipc.Status {
 	t.Helper()
 	req := &ipc.AllocReq{Tag: ipc.Tag{tag}, Namespace: ns1, Rank: rank, Hashes: hs, Sizes: sizes(len(hs))}
 	resp, err := st.Alloc(s, req)
@@ -86,7 +87,7 @@ func sizes(n int) []uint64 {
 }
 
 // result registers a lookup and returns its LOOKUP_RESULT answer.
-func lookupNow(t testing.TB, st *Store, s *Session, id uint64, world uint32, mla bool, hs []ipc.Hash) *ipc.LookupResultResp {
+func lookupNow(t testing.TB, st *Core, s *Session, id uint64, world uint32, mla bool, hs []ipc.Hash) *ipc.LookupResultResp {
 	t.Helper()
 	assert.NilError(t, st.Lookup(s, &ipc.LookupReq{LookupID: id, Namespace: ns1, WorldSize: world, MLA: mla, Hashes: hs}))
 	r, err := st.LookupResult(s, &ipc.LookupResultReq{LookupID: id})
@@ -94,12 +95,12 @@ func lookupNow(t testing.TB, st *Store, s *Session, id uint64, world uint32, mla
 	return r
 }
 
-func stat(t testing.TB, st *Store, name string) float64 {
+func stat(t testing.TB, st *Core, name string) float64 {
 	t.Helper()
 	v, ok := st.Stat(name)
 	assert.Assert(t, ok, "no stat %s", name)
 	return v
 }
 
-func used(t testing.TB, st *Store) float64  { return stat(t, st, "kvshim_l1_used_bytes") }
-func holds(t testing.TB, st *Store) float64 { return stat(t, st, "kvshim_l1_holds") }
+func used(t testing.TB, st *Core) float64  { return stat(t, st, "kvshim_l1_used_bytes") }
+func holds(t testing.TB, st *Core) float64 { return stat(t, st, "kvshim_l1_holds") }

@@ -1,7 +1,6 @@
 package server
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -12,17 +11,17 @@ import (
 	"github.com/kvshim/kvshim/server/tier"
 )
 
-// l2Tier is the store's L2 side: the adapters and the two controllers.
+// l2Tier is the core's L2 side: the adapters and the two controllers.
 type l2Tier struct {
 	adapters []*l2.Adapter
-	sc       *tier.StoreController
+	wr       *tier.Writer
 	pc       *tier.PrefetchController
 	segs     sync.WaitGroup // segment registrations running
 }
 
 // openTier opens the configured adapters (or takes o.L2Adapters) and
 // wires the controllers; with none it installs o's hooks as given.
-func (st *Store) openTier(o Options) (err error) {
+func (core *Core) openTier(o Options) (err error) {
 	adapters := o.L2Adapters
 	defer func() {
 		if err != nil {
@@ -32,8 +31,8 @@ func (st *Store) openTier(o Options) (err error) {
 		}
 	}()
 	if adapters == nil {
-		for i, raw := range st.cfg.L2Adapters {
-			a, err := l2.OpenJSON(raw, l2.Options{Registerer: st.metrics.reg})
+		for i, raw := range core.cfg.L2Adapters {
+			a, err := l2.OpenJSON(raw, l2.Options{Registerer: core.metrics.reg})
 			if err != nil {
 				return fmt.Errorf("%w: --l2-adapter #%d: %w", ErrConfig, i+1, err)
 			}
@@ -41,46 +40,46 @@ func (st *Store) openTier(o Options) (err error) {
 		}
 	}
 	if len(adapters) == 0 {
-		st.prefetcher, st.onCommit = o.Prefetcher, o.OnCommit
+		core.filler, core.onCommit = o.Filler, o.OnCommit
 		return nil
 	}
-	if o.Prefetcher != nil || o.OnCommit != nil {
-		return fmt.Errorf("%w: Options.Prefetcher / OnCommit cannot be combined with L2 adapters", ErrConfig)
+	if o.Filler != nil || o.OnCommit != nil {
+		return fmt.Errorf("%w: Options.Filler / OnCommit cannot be combined with L2 adapters", ErrConfig)
 	}
-	policy, err := tier.ParseStorePolicy(st.cfg.L2StorePolicy)
+	policy, err := tier.ParseStorePolicy(core.cfg.L2StorePolicy)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
-	prefetchBudget, storeBytes := st.cfg.l2Budgets()
+	prefetchBudget, storeBytes := core.cfg.l2Budgets()
 	hints := &tier.SizeHints{}
 	log := slog.Default().With("component", "l2tier")
 	t := &l2Tier{adapters: adapters}
-	t.pc, err = tier.NewPrefetchController(st, adapters, tier.PrefetchConfig{
-		Budget: prefetchBudget, Timeout: st.cfg.L2PrefetchTimeout, AdmissionWait: st.cfg.L2AdmissionWait,
-		Retain: st.cfg.L2PrefetchRetain, Hints: hints, BeforeLoad: o.L2BeforeLoad,
-	}, st.metrics.reg, log)
+	t.pc, err = tier.NewPrefetchController(core, adapters, tier.PrefetchConfig{
+		Budget: prefetchBudget, Timeout: core.cfg.L2PrefetchTimeout, AdmissionWait: core.cfg.L2AdmissionWait,
+		Retain: core.cfg.L2PrefetchRetain, Hints: hints, BeforeLoad: o.L2BeforeLoad,
+	}, core.metrics.reg, log)
 	if err != nil {
 		return err
 	}
-	t.sc, err = tier.NewStoreController(st, adapters, tier.StoreConfig{
+	t.wr, err = tier.NewWriter(core, adapters, tier.WriterConfig{
 		Policy: policy, MaxBytes: storeBytes, Hints: hints,
-	}, st.metrics.reg, log)
+	}, core.metrics.reg, log)
 	if err != nil {
 		return err
 	}
-	st.tier = t
-	st.prefetcher = prefetchBridge{t.pc}
+	core.tier = t
+	core.filler = t.pc
 	if !tier.IsNone(policy) {
-		st.onCommit = t.sc.Committed
+		core.onCommit = t.wr.Committed
 	}
-	if src, ok := st.mem.src.(*IPCSource); ok {
+	if src, ok := core.l1.Source().(*IPCSource); ok {
 		src.setOnNew(t.registerSegment)
 	}
 	return nil
 }
 
 // registerSegment announces a new L1 segment to every adapter in the
-// background (it is called under the store's lock; a backend that needs
+// background (it is called under the core's lock; a backend that needs
 // registration — mooncake_store — moves buffers of a segment it does not
 // know yet through its bounce buffer meanwhile).
 func (t *l2Tier) registerSegment(seg *ipc.Segment) {
@@ -99,7 +98,7 @@ func (t *l2Tier) registerSegment(seg *ipc.Segment) {
 // then closes the adapters.
 func (t *l2Tier) close() error {
 	t.pc.Close()
-	t.sc.Close()
+	t.wr.Close()
 	t.segs.Wait()
 	var errs []error
 	for _, a := range t.adapters {
@@ -108,53 +107,26 @@ func (t *l2Tier) close() error {
 	return errors.Join(errs...)
 }
 
-// L2Adapters are the store's L2 adapters (nil: L1 only).
-func (st *Store) L2Adapters() []*l2.Adapter {
-	if st.tier == nil {
+// L2Adapters are the core's L2 adapters (nil: L1 only).
+func (core *Core) L2Adapters() []*l2.Adapter {
+	if core.tier == nil {
 		return nil
 	}
-	return st.tier.adapters
+	return core.tier.adapters
 }
 
-// StoreController is the L2 store controller (nil: L1 only).
-func (st *Store) StoreController() *tier.StoreController {
-	if st.tier == nil {
+// Writer is the L2 writer (nil: L1 only).
+func (core *Core) Writer() *tier.Writer {
+	if core.tier == nil {
 		return nil
 	}
-	return st.tier.sc
+	return core.tier.wr
 }
 
 // PrefetchController is the L2 prefetch controller (nil: L1 only).
-func (st *Store) PrefetchController() *tier.PrefetchController {
-	if st.tier == nil {
+func (core *Core) PrefetchController() *tier.PrefetchController {
+	if core.tier == nil {
 		return nil
 	}
-	return st.tier.pc
+	return core.tier.pc
 }
-
-// prefetchBridge makes the prefetch controller the store's Prefetcher.
-type prefetchBridge struct{ pc *tier.PrefetchController }
-
-func (b prefetchBridge) Prefetch(t *FillTask) bool {
-	return b.pc.Prefetch(tier.FillRequest{Namespace: t.Namespace, Ranks: t.Ranks(), Start: t.Start,
-		Hashes: t.Hashes, Resident: t.Resident(), SizeHint: t.SizeHint()}, fillBridge{t, t.Context()})
-}
-
-// fillBridge is a *FillTask as a tier.Fill, and a tier.Cancellable whose
-// Context ends when the lookup is dropped.
-type fillBridge struct {
-	t   *FillTask
-	ctx context.Context
-}
-
-func (f fillBridge) Context() context.Context { return f.ctx }
-
-func (f fillBridge) TraceAdmission(a tier.Admission) { f.t.traceAdmission(a) }
-
-func (f fillBridge) Reserve(rank, chunk uint32, size uint64, temporary bool) ([]byte, bool, error) {
-	mem, _, ok, err := f.t.Reserve(rank, chunk, size, temporary)
-	return mem, ok, err
-}
-func (f fillBridge) Commit(rank, chunk uint32, ok bool) error { return f.t.Commit(rank, chunk, ok) }
-func (f fillBridge) Answer()                                  { f.t.Answer() }
-func (f fillBridge) Done()                                    { f.t.Done() }

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
 )
 
 // MaxLookupCells bounds chunks × readers of one lookup (its hold table is
@@ -27,7 +28,7 @@ const (
 var lookupLimitNames = [numLookupLimits]string{"lookups", "cells"}
 
 // lookupUsage is the accounting behind the lookup limits, guarded by
-// Store.mu. Session has no field for it, so it hangs off the store's
+// Core.mu. Session has no field for it, so it hangs off the core's
 // metrics; a session's entry exists while it has live lookups (dropLookup
 // deletes it with the session's last one, so a closed session leaves none).
 type lookupUsage struct {
@@ -42,15 +43,15 @@ func (lk *lookup) cells() uint64 { return uint64(len(lk.hashes)) * uint64(lk.wor
 
 // admit checks a new lookup of chunks × readers hold cells against s's
 // limits and counts a refusal.
-func (st *Store) admit(s *Session, chunks int, readers uint32) error {
-	u := &st.metrics.usage
-	if n := len(s.lookups); n >= st.cfg.MaxLookupsPerSession {
+func (core *Core) admit(s *Session, chunks int, readers uint32) error {
+	u := &core.metrics.usage
+	if n := len(s.lookups); n >= core.cfg.MaxLookupsPerSession {
 		u.rejected[limitLookups]++
 		return fmt.Errorf("%w: the session has %d live lookups, the most it may have (--max-lookups-per-session %d); read or FREE finished ones first",
-			ErrLookupLimit, n, st.cfg.MaxLookupsPerSession)
+			ErrLookupLimit, n, core.cfg.MaxLookupsPerSession)
 	}
 	cells := uint64(chunks) * uint64(readers)
-	if held, most := u.cells[s], uint64(st.cfg.MaxLookupCellsPerSession); held+cells > most {
+	if held, most := u.cells[s], uint64(core.cfg.MaxLookupCellsPerSession); held+cells > most {
 		u.rejected[limitCells]++
 		return fmt.Errorf("%w: %d chunks × %d readers would take the hold cells of the session's live lookups from %d to %d, over --max-lookup-cells-per-session %d",
 			ErrLookupLimit, chunks, readers, held, held+cells, most)
@@ -76,7 +77,7 @@ type lookup struct {
 	hashes  []ipc.Hash
 	state   lookupState
 	chunks  uint32     // final answer
-	held    [][]uint32 // [reader rank][chunk] object index, nilIdx = no hold
+	held    [][]uint32 // [reader rank][chunk] object index, l1.Nil = no hold
 	holds   uint64     // holds still owned
 	freed   []bool     // chunks FREEd while pending (nil: none)
 	since   int64      // registration, unix nanoseconds (hold TTL)
@@ -96,69 +97,69 @@ func (lk *lookup) ranks() uint32 {
 // checks every chunk on every rank, takes read holds on the longest prefix
 // present on all ranks (MLA: the rank-0 object, one hold per reader),
 // touches those objects in the LRU, and releases nothing else. With a
-// Prefetcher the lookup stays pending while the missing suffix is filled;
+// Filler the lookup stays pending while the missing suffix is filled;
 // otherwise it is final at once.
-func (st *Store) Lookup(s *Session, req *ipc.LookupReq) error {
-	defer st.metrics.observe(opLookup, time.Now())
+func (core *Core) Lookup(s *Session, req *ipc.LookupReq) error {
+	defer core.metrics.observe(opLookup, time.Now())
 	n := len(req.Hashes)
 	switch {
 	case n > ipc.MaxKeys:
 		return fmt.Errorf("%w: lookup: %d keys > %d", ErrBadRequest, n, ipc.MaxKeys)
-	case req.WorldSize == 0 || req.WorldSize > st.cfg.MaxWorldSize:
-		return fmt.Errorf("%w: lookup: world size %d not in [1, %d]", ErrBadRequest, req.WorldSize, st.cfg.MaxWorldSize)
+	case req.WorldSize == 0 || req.WorldSize > core.cfg.MaxWorldSize:
+		return fmt.Errorf("%w: lookup: world size %d not in [1, %d]", ErrBadRequest, req.WorldSize, core.cfg.MaxWorldSize)
 	case uint64(req.WorldSize)*uint64(n) > MaxLookupCells:
 		return fmt.Errorf("%w: lookup: %d chunks × %d readers > %d", ErrBadRequest, n, req.WorldSize, MaxLookupCells)
 	}
-	t, err := st.register(s, req)
+	t, err := core.register(s, req)
 	if err != nil {
 		return err
 	}
-	if t != nil && !st.prefetcher.Prefetch(t) {
+	if t != nil && !core.filler.Fill(t.request(), t) {
 		t.Done()
 	}
 	return nil
 }
 
 // register is Lookup's locked part; it returns the fill task to start.
-func (st *Store) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
+func (core *Core) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
 	n := len(req.Hashes)
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if err := st.check(s); err != nil {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if err := core.check(s); err != nil {
 		return nil, err
 	}
 	if _, dup := s.lookups[req.LookupID]; dup {
 		return nil, fmt.Errorf("%w: lookup id %d is in use", ErrBadRequest, req.LookupID)
 	}
-	if err := st.admit(s, n, req.WorldSize); err != nil {
+	if err := core.admit(s, n, req.WorldSize); err != nil {
 		return nil, err
 	}
 	lk := &lookup{
 		owner: s, id: req.LookupID, ns: req.Namespace, world: req.WorldSize, mla: req.MLA,
-		hashes: req.Hashes, since: st.now().UnixNano(),
+		hashes: req.Hashes, since: core.now().UnixNano(),
 	}
 	s.lookups[lk.id] = lk
 	if cells := lk.cells(); cells > 0 {
-		st.metrics.usage.cells[s] += cells
-		st.metrics.usage.total += cells
+		core.metrics.usage.cells[s] += cells
+		core.metrics.usage.total += cells
 	}
-	st.cnt.lookupsNow++
-	st.cnt.lookups++
-	p := st.extend(lk, 0)
-	st.cnt.hitChunks += uint64(p)
-	st.cnt.missedChunks += uint64(n - int(p))
+	core.cnt.lookupsNow++
+	core.cnt.lookups++
+	p := core.extend(lk, 0)
+	core.cnt.hitChunks += uint64(p)
+	core.cnt.missedChunks += uint64(n - int(p))
 	var t *FillTask
-	if p < uint32(n) && st.prefetcher != nil {
-		t = &FillTask{st: st, lk: lk, Namespace: lk.ns, WorldSize: lk.world, MLA: lk.mla,
+	if p < uint32(n) && core.filler != nil {
+		t = &FillTask{core: core, lk: lk, Namespace: lk.ns, WorldSize: lk.world, MLA: lk.mla,
 			Start: p, Hashes: lk.hashes[p:], staged: map[fillKey]uint32{}}
 		lk.fill = t
 		lk.state = lkPending
-		st.cnt.pending++
+		core.cnt.pending++
 	} else {
 		lk.chunks = p
 		lk.state = lkFinal
 	}
-	st.traceRegistered(lk, p)
+	core.traceRegistered(lk, p)
 	return t, nil
 }
 
@@ -166,12 +167,9 @@ func (st *Store) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
 // present on every rank (resident, or filled by lk's task), moves them to
 // the LRU front in chunk order (a prefix's head is the most recent) and
 // returns p. Chunks FREEd while pending count but are not held.
-func (st *Store) extend(lk *lookup, from uint32) uint32 {
+func (core *Core) extend(lk *lookup, from uint32) uint32 {
 	ranks := lk.ranks()
-	var sh *shard // nil (empty) when the namespace is unknown
-	if i, ok := st.shardOf(lk.ns, false); ok {
-		sh = &st.shards[i]
-	}
+	sh, _ := core.l1.Shard(lk.ns, false) // l1.NoShard (empty) when the namespace is unknown
 	n := uint32(len(lk.hashes))
 	if lk.held == nil {
 		// One backing array; each reader's row can grow to n in place.
@@ -191,21 +189,21 @@ func (st *Store) extend(lk *lookup, from uint32) uint32 {
 	p := from
 scan:
 	for ; p < n; p++ {
-		st.findRanks(sh, &lk.hashes[p], found)
+		core.l1.FindRanks(sh, &lk.hashes[p], found)
 		for r, i := range found {
-			if i == nilIdx && lk.fill != nil {
+			if i == l1.Nil && lk.fill != nil {
 				if fi, ok := lk.fill.filled[fillKey{uint32(r), p}]; ok {
 					i, found[r] = fi, fi
 				}
 			}
-			if i == nilIdx {
+			if i == l1.Nil {
 				break scan
 			}
 		}
 		freed := lk.freed != nil && lk.freed[p]
 		for r, i := range found {
 			if freed {
-				i = nilIdx
+				i = l1.Nil
 			}
 			lk.held[r] = append(lk.held[r], i)
 		}
@@ -219,19 +217,16 @@ scan:
 	}
 	// The hit moves to the LRU front in chunk order, so the prefix's head
 	// is the most recent and its tail is evicted first.
-	at := nilIdx
+	at := l1.Nil
 	for c := from; c < p; c++ {
 		for r := range ranks {
 			i := lk.held[r][c]
-			if i == nilIdx {
+			if i == l1.Nil {
 				continue
 			}
-			st.hold(i, per)
+			core.l1.Hold(i, per)
 			lk.holds += uint64(per)
-			if st.objs.get(i).state == stResident {
-				st.lru.placeAfter(&st.objs, at, i)
-				at = i
-			}
+			at = core.l1.Touch(at, i)
 		}
 	}
 	return p
@@ -240,11 +235,11 @@ scan:
 // LookupResult answers OpLookupResult: Pending while a fill runs; OK with
 // the final chunk count once (the answer is consumed); Unknown afterwards
 // or for an id this session never registered.
-func (st *Store) LookupResult(s *Session, req *ipc.LookupResultReq) (*ipc.LookupResultResp, error) {
-	defer st.metrics.observe(opLookupResult, time.Now())
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if err := st.check(s); err != nil {
+func (core *Core) LookupResult(s *Session, req *ipc.LookupResultReq) (*ipc.LookupResultResp, error) {
+	defer core.metrics.observe(opLookupResult, time.Now())
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if err := core.check(s); err != nil {
 		return nil, err
 	}
 	lk := s.lookups[req.LookupID]
@@ -258,23 +253,23 @@ func (st *Store) LookupResult(s *Session, req *ipc.LookupResultReq) (*ipc.Lookup
 		return &ipc.LookupResultResp{Status: ipc.StatusUnknown}, nil
 	}
 	lk.state = lkConsumed
-	st.traceConsumed(lk)
+	core.traceConsumed(lk)
 	resp := &ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: lk.chunks}
-	st.maybeForget(lk)
+	core.maybeForget(lk)
 	return resp, nil
 }
 
 // Free releases the holds of chunks [Start, End) of one of this session's
 // lookups on every rank (OpFree), without loading them. End = ^uint32(0)
 // means all. Chunks freed while the lookup is pending are never held.
-func (st *Store) Free(s *Session, req *ipc.FreeReq) error {
-	defer st.metrics.observe(opFree, time.Now())
+func (core *Core) Free(s *Session, req *ipc.FreeReq) error {
+	defer core.metrics.observe(opFree, time.Now())
 	if req.Start > req.End {
 		return fmt.Errorf("%w: free: start %d > end %d", ErrBadRequest, req.Start, req.End)
 	}
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if err := st.check(s); err != nil {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if err := core.check(s); err != nil {
 		return err
 	}
 	lk := s.lookups[req.LookupID]
@@ -282,7 +277,7 @@ func (st *Store) Free(s *Session, req *ipc.FreeReq) error {
 		return fmt.Errorf("%w: free: lookup %d", ErrUnknownLookup, req.LookupID)
 	}
 	end := min(req.End, uint32(len(lk.hashes)))
-	st.traceFree(lk, req.Start, end)
+	core.traceFree(lk, req.Start, end)
 	if lk.state == lkPending && req.Start < end {
 		if lk.freed == nil {
 			lk.freed = make([]bool, len(lk.hashes))
@@ -292,19 +287,19 @@ func (st *Store) Free(s *Session, req *ipc.FreeReq) error {
 		}
 	}
 	for r := range lk.held {
-		st.releaseRow(lk, lk.held[r], req.Start, end)
+		core.releaseRow(lk, lk.held[r], req.Start, end)
 	}
-	st.maybeForget(lk)
+	core.maybeForget(lk)
 	return nil
 }
 
 // releaseRow drops the holds of row[start:end).
-func (st *Store) releaseRow(lk *lookup, row []uint32, start, end uint32) {
+func (core *Core) releaseRow(lk *lookup, row []uint32, start, end uint32) {
 	end = min(end, uint32(len(row)))
 	for c := start; c < end; c++ {
-		if i := row[c]; i != nilIdx {
-			row[c] = nilIdx
-			st.unhold(i)
+		if i := row[c]; i != l1.Nil {
+			row[c] = l1.Nil
+			core.l1.Unhold(i)
 			lk.holds--
 		}
 	}
@@ -312,8 +307,8 @@ func (st *Store) releaseRow(lk *lookup, row []uint32, start, end uint32) {
 
 // owned finds the lookup (owner, id) for RETRIEVE and RELEASE, which worker
 // sessions send for lookups the scheduler's session made.
-func (st *Store) owned(owner ipc.Tag, id uint64) (*lookup, error) {
-	os := st.sessions[owner]
+func (core *Core) owned(owner ipc.Tag, id uint64) (*lookup, error) {
+	os := core.sessions[owner]
 	if os == nil {
 		return nil, fmt.Errorf("%w: owner %x is not connected", ErrUnknownLookup, owner)
 	}
@@ -328,14 +323,14 @@ func (st *Store) owned(owner ipc.Tag, id uint64) (*lookup, error) {
 // the location of the object held for Rank (OpRetrieve): StatusOK with the
 // Loc, or StatusNotFound for a chunk that is not held (beyond the answer,
 // freed or released). End = ^uint32(0) means up to the lookup's last chunk.
-func (st *Store) Retrieve(s *Session, req *ipc.RetrieveReq) (*ipc.RetrieveResp, error) {
-	defer st.metrics.observe(opRetrieve, time.Now())
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if err := st.check(s); err != nil {
+func (core *Core) Retrieve(s *Session, req *ipc.RetrieveReq) (*ipc.RetrieveResp, error) {
+	defer core.metrics.observe(opRetrieve, time.Now())
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if err := core.check(s); err != nil {
 		return nil, err
 	}
-	lk, err := st.owned(req.Owner, req.LookupID)
+	lk, err := core.owned(req.Owner, req.LookupID)
 	if err != nil {
 		return nil, err
 	}
@@ -354,8 +349,8 @@ func (st *Store) Retrieve(s *Session, req *ipc.RetrieveReq) (*ipc.RetrieveResp, 
 	row := lk.held[req.Rank]
 	for k := range n {
 		c := req.Start + k
-		if c < uint32(len(row)) && row[c] != nilIdx {
-			resp.Locs[k] = st.loc(row[c])
+		if c < uint32(len(row)) && row[c] != l1.Nil {
+			resp.Locs[k] = core.l1.Loc(row[c])
 		} else {
 			resp.Status[k] = ipc.StatusNotFound
 		}
@@ -365,52 +360,52 @@ func (st *Store) Retrieve(s *Session, req *ipc.RetrieveReq) (*ipc.RetrieveResp, 
 
 // Release drops every hold Rank still has in lookup (Owner, LookupID)
 // (OpRelease), once that rank's copies are done.
-func (st *Store) Release(s *Session, req *ipc.ReleaseReq) error {
-	defer st.metrics.observe(opRelease, time.Now())
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if err := st.check(s); err != nil {
+func (core *Core) Release(s *Session, req *ipc.ReleaseReq) error {
+	defer core.metrics.observe(opRelease, time.Now())
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if err := core.check(s); err != nil {
 		return err
 	}
-	lk, err := st.owned(req.Owner, req.LookupID)
+	lk, err := core.owned(req.Owner, req.LookupID)
 	if err != nil {
 		return err
 	}
 	if req.Rank >= lk.world {
 		return fmt.Errorf("%w: release: rank %d >= world size %d", ErrBadRequest, req.Rank, lk.world)
 	}
-	st.traceRelease(lk, req.Rank)
-	st.releaseRow(lk, lk.held[req.Rank], 0, ^uint32(0))
-	st.maybeForget(lk)
+	core.traceRelease(lk, req.Rank)
+	core.releaseRow(lk, lk.held[req.Rank], 0, ^uint32(0))
+	core.maybeForget(lk)
 	return nil
 }
 
 // maybeForget drops a lookup whose answer was read and that holds nothing.
-func (st *Store) maybeForget(lk *lookup) {
+func (core *Core) maybeForget(lk *lookup) {
 	if lk.state == lkConsumed && lk.holds == 0 {
-		st.dropLookup(lk)
+		core.dropLookup(lk)
 	}
 }
 
 // dropLookup releases all of lk's holds, cancels its fill and forgets it.
-func (st *Store) dropLookup(lk *lookup) {
+func (core *Core) dropLookup(lk *lookup) {
 	if lk.dropped {
 		return
 	}
 	lk.dropped = true
-	st.traceDrop(lk)
+	core.traceDrop(lk)
 	for r := range lk.held {
-		st.releaseRow(lk, lk.held[r], 0, ^uint32(0))
+		core.releaseRow(lk, lk.held[r], 0, ^uint32(0))
 	}
 	if lk.state == lkPending {
-		st.cnt.pending--
+		core.cnt.pending--
 	}
 	if lk.fill != nil {
 		lk.fill.cancelLocked()
 	}
 	delete(lk.owner.lookups, lk.id)
-	st.cnt.lookupsNow--
-	u := &st.metrics.usage
+	core.cnt.lookupsNow--
+	u := &core.metrics.usage
 	u.total -= lk.cells()
 	if left := u.cells[lk.owner] - lk.cells(); left > 0 {
 		u.cells[lk.owner] = left

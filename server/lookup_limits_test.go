@@ -29,7 +29,7 @@ func lookupBound(cfg Config) uint64 {
 }
 
 // heapInUse is the Go heap in use after a full collection (what the
-// store's structures and everything else live still occupy).
+// core's structures and everything else live still occupy).
 func heapInUse() uint64 {
 	runtime.GC()
 	runtime.GC() // the first may leave finalizer-held objects for the second
@@ -45,7 +45,7 @@ func lookupReq(id uint64, n int, world uint32) *ipc.LookupReq {
 }
 
 func TestLookupLimitDefaults(t *testing.T) {
-	st := newStore(t, 4, Options{})
+	st := newCore(t, 4, Options{})
 	cfg := st.Config()
 	assert.Equal(t, cfg.MaxLookupsPerSession, 4096)
 	assert.Equal(t, cfg.MaxLookupCellsPerSession, 1<<20)
@@ -99,15 +99,15 @@ func TestLookupLimitConfig(t *testing.T) {
 // the limits is refused with a clear error, the Go heap grows by no more
 // than the stated bound, and everything comes back when the session ends.
 func TestLookupFloodMemory(t *testing.T) {
-	pf := &manualPrefetcher{}
-	st := newStore(t, 4, Options{Prefetcher: pf}, func(c *Config) {
+	pf := &manualFiller{}
+	st := newCore(t, 4, Options{Filler: pf}, func(c *Config) {
 		c.MaxLookupsPerSession = 64
 		c.MaxLookupCellsPerSession = 64<<10 + 1024
 	})
 	cfg := st.Config()
 	bound := lookupBound(cfg) // 3.9 MiB
-	store(t, st, open(t, st, 9), 1, 0, hashes("flood", 4))
-	const slack = 1 << 20 // test bookkeeping, the store's maps' buckets
+	save(t, st, open(t, st, 9), 1, 0, hashes("flood", 4))
+	const slack = 1 << 20 // test bookkeeping, the core's maps' buckets
 	base := heapInUse()
 
 	s := open(t, st, 1)
@@ -184,7 +184,7 @@ func TestLookupLimitOverIPC(t *testing.T) {
 		cfg.MaxLookupsPerSession = 8
 		cfg.MaxLookupCellsPerSession = 4096
 	})
-	st := srv.Store
+	st := srv.Core
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 

@@ -29,14 +29,14 @@ func TestRankContiguity(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			st := newStore(t, 4, Options{})
+			st := newCore(t, 4, Options{})
 			s := open(t, st, 0)
 			for r, cs := range tc.ranks {
 				var sel []ipc.Hash
 				for _, c := range cs {
 					sel = append(sel, hs[c])
 				}
-				store(t, st, s, byte(r+1), uint32(r), sel)
+				save(t, st, s, byte(r+1), uint32(r), sel)
 			}
 			r := lookupNow(t, st, s, 7, tc.world, tc.mla, hs)
 			assert.Equal(t, r.Status, ipc.StatusOK)
@@ -69,10 +69,10 @@ func TestRankContiguity(t *testing.T) {
 }
 
 func TestLookupResultConsumedOnce(t *testing.T) {
-	st := newStore(t, 4, Options{})
+	st := newCore(t, 4, Options{})
 	s := open(t, st, 0)
 	hs := hashes("p", 3)
-	store(t, st, s, 1, 0, hs[:2])
+	save(t, st, s, 1, 0, hs[:2])
 	assert.NilError(t, st.Lookup(s, &ipc.LookupReq{LookupID: 1, Namespace: ns1, WorldSize: 1, Hashes: hs}))
 	r1, err := st.LookupResult(s, &ipc.LookupResultReq{LookupID: 1})
 	assert.NilError(t, err)
@@ -98,15 +98,15 @@ func TestLookupResultConsumedOnce(t *testing.T) {
 
 // Final 0 and pending are different answers; the model's fill chooses.
 func TestPendingVersusFinalZero(t *testing.T) {
-	t.Run("final zero without prefetcher", func(t *testing.T) {
-		st := newStore(t, 4, Options{})
+	t.Run("final zero without filler", func(t *testing.T) {
+		st := newCore(t, 4, Options{})
 		s := open(t, st, 0)
 		r := lookupNow(t, st, s, 1, 2, false, hashes("miss", 4))
 		assert.DeepEqual(t, *r, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 0})
 	})
 	t.Run("pending while a fill runs", func(t *testing.T) {
-		pf := &manualPrefetcher{}
-		st := newStore(t, 4, Options{Prefetcher: pf})
+		pf := &manualFiller{}
+		st := newCore(t, 4, Options{Filler: pf})
 		s := open(t, st, 0)
 		r := lookupNow(t, st, s, 1, 1, false, hashes("miss", 4))
 		assert.Equal(t, r.Status, ipc.StatusPending)
@@ -118,12 +118,12 @@ func TestPendingVersusFinalZero(t *testing.T) {
 		assert.Equal(t, stat(t, st, "kvshim_lookups_pending"), 0.0)
 		assert.Equal(t, stat(t, st, "kvshim_lookups_live"), 0.0)
 	})
-	t.Run("full hit never asks the prefetcher", func(t *testing.T) {
-		pf := &manualPrefetcher{}
-		st := newStore(t, 4, Options{Prefetcher: pf})
+	t.Run("full hit never asks the filler", func(t *testing.T) {
+		pf := &manualFiller{}
+		st := newCore(t, 4, Options{Filler: pf})
 		s := open(t, st, 0)
 		hs := hashes("hit", 2)
-		store(t, st, s, 1, 0, hs)
+		save(t, st, s, 1, 0, hs)
 		r := lookupNow(t, st, s, 1, 1, false, hs)
 		assert.DeepEqual(t, *r, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 2})
 		assert.Equal(t, len(pf.tasks), 0)
@@ -133,18 +133,18 @@ func TestPendingVersusFinalZero(t *testing.T) {
 func TestAbortAndFreeReturnToBaseline(t *testing.T) {
 	cases := []struct {
 		name string
-		end  func(st *Store, s *Session) error
+		end  func(st *Core, s *Session) error
 	}{
-		{"free all", func(st *Store, s *Session) error {
+		{"free all", func(st *Core, s *Session) error {
 			return st.Free(s, &ipc.FreeReq{LookupID: 1, Start: 0, End: ^uint32(0)})
 		}},
-		{"free in two ranges", func(st *Store, s *Session) error {
+		{"free in two ranges", func(st *Core, s *Session) error {
 			if err := st.Free(s, &ipc.FreeReq{LookupID: 1, Start: 2, End: 9}); err != nil {
 				return err
 			}
 			return st.Free(s, &ipc.FreeReq{LookupID: 1, Start: 0, End: 2})
 		}},
-		{"release every rank", func(st *Store, s *Session) error {
+		{"release every rank", func(st *Core, s *Session) error {
 			for r := range uint32(2) {
 				if err := st.Release(s, &ipc.ReleaseReq{Owner: s.ID(), LookupID: 1, Rank: r}); err != nil {
 					return err
@@ -152,15 +152,15 @@ func TestAbortAndFreeReturnToBaseline(t *testing.T) {
 			}
 			return nil
 		}},
-		{"session close", func(st *Store, s *Session) error { st.CloseSession(s); return nil }},
+		{"session close", func(st *Core, s *Session) error { st.CloseSession(s); return nil }},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			st := newStore(t, 4, Options{})
+			st := newCore(t, 4, Options{})
 			w, s := open(t, st, 1), open(t, st, 0)
 			hs := hashes("abort", 5)
-			store(t, st, w, 1, 0, hs)
-			store(t, st, w, 2, 1, hs[:4])
+			save(t, st, w, 1, 0, hs)
+			save(t, st, w, 2, 1, hs[:4])
 			baseUsed, baseObj := used(t, st), stat(t, st, "kvshim_l1_objects{state=resident}")
 			r := lookupNow(t, st, s, 1, 2, false, hs)
 			assert.Equal(t, r.Chunks, uint32(4))
@@ -181,13 +181,13 @@ func TestAbortAndFreeReturnToBaseline(t *testing.T) {
 }
 
 func TestHoldAndStagingTTL(t *testing.T) {
-	st := newStore(t, 4, Options{}, func(c *Config) {
+	st := newCore(t, 4, Options{}, func(c *Config) {
 		c.HoldTTL = 30 * time.Millisecond
 		c.ReapInterval = 5 * time.Millisecond
 	})
 	s := open(t, st, 0)
 	hs := hashes("ttl", 3)
-	store(t, st, s, 1, 0, hs)
+	save(t, st, s, 1, 0, hs)
 	base := used(t, st)
 	r := lookupNow(t, st, s, 1, 1, false, hs)
 	assert.Equal(t, r.Chunks, uint32(3))
@@ -206,18 +206,18 @@ func TestHoldAndStagingTTL(t *testing.T) {
 // FREE while a lookup is pending: freed chunks count in the answer but
 // hold nothing, now or when the fill lands.
 func TestFreeWhilePending(t *testing.T) {
-	pf := &manualPrefetcher{}
-	st := newStore(t, 4, Options{Prefetcher: pf})
+	pf := &manualFiller{}
+	st := newCore(t, 4, Options{Filler: pf})
 	s := open(t, st, 0)
 	hs := hashes("pending-free", 3)
-	store(t, st, s, 1, 0, hs[:1])
+	save(t, st, s, 1, 0, hs[:1])
 	assert.NilError(t, st.Lookup(s, &ipc.LookupReq{LookupID: 1, Namespace: ns1, WorldSize: 1, Hashes: hs}))
 	assert.Equal(t, holds(t, st), 1.0) // chunk 0 observed in L1 = held
 	assert.NilError(t, st.Free(s, &ipc.FreeReq{LookupID: 1, Start: 0, End: 2}))
 	assert.Equal(t, holds(t, st), 0.0)
 	ft := pf.tasks[0]
 	for _, c := range []uint32{1, 2} {
-		_, _, ok, err := ft.Reserve(0, c, objSize, false)
+		_, ok, err := ft.Reserve(0, c, objSize, false)
 		assert.Assert(t, ok && err == nil)
 		assert.NilError(t, ft.Commit(0, c, true))
 	}

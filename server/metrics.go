@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
@@ -26,15 +27,15 @@ const (
 var opNames = []string{opAlloc, opCommit, opAbort, opLookup, opLookupResult, opFree,
 	opRetrieve, opRelease, opStats, opClear}
 
-// metrics is the store's Prometheus side, on a private registry so several
+// metrics is the core's Prometheus side, on a private registry so several
 // stores (tests, embedded + standalone) coexist in one process.
 type metrics struct {
 	reg     *prometheus.Registry
 	latency map[string]prometheus.Observer
-	usage   lookupUsage // lookup limits (lookup.go), guarded by Store.mu
+	usage   lookupUsage // lookup limits (lookup.go), guarded by Core.mu
 }
 
-func newMetrics(st *Store) *metrics {
+func newMetrics(core *Core) *metrics {
 	m := &metrics{reg: prometheus.NewRegistry(), latency: map[string]prometheus.Observer{},
 		usage: lookupUsage{cells: map[*Session]uint64{}}}
 	hist := prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -45,8 +46,8 @@ func newMetrics(st *Store) *metrics {
 	for _, op := range opNames {
 		m.latency[op] = hist.WithLabelValues(op)
 	}
-	st.metrics = m // registering collects a snapshot, which reads m.usage
-	m.reg.MustRegister(hist, &collector{st: st})
+	core.metrics = m // registering collects a snapshot, which reads m.usage
+	m.reg.MustRegister(hist, &collector{core: core})
 	return m
 }
 
@@ -54,22 +55,22 @@ func (m *metrics) observe(op string, start time.Time) {
 	m.latency[op].Observe(time.Since(start).Seconds())
 }
 
-// Registry is the store's private Prometheus registry.
-func (st *Store) Registry() *prometheus.Registry { return st.metrics.reg }
+// Registry is the core's private Prometheus registry.
+func (core *Core) Registry() *prometheus.Registry { return core.metrics.reg }
 
-// MetricsHandler serves the store's metrics in the Prometheus text format
+// MetricsHandler serves the core's metrics in the Prometheus text format
 // (mount it at /metrics).
-func (st *Store) MetricsHandler() http.Handler {
-	return promhttp.HandlerFor(st.metrics.reg, promhttp.HandlerOpts{Registry: st.metrics.reg})
+func (core *Core) MetricsHandler() http.Handler {
+	return promhttp.HandlerFor(core.metrics.reg, promhttp.HandlerOpts{Registry: core.metrics.reg})
 }
 
 // HealthHandler answers liveness probes (mount it at /healthz): 200 "ok"
-// while the store is open, 503 "closed" once Close has begun.
-func (st *Store) HealthHandler() http.Handler {
+// while the core is open, 503 "closed" once Close has begun.
+func (core *Core) HealthHandler() http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		st.mu.Lock()
-		closed := st.closed
-		st.mu.Unlock()
+		core.mu.Lock()
+		closed := core.closed
+		core.mu.Unlock()
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.Header().Set("Cache-Control", "no-store")
 		if closed {
@@ -81,7 +82,7 @@ func (st *Store) HealthHandler() http.Handler {
 	})
 }
 
-// metric is one number of the store's snapshot: the same value is exported
+// metric is one number of the core's snapshot: the same value is exported
 // as a Prometheus metric and as a STATS entry named Name (with the labels
 // folded in, e.g. "kvshim_l1_objects{state=resident}").
 type metric struct {
@@ -91,12 +92,12 @@ type metric struct {
 	value      float64
 }
 
-// snapshot returns every number of the store, under the lock.
-func (st *Store) snapshot() []metric {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	a := st.mem.stats()
-	c := &st.cnt
+// snapshot returns every number of the core, under the lock.
+func (core *Core) snapshot() []metric {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	a := core.l1.Stats()
+	c := &core.cnt
 	g := func(name, help string, v uint64) metric { return metric{name: name, help: help, value: float64(v)} }
 	k := func(name, help string, v uint64) metric {
 		return metric{name: name, help: help, counter: true, value: float64(v)}
@@ -105,41 +106,41 @@ func (st *Store) snapshot() []metric {
 		g("kvshim_l1_capacity_bytes", "L1 size limit.", a.Capacity),
 		g("kvshim_l1_mapped_bytes", "Bytes of L1 segments created so far.", a.Mapped),
 		g("kvshim_l1_used_bytes", "Bytes of L1 slots holding objects (4 KiB rounded); watermarks apply to it.", a.Used),
-		g("kvshim_l1_used_max_bytes", "High-water mark of kvshim_l1_used_bytes since start.", st.mem.maxUsed),
-		g("kvshim_l1_prefetch_bytes", "L1 slot bytes of prefetch staging and temporary objects (the prefetch budget counts them).", c.prefetchBytes),
+		g("kvshim_l1_used_max_bytes", "High-water mark of kvshim_l1_used_bytes since start.", a.MaxUsed),
+		g("kvshim_l1_prefetch_bytes", "L1 slot bytes of prefetch staging and temporary objects (the prefetch budget counts them).", a.PrefetchBytes),
 		g("kvshim_l1_pinned", "Holds owned by the L2 store controller (objects being written to L2).", c.pins),
 		g("kvshim_l1_slab_bytes", "Bytes of L1 carved into slabs.", a.Slab),
 		g("kvshim_l1_segments", "L1 segments.", uint64(a.Segments)),
 		g("kvshim_l1_slabs", "L1 slabs.", uint64(a.Slabs)),
 		g("kvshim_l1_size_classes", "L1 slab size classes in use.", uint64(a.Classes)),
-		g("kvshim_l1_holds", "Read holds outstanding.", c.holds),
+		g("kvshim_l1_holds", "Read holds outstanding.", a.Holds),
 		g("kvshim_lookups_live", "Lookups registered and not yet forgotten.", c.lookupsNow),
 		g("kvshim_lookups_pending", "Lookups waiting for a fill.", c.pending),
-		g("kvshim_lookup_cells", "Hold-table cells (chunks × readers) of live lookups; each session's are bounded by --max-lookup-cells-per-session.", st.metrics.usage.total),
-		g("kvshim_sessions", "Connected sessions.", uint64(len(st.sessions))),
+		g("kvshim_lookup_cells", "Hold-table cells (chunks × readers) of live lookups; each session's are bounded by --max-lookup-cells-per-session.", core.metrics.usage.total),
+		g("kvshim_sessions", "Connected sessions.", uint64(len(core.sessions))),
 		k("kvshim_lookups_total", "Lookups registered.", c.lookups),
 		k("kvshim_lookup_hit_chunks_total", "Chunks answered present on every rank.", c.hitChunks),
 		k("kvshim_lookup_missed_chunks_total", "Chunks beyond the answered prefix.", c.missedChunks),
-		k("kvshim_l1_evictions_total", "Objects evicted (LRU).", c.evictions),
-		k("kvshim_l1_evicted_bytes_total", "Bytes evicted (LRU).", c.evictedBytes),
-		k("kvshim_l1_discarded_total", "Committed copies discarded because the key was already resident.", c.discarded),
+		k("kvshim_l1_evictions_total", "Objects evicted (LRU).", a.Evictions),
+		k("kvshim_l1_evicted_bytes_total", "Bytes evicted (LRU).", a.EvictedBytes),
+		k("kvshim_l1_discarded_total", "Committed copies discarded because the key was already resident.", a.Discarded),
 		k("kvshim_l1_commits_total", "Staging objects committed.", c.commits),
 		k("kvshim_l1_aborts_total", "Staging objects aborted.", c.aborts),
 		k("kvshim_l1_ttl_reclaimed_holds_total", "Holds reclaimed by the hold TTL.", c.ttlHolds),
 		k("kvshim_l1_ttl_reclaimed_staging_total", "Staging objects reclaimed by the staging TTL.", c.ttlStaging),
 		k("kvshim_l1_cleared_objects_total", "Objects dropped by CLEAR.", c.cleared),
-		k("kvshim_l1_segment_errors_total", "Failures to obtain a new L1 segment.", c.segmentErrors),
+		k("kvshim_l1_segment_errors_total", "Failures to obtain a new L1 segment.", a.SegmentErrors),
 		k("kvshim_sessions_opened_total", "Sessions opened.", c.sessionsOpened),
 		k("kvshim_sessions_closed_total", "Sessions closed.", c.sessionsClosed),
 		{name: "kvshim_l1_fences_lifted_total", counter: true, help: "Ended sessions whose fenced staging slots were freed, by what proved the writer done.", label: "by=exit", value: float64(c.fencesExited)},
 		{name: "kvshim_l1_fences_lifted_total", counter: true, help: "Ended sessions whose fenced staging slots were freed, by what proved the writer done.", label: "by=drained", value: float64(c.fencesDrained)},
 	}
-	for s := stStaging; s < numStates; s++ {
+	for s := l1.Staging; s < l1.NumStates; s++ {
 		out = append(out,
-			metric{name: "kvshim_l1_objects", help: "L1 objects by state.", label: "state=" + stateNames[s], value: float64(c.objects[s])},
-			metric{name: "kvshim_l1_object_bytes", help: "Requested bytes of L1 objects by state.", label: "state=" + stateNames[s], value: float64(c.objBytes[s])})
+			metric{name: "kvshim_l1_objects", help: "L1 objects by state.", label: "state=" + s.String(), value: float64(a.Objects[s])},
+			metric{name: "kvshim_l1_object_bytes", help: "Requested bytes of L1 objects by state.", label: "state=" + s.String(), value: float64(a.ObjectBytes[s])})
 	}
-	for l, v := range st.metrics.usage.rejected {
+	for l, v := range core.metrics.usage.rejected {
 		out = append(out, metric{name: "kvshim_lookups_rejected_total", counter: true, label: "limit=" + lookupLimitNames[l], value: float64(v),
 			help: "LOOKUPs refused (StatusBadRequest) because the session was at a limit: lookups = --max-lookups-per-session, cells = --max-lookup-cells-per-session."})
 	}
@@ -159,13 +160,13 @@ func (st *Store) snapshot() []metric {
 }
 
 // collector exports the snapshot; one lock per scrape.
-type collector struct{ st *Store }
+type collector struct{ core *Core }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) { prometheus.DescribeByCollect(c, ch) }
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	descs := map[string]*prometheus.Desc{}
-	for _, s := range c.st.snapshot() {
+	for _, s := range c.core.snapshot() {
 		var labels []string
 		var lv []string
 		if s.label != "" {
@@ -191,15 +192,15 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 
 // stats is the snapshot plus the L2 controllers' numbers (their
 // Prometheus collectors are registered separately).
-func (st *Store) stats() []metric {
-	out := st.snapshot()
-	if st.tier != nil {
+func (core *Core) stats() []metric {
+	out := core.snapshot()
+	if core.tier != nil {
 		add := func(name, labels string, v float64, isCounter bool) {
 			out = append(out, metric{name: name, label: labels, value: v, counter: isCounter})
 		}
-		st.tier.sc.Export(add)
-		st.tier.pc.Export(add)
-		out = append(out, st.adapterStats()...)
+		core.tier.wr.Export(add)
+		core.tier.pc.Export(add)
+		out = append(out, core.adapterStats()...)
 	}
 	return out
 }
@@ -207,12 +208,12 @@ func (st *Store) stats() []metric {
 // Stats answers OpStats with the same numbers the metrics export,
 // including the L2 controllers'. Labelled metrics are named
 // "name{key=value}" ("name{k=v,k2=v2}" with two labels).
-func (st *Store) Stats(s *Session) (*ipc.StatsResp, error) {
-	defer st.metrics.observe(opStats, time.Now())
-	snap := st.stats()
-	st.mu.Lock()
-	err := st.check(s)
-	st.mu.Unlock()
+func (core *Core) Stats(s *Session) (*ipc.StatsResp, error) {
+	defer core.metrics.observe(opStats, time.Now())
+	snap := core.stats()
+	core.mu.Lock()
+	err := core.check(s)
+	core.mu.Unlock()
 	if err != nil {
 		return nil, err
 	}
@@ -229,8 +230,8 @@ func (st *Store) Stats(s *Session) (*ipc.StatsResp, error) {
 
 // Stat returns one STATS value by name (as Stats names it), for tests and
 // callers in the same process; ok is false for an unknown name.
-func (st *Store) Stat(name string) (v float64, ok bool) {
-	for _, x := range st.stats() {
+func (core *Core) Stat(name string) (v float64, ok bool) {
+	for _, x := range core.stats() {
 		n := x.name
 		if x.label != "" {
 			n += "{" + x.label + "}"

@@ -10,11 +10,11 @@ import (
 )
 
 func TestMetricsHandlerAndStatsAgree(t *testing.T) {
-	a := newStore(t, 4, Options{})
-	b := newStore(t, 4, Options{}) // a second store in one process: private registries
+	a := newCore(t, 4, Options{})
+	b := newCore(t, 4, Options{}) // a second store in one process: private registries
 	s := open(t, a, 0)
 	hs := hashes("m", 3)
-	store(t, a, s, 1, 0, hs)
+	save(t, a, s, 1, 0, hs)
 	lookupNow(t, a, s, 1, 1, false, hs)
 	srv := httptest.NewServer(a.MetricsHandler())
 	defer srv.Close()

@@ -24,17 +24,17 @@ type BuildInfo struct {
 }
 
 // MetricsServer is the HTTP listener of `kvshim serve --metrics-port` and
-// of the embedded server's kvshim.metrics_port: /metrics (the store's
+// of the embedded server's kvshim.metrics_port: /metrics (the core's
 // metrics, the Go runtime and process collectors, kvshim_build_info) and
-// /healthz (Store.HealthHandler).
+// /healthz (Core.HealthHandler).
 type MetricsServer struct {
 	hs   *http.Server
 	addr string
 	errc chan error
 }
 
-// ServeMetrics serves the store's metrics endpoint on ln until Close.
-func (st *Store) ServeMetrics(ln net.Listener, bi BuildInfo) *MetricsServer {
+// ServeMetrics serves the core's metrics endpoint on ln until Close.
+func (core *Core) ServeMetrics(ln net.Listener, bi BuildInfo) *MetricsServer {
 	proc := prometheus.NewRegistry()
 	version := bi.Version
 	if version == "" {
@@ -47,10 +47,10 @@ func (st *Store) ServeMetrics(ln net.Listener, bi BuildInfo) *MetricsServer {
 	build.Set(1)
 	proc.MustRegister(build, collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	g := prometheus.Gatherers{st.metrics.reg, proc}
+	g := prometheus.Gatherers{core.metrics.reg, proc}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{Registry: proc}))
-	mux.Handle("/healthz", st.HealthHandler())
+	mux.Handle("/healthz", core.HealthHandler())
 	m := &MetricsServer{hs: &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second},
 		addr: ln.Addr().String(), errc: make(chan error, 1)}
 	go func() {
@@ -97,8 +97,8 @@ var statQuantiles = []float64{0.5, 0.99}
 // as they are, the latency histogram as _count, _sum and
 // {quantile=0.5|0.99} estimates (linear within the bucket). Labels are
 // "k=v" joined by ",", in the registry's (sorted) order.
-func (st *Store) adapterStats() []metric {
-	fams, err := st.metrics.reg.Gather()
+func (core *Core) adapterStats() []metric {
+	fams, err := core.metrics.reg.Gather()
 	if err != nil && len(fams) == 0 {
 		return nil
 	}

@@ -95,9 +95,9 @@ func TestModelRandomized(t *testing.T) {
 func runModel(t *testing.T, seed uint64, steps int, collide bool) {
 	const nSess, nHash, maxRank = 3, 12, 3
 	rng := rand.New(rand.NewPCG(seed, 0x6b7673))
-	st := newStore(t, 8, Options{}, func(c *Config) { c.HighWatermark, c.LowWatermark = 1, 0.9 })
+	st := newCore(t, 8, Options{}, func(c *Config) { c.HighWatermark, c.LowWatermark = 1, 0.9 })
 	if collide {
-		st.keyMask = 1
+		st.l1.NarrowKeys(1)
 	}
 	pool := hashes(fmt.Sprint("model", seed), nHash)
 	sess := make([]*Session, nSess)
@@ -154,7 +154,7 @@ func runModel(t *testing.T, seed uint64, steps int, collide bool) {
 				resp, err = st.Abort(s, req)
 			}
 			assert.NilError(t, err, where())
-			// The store handles a batch last key first; so does the model.
+			// The core handles a batch last key first; so does the model.
 			for i := len(cs) - 1; i >= 0; i-- {
 				sk := mStage{tag, mKey{rank, cs[i]}}
 				e, ok := m.staging[sk]

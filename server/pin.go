@@ -7,80 +7,77 @@ import (
 	"github.com/kvshim/kvshim/server/tier"
 )
 
-// Pins are read holds owned by an in-process component (the L2 store
-// controller) instead of a lookup: a pinned object is never evicted or
+// The core is the L1 that the L2 controllers unpin and budget against.
+var _ tier.L1 = (*Core)(nil)
+
+// Pins are read holds owned by an in-process component (the L2 writer)
+// instead of a lookup: a pinned object is never evicted or
 // cleared and its bytes stay valid until Unpin. With Options.OnCommit set,
 // COMMIT pins every object it publishes and hands the pins over.
 
-// unfill ends object i's prefetch accounting (it is freed or resident).
-func (st *Store) unfill(i uint32) {
-	o := st.objs.get(i)
-	if o.fill {
-		o.fill = false
-		st.cnt.prefetchBytes -= roundPage(o.size)
-	}
-}
-
 // pinLocked adds a pin to resident object i and describes it.
-func (st *Store) pinLocked(i uint32) tier.Object {
-	st.hold(i, 1)
-	st.cnt.pins++
-	if st.pinned == nil {
-		st.pinned = map[uint32]uint32{}
+func (core *Core) pinLocked(i uint32) tier.Object {
+	core.l1.Hold(i, 1)
+	core.cnt.pins++
+	if core.pinned == nil {
+		core.pinned = map[uint32]uint32{}
 	}
-	st.pinned[i]++
-	o := st.objs.get(i)
-	return tier.Object{Key: tier.Key(st.shards[o.shard].ns, o.rank, o.hash),
-		Mem: st.mem.bytes(o.slab, o.slot, o.size), Ref: uint64(i)}
+	core.pinned[i]++
+	o := core.l1.Get(i)
+	return tier.Object{Key: tier.Key(o.Namespace, o.Rank, o.Hash), Mem: core.l1.Bytes(i), Ref: uint64(i)}
 }
 
 // Pin pins the resident object (ns, rank, h) and returns it; ok is false
 // when it is not resident.
-func (st *Store) Pin(ns ipc.Namespace, rank uint32, h ipc.Hash) (o tier.Object, ok bool) {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if st.closed {
+func (core *Core) Pin(ns ipc.Namespace, rank uint32, h ipc.Hash) (o tier.Object, ok bool) {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if core.closed {
 		return o, false
 	}
-	sh, found := st.shardOf(ns, false)
+	sh, found := core.l1.Shard(ns, false)
 	if !found {
 		return o, false
 	}
-	i, res := st.find(&st.shards[sh], &h, rank)
+	i, res := core.l1.Find(sh, &h, rank)
 	if !res {
 		return o, false
 	}
-	return st.pinLocked(i), true
+	return core.pinLocked(i), true
 }
 
 // Unpin drops pins taken by Pin or handed over by OnCommit. Each pin must
 // be dropped exactly once; after Close it does nothing.
-func (st *Store) Unpin(objs []tier.Object) {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if st.closed {
+func (core *Core) Unpin(objs []tier.Object) {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if core.closed {
 		return
 	}
 	for _, p := range objs {
 		i := uint32(p.Ref)
-		o := st.objs.get(i)
-		if st.pinned[i] == 0 || o.rank != p.Key.Rank || o.hash != p.Key.Hash {
+		if core.pinned[i] == 0 {
 			// A caller bug; refusing keeps the hold counts consistent.
 			slog.Error("server: Unpin of an object that is not pinned", "key", p.Key)
 			continue
 		}
-		if st.pinned[i]--; st.pinned[i] == 0 {
-			delete(st.pinned, i)
+		if o := core.l1.Get(i); o.Rank != p.Key.Rank || o.Hash != p.Key.Hash {
+			// A caller bug; refusing keeps the hold counts consistent.
+			slog.Error("server: Unpin of an object that is not pinned", "key", p.Key)
+			continue
 		}
-		st.unhold(i)
-		st.cnt.pins--
+		if core.pinned[i]--; core.pinned[i] == 0 {
+			delete(core.pinned, i)
+		}
+		core.l1.Unhold(i)
+		core.cnt.pins--
 	}
 }
 
 // PrefetchBytes is the L1 slot bytes of prefetch staging and temporary
 // objects (the prefetch admission budget counts them).
-func (st *Store) PrefetchBytes() uint64 {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	return st.cnt.prefetchBytes
+func (core *Core) PrefetchBytes() uint64 {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	return core.l1.PrefetchBytes()
 }

@@ -10,10 +10,10 @@ import (
 )
 
 func TestPinSurvivesClearAndEviction(t *testing.T) {
-	st := newStore(t, 1, Options{}) // 128 objects of 8 KiB
+	st := newCore(t, 1, Options{}) // 128 objects of 8 KiB
 	s := open(t, st, 0)
 	hs := hashes("pin", 2)
-	store(t, st, s, 1, 0, hs)
+	save(t, st, s, 1, 0, hs)
 	p, ok := st.Pin(ns1, 0, hs[0])
 	assert.Assert(t, ok)
 	assert.Equal(t, len(p.Mem), objSize)
@@ -23,7 +23,7 @@ func TestPinSurvivesClearAndEviction(t *testing.T) {
 	c, err := st.Clear(s)
 	assert.NilError(t, err)
 	assert.Equal(t, c.Objects, uint64(1)) // hs[1] went, the pinned one stayed
-	store(t, st, s, 2, 0, hashes("fill L1", 200))
+	save(t, st, s, 2, 0, hashes("fill L1", 200))
 	assert.Assert(t, stat(t, st, "kvshim_l1_evictions_total") > 0)
 	r := lookupNow(t, st, s, 1, 1, false, hs[:1]) // a lookup holds it too
 	assert.Equal(t, r.Chunks, uint32(1))
@@ -42,16 +42,16 @@ func TestPinSurvivesClearAndEviction(t *testing.T) {
 
 func TestOnCommitPinsPublished(t *testing.T) {
 	var got []tier.Object
-	var st *Store
-	st = newStore(t, 1, Options{OnCommit: func(objs []tier.Object) {
+	var st *Core
+	st = newCore(t, 1, Options{OnCommit: func(objs []tier.Object) {
 		got = append(got, objs...)
 		_, err := st.Stats(nil) // outside the lock: calling back works
 		assert.Assert(t, errors.Is(err, ErrSessionClosed))
 	}})
 	s := open(t, st, 0)
 	hs := hashes("commit", 3)
-	store(t, st, s, 1, 0, hs)
-	store(t, st, s, 2, 0, hs) // already resident: nothing new
+	save(t, st, s, 1, 0, hs)
+	save(t, st, s, 2, 0, hs) // already resident: nothing new
 	assert.Equal(t, len(got), 3)
 	assert.Equal(t, stat(t, st, "kvshim_l1_pinned"), 3.0)
 	st.Unpin(got)
@@ -62,18 +62,18 @@ func TestOnCommitPinsPublished(t *testing.T) {
 // Answer makes a pending lookup final while reservations stay; a later
 // Commit frees its object instead of publishing it, Done frees the rest.
 func TestFillAnswerKeepsReservations(t *testing.T) {
-	pf := &manualPrefetcher{}
-	st := newStore(t, 4, Options{Prefetcher: pf})
+	pf := &manualFiller{}
+	st := newCore(t, 4, Options{Filler: pf})
 	s := open(t, st, 0)
 	hs := hashes("answer", 3)
-	store(t, st, s, 1, 0, hs[:1])
+	save(t, st, s, 1, 0, hs[:1])
 	assert.NilError(t, st.Lookup(s, &ipc.LookupReq{LookupID: 1, Namespace: ns1, WorldSize: 2, Hashes: hs}))
 	ft := pf.tasks[0]
 	assert.Equal(t, ft.Start, uint32(0)) // rank 1 lacks chunk 0
 	assert.DeepEqual(t, ft.Resident(), []bool{true, false, false, false, false, false})
 	assert.Equal(t, ft.SizeHint(), uint64(0)) // nothing held yet
 	for c := range uint32(2) {
-		_, _, ok, err := ft.Reserve(1, c, objSize, true)
+		_, ok, err := ft.Reserve(1, c, objSize, true)
 		assert.Assert(t, ok && err == nil)
 	}
 	assert.Equal(t, stat(t, st, "kvshim_l1_prefetch_bytes"), 2.0*objSize)
@@ -82,7 +82,7 @@ func TestFillAnswerKeepsReservations(t *testing.T) {
 	r, err := st.LookupResult(s, &ipc.LookupResultReq{LookupID: 1})
 	assert.NilError(t, err)
 	assert.DeepEqual(t, *r, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 1})
-	_, _, _, err = ft.Reserve(1, 2, objSize, true)
+	_, _, err = ft.Reserve(1, 2, objSize, true)
 	assert.Assert(t, errors.Is(err, ErrFill))
 	assert.Equal(t, stat(t, st, "kvshim_l1_objects{state=staging}"), 1.0) // chunk 1 still loading
 	assert.NilError(t, ft.Commit(1, 1, true))                             // arrives late: freed

@@ -8,6 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
 )
 
 // The cost of L1 prepared ahead of use. Run with a small -benchtime (each
@@ -33,9 +34,9 @@ func BenchmarkPrefaultStartup(b *testing.B) {
 			b.Fatal(err)
 		}
 		for {
-			srv.Store.mu.Lock()
-			n, _ := srv.Store.mem.ahead.readyNow()
-			srv.Store.mu.Unlock()
+			srv.Core.mu.Lock()
+			_, _, n, _ := srv.Core.l1.Growth()
+			srv.Core.mu.Unlock()
 			if n == 4 {
 				break
 			}
@@ -66,7 +67,7 @@ func BenchmarkFaultInMethods(b *testing.B) {
 		{"populate_write", func(seg *ipc.Segment) error { return unix.Madvise(seg.Mem(), unix.MADV_POPULATE_WRITE) }},
 		{"touch", func(seg *ipc.Segment) error {
 			mem := seg.Mem()
-			for off := 0; off < len(mem); off += pageSize {
+			for off := 0; off < len(mem); off += l1.PageSize {
 				mem[off] = 0
 			}
 			return nil

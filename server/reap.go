@@ -5,43 +5,43 @@ import "time"
 // reaper reclaims, every ReapInterval, the holds of lookups older than
 // HoldTTL and the staging objects older than StagingTTL: the last resort
 // for a live client that forgets to FREE, RELEASE, COMMIT or ABORT.
-func (st *Store) reaper() {
-	defer close(st.done)
-	tick := time.NewTicker(st.cfg.ReapInterval)
+func (core *Core) reaper() {
+	defer close(core.done)
+	tick := time.NewTicker(core.cfg.ReapInterval)
 	defer tick.Stop()
 	for {
 		select {
-		case <-st.stop:
+		case <-core.stop:
 			return
 		case <-tick.C:
-			st.reap()
+			core.reap()
 		}
 	}
 }
 
 // reap runs one reclaim pass.
-func (st *Store) reap() {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if st.closed {
+func (core *Core) reap() {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if core.closed {
 		return
 	}
-	now := st.now().UnixNano()
-	holdBefore := now - int64(st.cfg.HoldTTL)
-	for _, s := range st.sessions {
+	now := core.now().UnixNano()
+	holdBefore := now - int64(core.cfg.HoldTTL)
+	for _, s := range core.sessions {
 		for _, lk := range s.lookups {
 			if lk.since < holdBefore {
-				st.cnt.ttlHolds += lk.holds
-				st.dropLookup(lk)
+				core.cnt.ttlHolds += lk.holds
+				core.dropLookup(lk)
 			}
 		}
 	}
-	stageBefore := now - int64(st.cfg.StagingTTL)
-	for k, e := range st.staging {
+	stageBefore := now - int64(core.cfg.StagingTTL)
+	for k, e := range core.staging {
 		if e.since < stageBefore {
-			delete(st.staging, k)
-			st.releaseStaging(e.owner, e.idx)
-			st.cnt.ttlStaging++
+			delete(core.staging, k)
+			core.releaseStaging(e.owner, e.idx)
+			core.cnt.ttlStaging++
 		}
 	}
 }

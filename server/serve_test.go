@@ -93,22 +93,26 @@ func TestServeEndToEnd(t *testing.T) {
 	assert.NilError(t, err)
 	_, err = w2.Alloc(ctx, &ipc.AllocReq{Tag: tag, Namespace: ns1, Hashes: hashes("dies", 4), Sizes: sizes(4)})
 	assert.NilError(t, err)
-	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_objects{state=staging}"), 4.0)
+	assert.Equal(t, stat(t, srv.Core, "kvshim_l1_objects{state=staging}"), 4.0)
 	w2.Close()
 	<-w2.Freed()
 	deadline := time.Now().Add(10 * time.Second)
-	for stat(t, srv.Store, "kvshim_l1_objects{state=staging}") != 0 {
+	for stat(t, srv.Core, "kvshim_l1_objects{state=staging}") != 0 {
 		assert.Assert(t, time.Now().Before(deadline), "staging of a closed session still staging")
 		time.Sleep(10 * time.Millisecond)
 	}
-	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_objects{state=fenced}"), 4.0)
-	assert.Equal(t, used(t, srv.Store), 7.0*objSize)
+	assert.Equal(t, stat(t, srv.Core, "kvshim_l1_objects{state=fenced}"), 4.0)
+	assert.Equal(t, used(t, srv.Core), 7.0*objSize)
 	hello.Flags = ipc.HelloDrained
 	w3, err := ipc.Dial(path, hello, 5*time.Second)
 	assert.NilError(t, err)
 	defer w3.Close()
-	assert.Equal(t, stat(t, srv.Store, "kvshim_l1_objects{state=fenced}"), 0.0)
-	assert.Equal(t, used(t, srv.Store), 3.0*objSize)
+	// The hello is answered before the server's session goroutine opens
+	// the session (and lifts the fence): wait for it.
+	eventually(t, "the drained hello lifting the fence", func() bool {
+		return stat(t, srv.Core, "kvshim_l1_objects{state=fenced}") == 0
+	})
+	assert.Equal(t, used(t, srv.Core), 3.0*objSize)
 	c, err := sched.Clear(ctx)
 	assert.NilError(t, err)
 	assert.Equal(t, c.Objects, uint64(3))

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/tier"
 	"github.com/kvshim/kvshim/trace"
@@ -16,14 +17,14 @@ import (
 // columns). Every hook is one call from the code it observes and costs one
 // atomic load and a branch when tracing is off.
 
-// traceSink is the Store's trace writer (nil: off).
+// traceSink is the Core's trace writer (nil: off).
 type traceSink struct{ w atomic.Pointer[trace.Writer] }
 
-// SetTrace makes the store write lifecycle records to w (nil: stop). The
-// caller closes w after the store.
-func (st *Store) SetTrace(w *trace.Writer) { st.trace.w.Store(w) }
+// SetTrace makes the core write lifecycle records to w (nil: stop). The
+// caller closes w after the core.
+func (core *Core) SetTrace(w *trace.Writer) { core.trace.w.Store(w) }
 
-func (st *Store) tracer() *trace.Writer { return st.trace.w.Load() }
+func (core *Core) tracer() *trace.Writer { return core.trace.w.Load() }
 
 func hexTag(t ipc.Tag) string      { return hex.EncodeToString(t[:]) }
 func hexNS(n ipc.Namespace) string { return hex.EncodeToString(n[:]) }
@@ -34,25 +35,22 @@ func lookupRecord(k trace.Kind, ev string, lk *lookup) trace.Record {
 
 // traceRegistered: the ack of a LOOKUP, with the per-chunk fold across
 // ranks (mu held), then "final" or "pending".
-func (st *Store) traceRegistered(lk *lookup, p uint32) {
-	w := st.tracer()
+func (core *Core) traceRegistered(lk *lookup, p uint32) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
-	var sh *shard
-	if i, ok := st.shardOf(lk.ns, false); ok {
-		sh = &st.shards[i]
-	}
+	sh, _ := core.l1.Shard(lk.ns, false)
 	n := len(lk.hashes)
 	found := make([]uint32, lk.ranks())
-	l1 := make([]bool, n)
+	inL1 := make([]bool, n)
 	stop, stopRank := int32(-1), int32(-1)
 	for c := range n {
-		st.findRanks(sh, &lk.hashes[c], found)
-		l1[c] = true
+		core.l1.FindRanks(sh, &lk.hashes[c], found)
+		inL1[c] = true
 		for r, i := range found {
-			if i == nilIdx {
-				l1[c] = false
+			if i == l1.Nil {
+				inL1[c] = false
 				if stop < 0 {
 					stop, stopRank = int32(c), int32(r)
 				}
@@ -61,8 +59,8 @@ func (st *Store) traceRegistered(lk *lookup, p uint32) {
 		}
 	}
 	r := lookupRecord(trace.KindLookup, "registered", lk)
-	r.L1 = trace.Bitmap(n, func(i int) bool { return l1[i] })
-	r.Missing = trace.Bitmap(n, func(i int) bool { return !l1[i] })
+	r.L1 = trace.Bitmap(n, func(i int) bool { return inL1[i] })
+	r.Missing = trace.Bitmap(n, func(i int) bool { return !inL1[i] })
 	r.Matched, r.Chunk, r.StopRank = p, stop, stopRank
 	w.Emit(r)
 	if lk.state == lkPending {
@@ -72,12 +70,12 @@ func (st *Store) traceRegistered(lk *lookup, p uint32) {
 		w.Emit(r)
 		return
 	}
-	st.traceFinal(lk)
+	core.traceFinal(lk)
 }
 
 // traceFinal: a lookup's answer and why it stopped (mu held).
-func (st *Store) traceFinal(lk *lookup) {
-	w := st.tracer()
+func (core *Core) traceFinal(lk *lookup) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
@@ -106,14 +104,11 @@ func (st *Store) traceFinal(lk *lookup) {
 		r.Result = "full"
 	} else {
 		r.Result, r.Chunk = "missing", int32(lk.chunks)
-		var sh *shard
-		if i, ok := st.shardOf(lk.ns, false); ok {
-			sh = &st.shards[i]
-		}
+		sh, _ := core.l1.Shard(lk.ns, false)
 		found := make([]uint32, lk.ranks())
-		st.findRanks(sh, &lk.hashes[lk.chunks], found)
+		core.l1.FindRanks(sh, &lk.hashes[lk.chunks], found)
 		for rk, i := range found {
-			if i == nilIdx {
+			if i == l1.Nil {
 				r.StopRank = int32(rk)
 				break
 			}
@@ -124,8 +119,8 @@ func (st *Store) traceFinal(lk *lookup) {
 }
 
 // traceConsumed: the scheduler read the answer (mu held).
-func (st *Store) traceConsumed(lk *lookup) {
-	if w := st.tracer(); w != nil {
+func (core *Core) traceConsumed(lk *lookup) {
+	if w := core.tracer(); w != nil {
 		r := lookupRecord(trace.KindLookup, "consumed", lk)
 		r.Matched = lk.chunks
 		w.Emit(r)
@@ -136,8 +131,8 @@ var lookupStates = [...]string{lkPending: "pending", lkFinal: "final", lkConsume
 
 // traceFree: FREE of chunks [start, end): the holds it is about to release
 // were never loaded (mu held; called before the release).
-func (st *Store) traceFree(lk *lookup, start, end uint32) {
-	w := st.tracer()
+func (core *Core) traceFree(lk *lookup, start, end uint32) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
@@ -145,7 +140,7 @@ func (st *Store) traceFree(lk *lookup, start, end uint32) {
 	r.Start, r.End = start, end
 	for _, row := range lk.held {
 		for c := start; c < min(end, uint32(len(row))); c++ {
-			if row[c] != nilIdx {
+			if row[c] != l1.Nil {
 				r.Matched++
 			}
 		}
@@ -157,8 +152,8 @@ func (st *Store) traceFree(lk *lookup, start, end uint32) {
 // traceDrop: a lookup forgotten with holds or a fill outstanding (session
 // end, hold TTL, close); a lookup that ends normally (answer read, nothing
 // held) has no drop record (mu held; called before the release).
-func (st *Store) traceDrop(lk *lookup) {
-	w := st.tracer()
+func (core *Core) traceDrop(lk *lookup) {
+	w := core.tracer()
 	if w == nil || (lk.holds == 0 && lk.state != lkPending) {
 		return
 	}
@@ -170,8 +165,8 @@ func (st *Store) traceDrop(lk *lookup) {
 }
 
 // traceCommit: the objects a COMMIT published (L1 readable).
-func (st *Store) traceCommit(s *Session, req *ipc.CommitReq, resp *ipc.CommitResp, err error) {
-	w := st.tracer()
+func (core *Core) traceCommit(s *Session, req *ipc.CommitReq, resp *ipc.CommitResp, err error) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
@@ -194,29 +189,20 @@ func (st *Store) traceCommit(s *Session, req *ipc.CommitReq, resp *ipc.CommitRes
 	w.Emit(r)
 }
 
-// traceEvict: an object evicted from L1 (mu held).
-func (st *Store) traceEvict(i uint32) {
-	w := st.tracer()
+// traceEvict: an object evicted from L1 (l1.Config.OnEvict; mu held).
+func (core *Core) traceEvict(ns ipc.Namespace, rank uint32, size uint64) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
-	o := st.objs.get(i)
-	r := trace.Record{Kind: trace.KindEvict, Event: "evict", Rank: int32(o.rank), Chunks: 1, Bytes: o.size, Reason: "lru watermark", Chunk: -1}
-	if int(o.shard) < len(st.shards) {
-		for ns, idx := range st.shardIdx {
-			if idx == o.shard {
-				r.Namespace = hexNS(ns)
-				break
-			}
-		}
-	}
-	w.Emit(r)
+	w.Emit(trace.Record{Kind: trace.KindEvict, Event: "evict", Namespace: hexNS(ns), Rank: int32(rank), Chunks: 1, Bytes: size,
+		Reason: "lru watermark", Chunk: -1})
 }
 
 // TraceL2Saved (tier.L2Tracer): an L2 write ended (the seed's third
 // "done" of a save: L2 saved).
-func (st *Store) TraceL2Saved(adapter string, key l2.Key, bytes int, err error) {
-	w := st.tracer()
+func (core *Core) TraceL2Saved(adapter string, key l2.Key, bytes int, err error) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
@@ -230,35 +216,35 @@ func (st *Store) TraceL2Saved(adapter string, key l2.Key, bytes int, err error) 
 
 // traceRelease: a worker's RELEASE of its rank's holds after its copies
 // (mu held; called before the release).
-func (st *Store) traceRelease(lk *lookup, rank uint32) {
-	w := st.tracer()
+func (core *Core) traceRelease(lk *lookup, rank uint32) {
+	w := core.tracer()
 	if w == nil {
 		return
 	}
 	r := lookupRecord(trace.KindHold, "released", lk)
 	r.Rank = int32(rank)
 	for _, i := range lk.held[rank] {
-		if i != nilIdx {
+		if i != l1.Nil {
 			r.Matched++
 		}
 	}
 	w.Emit(r)
 }
 
-// traceAdmission records the L2 prefetch's admission decision for t's
-// lookup (fill records, event admission; see trace/doc.go).
-func (t *FillTask) traceAdmission(a tier.Admission) {
-	st := t.st
-	w := st.tracer()
+// TraceAdmission records the L2 prefetch's admission decision for t's
+// lookup (fill records, event admission; see trace/doc.go; tier.Fill).
+func (t *FillTask) TraceAdmission(a tier.Admission) {
+	core := t.core
+	w := core.tracer()
 	if w == nil {
 		return
 	}
-	st.mu.Lock()
+	core.mu.Lock()
 	rec := trace.Record{Kind: trace.KindFill, Namespace: hexNS(t.Namespace), Rank: -1, Chunk: -1, StopRank: -1}
 	if t.lk != nil {
 		rec = lookupRecord(trace.KindFill, "", t.lk)
 	}
-	st.mu.Unlock()
+	core.mu.Unlock()
 	rec.Event, rec.Start, rec.Chunks, rec.Matched = "admission", t.Start, uint32(a.Cells), uint32(a.Staged)
 	rec.Bytes, rec.Result = a.Bytes, a.Result
 	if a.Waited > 0 {

@@ -15,8 +15,8 @@ import (
 // unheld resident object; every later new key of the batch gets NoSpace
 // too, since a chunk after a gap is useless to a prefix lookup). A malformed
 // request changes nothing and fails with ErrBadRequest.
-func (st *Store) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
-	defer st.metrics.observe(opAlloc, time.Now())
+func (core *Core) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
+	defer core.metrics.observe(opAlloc, time.Now())
 	n := len(req.Hashes)
 	if n != len(req.Sizes) {
 		return nil, fmt.Errorf("%w: alloc: %d hashes, %d sizes", ErrBadRequest, n, len(req.Sizes))
@@ -24,49 +24,48 @@ func (st *Store) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
 	if n > ipc.MaxKeys {
 		return nil, fmt.Errorf("%w: alloc: %d keys > %d", ErrBadRequest, n, ipc.MaxKeys)
 	}
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if err := st.check(s); err != nil {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if err := core.check(s); err != nil {
 		return nil, err
 	}
-	maxObj := st.mem.maxObject()
+	maxObj := core.l1.MaxObject()
 	for i, sz := range req.Sizes {
 		if sz == 0 || sz > maxObj {
 			return nil, fmt.Errorf("%w: alloc: key %d: size %d not in [1, %d]", ErrBadRequest, i, sz, maxObj)
 		}
 	}
 	resp := &ipc.AllocResp{Status: make([]ipc.Status, n), Locs: make([]ipc.Loc, n)}
-	sh, _ := st.shardOf(req.Namespace, true)
-	table := &st.shards[sh]
-	now := st.now().UnixNano()
+	sh, _ := core.l1.Shard(req.Namespace, true)
+	now := core.now().UnixNano()
 	full := false
 	for i, h := range req.Hashes {
-		if _, ok := st.find(table, &h, req.Rank); ok {
+		if _, ok := core.l1.Find(sh, &h, req.Rank); ok {
 			resp.Status[i] = ipc.StatusResident
-			st.cnt.allocResident++
+			core.cnt.allocResident++
 			continue
 		}
 		k := stageKey{shard: sh, rank: req.Rank, hash: h, tag: req.Tag}
-		if _, ok := st.staging[k]; ok {
+		if _, ok := core.staging[k]; ok {
 			resp.Status[i] = ipc.StatusInProgress
-			st.cnt.allocInProgress++
+			core.cnt.allocInProgress++
 			continue
 		}
 		var idx uint32
 		if !full {
-			idx, full = st.newObject(sh, req.Rank, h, req.Sizes[i], stStaging)
+			idx, full = core.l1.Reserve(sh, req.Rank, &h, req.Sizes[i], false)
 			full = !full
 		}
 		if full {
 			resp.Status[i] = ipc.StatusNoSpace
-			st.cnt.allocNoSpace++
+			core.cnt.allocNoSpace++
 			continue
 		}
-		st.staging[k] = stageEntry{idx: idx, owner: s, since: now}
-		resp.Locs[i] = st.loc(idx)
-		st.cnt.allocOK++
+		core.staging[k] = stageEntry{idx: idx, owner: s, since: now}
+		resp.Locs[i] = core.l1.Loc(idx)
+		core.cnt.allocOK++
 	}
-	st.maybeEvict()
+	core.l1.MaybeEvict()
 	return resp, nil
 }
 
@@ -74,76 +73,75 @@ func (st *Store) Alloc(s *Session, req *ipc.AllocReq) (*ipc.AllocResp, error) {
 // publisher of a key makes it resident; a later publisher's copy is
 // discarded and its space freed (StatusOK either way: the data is in L1).
 // A key this session's writer tag does not stage is StatusNotFound.
-func (st *Store) Commit(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
-	defer st.metrics.observe(opCommit, time.Now())
-	resp, pins, err := st.finishWrite(s, req, true)
-	st.traceCommit(s, req, resp, err)
+func (core *Core) Commit(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
+	defer core.metrics.observe(opCommit, time.Now())
+	resp, pins, err := core.finishWrite(s, req, true)
+	core.traceCommit(s, req, resp, err)
 	if len(pins) > 0 {
-		st.onCommit(pins) // outside the lock
+		core.onCommit(pins) // outside the lock
 	}
 	return resp, err
 }
 
 // Abort drops a writer's staging objects and frees their space (OpAbort).
-func (st *Store) Abort(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
-	defer st.metrics.observe(opAbort, time.Now())
-	resp, _, err := st.finishWrite(s, req, false)
+func (core *Core) Abort(s *Session, req *ipc.CommitReq) (*ipc.CommitResp, error) {
+	defer core.metrics.observe(opAbort, time.Now())
+	resp, _, err := core.finishWrite(s, req, false)
 	return resp, err
 }
 
 // finishWrite publishes or drops; with OnCommit set, every object it
 // publishes is pinned and returned for the hook.
-func (st *Store) finishWrite(s *Session, req *ipc.CommitReq, publish bool) (*ipc.CommitResp, []tier.Object, error) {
+func (core *Core) finishWrite(s *Session, req *ipc.CommitReq, publish bool) (*ipc.CommitResp, []tier.Object, error) {
 	n := len(req.Hashes)
 	if n > ipc.MaxKeys {
 		return nil, nil, fmt.Errorf("%w: commit: %d keys > %d", ErrBadRequest, n, ipc.MaxKeys)
 	}
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if err := st.check(s); err != nil {
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if err := core.check(s); err != nil {
 		return nil, nil, err
 	}
 	var pins []tier.Object
 	resp := &ipc.CommitResp{Status: make([]ipc.Status, n)}
-	sh, ok := st.shardOf(req.Namespace, false)
+	sh, ok := core.l1.Shard(req.Namespace, false)
 	if !ok {
 		for i := range resp.Status {
 			resp.Status[i] = ipc.StatusNotFound
 		}
 		return resp, nil, nil
 	}
-	table := &st.shards[sh]
 	// Publish in reverse so the batch's first chunk ends up most recently
 	// used: eviction then takes a prefix's tail before its head.
 	for i := n - 1; i >= 0; i-- {
 		k := stageKey{shard: sh, rank: req.Rank, hash: req.Hashes[i], tag: req.Tag}
-		e, ok := st.staging[k]
+		e, ok := core.staging[k]
 		if !ok || e.owner != s {
 			resp.Status[i] = ipc.StatusNotFound
 			continue
 		}
-		delete(st.staging, k)
+		delete(core.staging, k)
 		if !publish {
-			st.freeObject(e.idx)
-			st.cnt.aborts++
+			core.l1.Free(e.idx)
+			core.cnt.aborts++
 			continue
 		}
-		st.cnt.commits++
-		if _, dup := st.find(table, &k.hash, k.rank); dup {
-			st.cnt.discarded++
-			st.cnt.discardedBytes += st.objs.get(e.idx).size
-			st.freeObject(e.idx)
+		core.cnt.commits++
+		published, err := core.l1.Publish(e.idx)
+		if err != nil {
+			// Staging objects are always staging: a bug. Keep the slot.
+			resp.Status[i] = ipc.StatusInternal
 			continue
 		}
-		st.setState(e.idx, stResident)
-		st.insert(e.idx)
-		st.lru.pushHead(&st.objs, e.idx)
-		if st.onCommit != nil {
-			pins = append(pins, st.pinLocked(e.idx))
+		if !published { // a copy already resident: discarded
+			continue
+		}
+		if core.onCommit != nil {
+			pins = append(pins, core.pinLocked(e.idx))
 		}
 	}
 	if publish {
-		st.maybeEvict()
+		core.l1.MaybeEvict()
 	}
 	return resp, pins, nil
 }

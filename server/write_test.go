@@ -10,7 +10,7 @@ import (
 )
 
 func TestTwoWritersOneResident(t *testing.T) {
-	st := newStore(t, 4, Options{})
+	st := newCore(t, 4, Options{})
 	a, b := open(t, st, 0), open(t, st, 1)
 	h := hashes("dup", 1)
 	req := func(tag byte) *ipc.AllocReq {
@@ -55,7 +55,7 @@ func TestTwoWritersOneResident(t *testing.T) {
 }
 
 func TestSessionClosedMidAlloc(t *testing.T) {
-	st := newStore(t, 4, Options{})
+	st := newCore(t, 4, Options{})
 	w := open(t, st, 0)
 	hs := hashes("mid", 6)
 	_, err := st.Alloc(w, &ipc.AllocReq{Tag: ipc.Tag{1}, Namespace: ns1, Hashes: hs, Sizes: sizes(6)})
@@ -70,13 +70,13 @@ func TestSessionClosedMidAlloc(t *testing.T) {
 	// The same instance id may reconnect, and the tag is free again.
 	w2, err := st.OpenSession(w.ID())
 	assert.NilError(t, err)
-	assert.Equal(t, store(t, st, w2, 1, 0, hs)[0], ipc.StatusOK)
+	assert.Equal(t, save(t, st, w2, 1, 0, hs)[0], ipc.StatusOK)
 	_, err = st.OpenSession(w.ID())
 	assert.Assert(t, errors.Is(err, ErrDuplicateSession))
 }
 
 func TestBadRequests(t *testing.T) {
-	st := newStore(t, 1, Options{})
+	st := newCore(t, 1, Options{})
 	s := open(t, st, 0)
 	h := hashes("x", 2)
 	cases := []struct {

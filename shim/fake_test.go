@@ -73,7 +73,7 @@ func fakeDriver(t *testing.T) *fakecuda.Driver {
 
 func holds(t *testing.T, srv *server.Server) float64 {
 	t.Helper()
-	mfs, err := srv.Store.Registry().Gather()
+	mfs, err := srv.Core.Registry().Gather()
 	assert.NilError(t, err)
 	for _, mf := range mfs {
 		if mf.GetName() == "kvshim_l1_holds" {

@@ -2,7 +2,6 @@ package shim
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 )
 
@@ -43,9 +42,6 @@ type GroupSpec struct {
 	// Window is the sliding window (tokens) or the attention chunk size.
 	Window int `json:"window,omitempty"`
 }
-
-// ErrBadGroups: the layout names KV-cache groups kvshim cannot use.
-var ErrBadGroups = errors.New("shim: bad KV-cache groups")
 
 // Windowed says whether the group frees blocks behind a window.
 func (g GroupSpec) Windowed() bool { return g.Kind != GroupFull }
@@ -88,7 +84,8 @@ type layoutGroups struct {
 }
 
 // Groups are the KV-cache groups of the namespace, in vLLM's group order:
-// those the layout string lists, or one full-attention group.
+// those the layout string lists, or one full-attention group. A group
+// kvshim cannot use is ErrBadNamespaceSpec (the groups are part of it).
 func (s NamespaceSpec) Groups() ([]GroupSpec, error) {
 	var lg layoutGroups
 	if err := json.Unmarshal([]byte(s.LayoutFingerprint), &lg); err != nil || len(lg.Groups) == 0 {
@@ -99,14 +96,14 @@ func (s NamespaceSpec) Groups() ([]GroupSpec, error) {
 		case g.Kind == GroupFull:
 		case g.Kind == GroupSlidingWindow || g.Kind == GroupChunkedLocal:
 			if g.Window <= 0 {
-				return nil, fmt.Errorf("%w: group %d (%s): window %d", ErrBadGroups, i, g.Kind, g.Window)
+				return nil, fmt.Errorf("%w: group %d (%s): window %d", ErrBadNamespaceSpec, i, g.Kind, g.Window)
 			}
 		default:
-			return nil, fmt.Errorf("%w: group %d: kind %q (want full, sliding_window or chunked_local)", ErrBadGroups, i, g.Kind)
+			return nil, fmt.Errorf("%w: group %d: kind %q (want full, sliding_window or chunked_local)", ErrBadNamespaceSpec, i, g.Kind)
 		}
 	}
 	if len(lg.Groups) >= maxKVGroup {
-		return nil, fmt.Errorf("%w: %d groups", ErrBadGroups, len(lg.Groups))
+		return nil, fmt.Errorf("%w: %d groups", ErrBadNamespaceSpec, len(lg.Groups))
 	}
 	return lg.Groups, nil
 }

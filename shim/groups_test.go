@@ -51,7 +51,7 @@ func TestGroupsHaveTheirOwnNamespaces(t *testing.T) {
 	for _, bad := range []string{`{"groups": [{"kind": "mamba"}]}`, `{"groups": [{"kind": "sliding_window"}]}`} {
 		spec.LayoutFingerprint = bad
 		_, _, err := spec.GroupNamespaces()
-		assert.Check(t, is.ErrorIs(err, ErrBadGroups), bad)
+		assert.Check(t, is.ErrorIs(err, ErrBadNamespaceSpec), bad)
 	}
 }
 

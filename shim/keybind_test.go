@@ -35,9 +35,9 @@ func savePrompt(t *testing.T, r *rig, req string, tokens []uint32, blocks []int6
 // its bytes (the server's mapping of the shared segment) to f.
 func l1Object(t *testing.T, r *rig, rank uint32, h ipc.Hash, f func(obj []byte)) {
 	t.Helper()
-	o, ok := r.srv.Store.Pin(r.sched.ns, rank, h)
+	o, ok := r.srv.Core.Pin(r.sched.ns, rank, h)
 	assert.Assert(t, ok, "object (rank %d, %x) not resident", rank, h[:4])
-	defer r.srv.Store.Unpin([]tier.Object{o})
+	defer r.srv.Core.Unpin([]tier.Object{o})
 	f(o.Mem)
 }
 

@@ -131,11 +131,11 @@ func BenchmarkLoadPipeline(b *testing.B) {
 	var spans []layout.Span
 	cb := l.ChunkBlocks()
 	for c := range chunks {
-		o, ok := srv.Store.Pin(sched.ns, 0, hs[c])
+		o, ok := srv.Core.Pin(sched.ns, 0, hs[c])
 		if !ok {
 			b.Fatalf("chunk %d not resident", c)
 		}
-		defer srv.Store.Unpin([]tier.Object{o})
+		defer srv.Core.Unpin([]tier.Object{o})
 		if spans, err = l.AppendPlan(spans, dst[c*cb:(c+1)*cb], addrOf(o.Mem), layout.Load); err != nil {
 			b.Fatal(err)
 		}

@@ -9,7 +9,7 @@ import (
 	"log/slog"
 	"math"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/objfmt"
 )
@@ -63,29 +63,11 @@ type SaveSpec struct {
 	Blocks []int64 `json:"blocks"`
 }
 
-// Hash and Tag are ipc's types with a hex text form (the metadata's JSON
-// text form, logs).
+// Hash and Tag are kv's (transitional names: references move to kv.*).
 type (
-	Hash ipc.Hash
-	Tag  ipc.Tag
+	Hash = kv.Hash
+	Tag  = kv.Tag
 )
-
-func (h Hash) MarshalText() ([]byte, error) { return hexText(h[:]), nil }
-func (t Tag) MarshalText() ([]byte, error)  { return hexText(t[:]), nil }
-func (h *Hash) UnmarshalText(b []byte) error {
-	return unhex(h[:], b, "hash")
-}
-func (t *Tag) UnmarshalText(b []byte) error { return unhex(t[:], b, "tag") }
-
-func hexText(b []byte) []byte { return []byte(hex.EncodeToString(b)) }
-
-func unhex(dst, src []byte, what string) error {
-	if hex.DecodedLen(len(src)) != len(dst) {
-		return fmt.Errorf("%s: want %d hex digits, got %d", what, 2*len(dst), len(src))
-	}
-	_, err := hex.Decode(dst, src)
-	return err
-}
 
 // ErrBadMeta marks step metadata that does not decode or does not fit the
 // worker's layout.
@@ -412,7 +394,7 @@ var ErrNoChunkHash = errors.New("no chunk hash to check the object's key against
 
 // objectKey is the key of chunk hash h of this worker's rank in namespace
 // ns (a KV-cache group's): what its objects' headers name.
-func (w *Worker) objectKey(ns ipc.Namespace, h Hash) layout.ObjectKey {
+func (w *Worker) objectKey(ns kv.Namespace, h Hash) layout.ObjectKey {
 	return layout.ObjectKey{Namespace: ns, Rank: w.kvRank, Hash: h}
 }
 
@@ -422,7 +404,7 @@ func (w *Worker) objectKey(ns ipc.Namespace, h Hash) layout.ObjectKey {
 // payload CRC too, which must be set (objfmt: payloads are checked where
 // they enter L2, not on every L1 restore). A header that names another key
 // is counted (KeyMismatches) and logged: bytes stored under the wrong name.
-func (w *Worker) verifyLoaded(l *layout.Layout, ns ipc.Namespace, obj []byte, hashes []Hash, i int) error {
+func (w *Worker) verifyLoaded(l *layout.Layout, ns kv.Namespace, obj []byte, hashes []Hash, i int) error {
 	if i >= len(hashes) {
 		return ErrNoChunkHash
 	}

@@ -148,10 +148,10 @@ func BenchmarkFirstSave(b *testing.B) {
 				}
 				if mode.warm {
 					save(fmt.Sprintf("first%d", n), uint32(2*n+1))
-					sess, err := srv.Store.OpenSession(ipc.Tag(uuid.New()))
+					sess, err := srv.Core.OpenSession(ipc.Tag(uuid.New()))
 					if err == nil {
-						_, err = srv.Store.Clear(sess)
-						srv.Store.CloseSession(sess)
+						_, err = srv.Core.Clear(sess)
+						srv.Core.CloseSession(sess)
 					}
 					if err != nil {
 						b.Fatal(err)
@@ -172,7 +172,7 @@ func BenchmarkFirstSave(b *testing.B) {
 
 // gauge reads one of the store's metrics.
 func gauge(b *testing.B, srv *server.Server, name string) float64 {
-	mfs, err := srv.Store.Registry().Gather()
+	mfs, err := srv.Core.Registry().Gather()
 	if err != nil {
 		b.Fatal(err)
 	}

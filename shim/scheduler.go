@@ -98,11 +98,11 @@ type schedReq struct {
 	hits      int // final answer, folded over the groups
 	local     int // vLLM's own prefix-cache hit, as last given to Match
 
-	g          []groupReq // one per KV-cache group
-	winTried   bool       // windowed groups' second lookups were considered
-	computed   int        // tokens vLLM has computed, as of the last step
-	loadPlaned bool       // a load was planned (holds now belong to the workers)
-	savesOut   bool       // saves were dispatched: the workers may still read its blocks
+	g           []groupReq // one per KV-cache group
+	winTried    bool       // windowed groups' second lookups were considered
+	computed    int        // tokens vLLM has computed, as of the last step
+	loadPlanned bool       // a load was planned (holds now belong to the workers)
+	savesOut    bool       // saves were dispatched: the workers may still read its blocks
 }
 
 // NewScheduler checks cfg and computes the namespaces.
@@ -152,13 +152,13 @@ func (s *Scheduler) Match(req string, tokens []uint32, ex Extras, numComputed in
 		}
 	}
 	r.local = numComputed
-	if r.loadPlaned {
+	if r.loadPlanned {
 		// vLLM asks again only after our load failed and it dropped the
 		// request's blocks to recompute them (kv_load_failure_policy
 		// "recompute"): the workers released the holds, so answer a final
 		// miss (never retry a load that just failed: it could fail forever)
 		// and save the recomputed chunks again.
-		r.loadPlaned, r.hits = false, 0
+		r.loadPlanned, r.hits = false, 0
 		for i := range r.g {
 			r.g[i].hits, r.g[i].saved = 0, 0
 		}
@@ -465,7 +465,7 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 		return err
 	}
 	r.computed = numComputed
-	if r.loadPlaned {
+	if r.loadPlanned {
 		return nil
 	}
 	if numExternal <= 0 || r.state != lookupFinal {
@@ -539,7 +539,7 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 	}
 	// vLLM itself keeps the blocks of a request whose load is in flight
 	// (WAITING_FOR_REMOTE_KVS) until the workers report it received.
-	r.loadPlaned = true
+	r.loadPlanned = true
 	return nil
 }
 
@@ -659,7 +659,7 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 	// before they are reused) and comes back through a new lookup.
 	for _, id := range step.Preempted {
 		if r := s.reqs[id]; r != nil {
-			if !r.loadPlaned {
+			if !r.loadPlanned {
 				s.free(r, 0)
 			}
 			delete(s.reqs, id)
@@ -777,7 +777,7 @@ func (s *Scheduler) FinishedSaving(req string, fin *FinishState) (delay bool, er
 		return false, nil
 	}
 	delete(s.reqs, req)
-	if !r.loadPlaned {
+	if !r.loadPlanned {
 		s.free(r, 0)
 	}
 	if fin != nil {

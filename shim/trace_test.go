@@ -35,7 +35,7 @@ func tracedRig(t *testing.T, world int) (*rig, func() traceJSON) {
 	dir := t.TempDir()
 	sw, err := trace.Open(dir, trace.Options{Source: "server"})
 	assert.NilError(t, err)
-	r.srv.Store.SetTrace(sw)
+	r.srv.Core.SetTrace(sw)
 	for _, w := range r.workers {
 		assert.NilError(t, w.OpenTrace(dir))
 	}
@@ -43,7 +43,7 @@ func tracedRig(t *testing.T, world int) (*rig, func() traceJSON) {
 		for _, w := range r.workers {
 			assert.NilError(t, w.CloseTrace())
 		}
-		r.srv.Store.SetTrace(nil)
+		r.srv.Core.SetTrace(nil)
 		assert.NilError(t, sw.Close())
 		var out, errb bytes.Buffer
 		assert.Equal(t, cli.Trace([]string{"--json", dir}, &out, &errb), 0, errb.String())
@@ -241,7 +241,7 @@ func TestTraceL2SavedAndCorruptL2Chunk(t *testing.T) {
 		r.srv = srv
 		sw, err := trace.Open(dir, trace.Options{Source: "server"})
 		assert.NilError(t, err)
-		srv.Store.SetTrace(sw)
+		srv.Core.SetTrace(sw)
 		writers = append(writers, sw)
 	}
 	restart()
@@ -250,7 +250,7 @@ func TestTraceL2SavedAndCorruptL2Chunk(t *testing.T) {
 	saveAfterRestart(t, r, "save", tokens, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	assert.NilError(t, r.srv.Store.StoreController().Flush(ctx))
+	assert.NilError(t, r.srv.Core.Writer().Flush(ctx))
 	restart()
 
 	// Chunk 1 in L2: one payload byte changed, rewritten through the
@@ -265,7 +265,7 @@ func TestTraceL2SavedAndCorruptL2Chunk(t *testing.T) {
 	obj := file[:len(file)-16]
 	obj[objfmt.HeaderSize+77] ^= 0x04
 	assert.NilError(t, os.Remove(be.Path(key)))
-	st := r.srv.Store.L2Adapters()[0].Store(ctx, []l2.Key{key}, [][]byte{obj})
+	st := r.srv.Core.L2Adapters()[0].Store(ctx, []l2.Key{key}, [][]byte{obj})
 	<-st.Done()
 	assert.Assert(t, st.Results()[0].OK())
 
@@ -285,7 +285,7 @@ func TestTraceL2SavedAndCorruptL2Chunk(t *testing.T) {
 	}
 	assert.NilError(t, r.workers[0].CloseTrace())
 	for _, w := range writers {
-		r.srv.Store.SetTrace(nil)
+		r.srv.Core.SetTrace(nil)
 		assert.NilError(t, w.Close())
 	}
 	var out, errb bytes.Buffer
@@ -350,11 +350,11 @@ func TestTraceSchedulerJoinsUnloadedLookups(t *testing.T) {
 	assert.NilError(t, err)
 	cw, err := trace.Open(dir, trace.Options{Source: "scheduler"})
 	assert.NilError(t, err)
-	r.srv.Store.SetTrace(sw)
+	r.srv.Core.SetTrace(sw)
 	r.sched.SetTrace(cw)
 	assert.Equal(t, r.match(t, "never-loaded", tokensOf(7, 3), Extras{}, 0), 0) // a miss: nothing stored
 	r.sched.SetTrace(nil)
-	r.srv.Store.SetTrace(nil)
+	r.srv.Core.SetTrace(nil)
 	assert.NilError(t, sw.Close())
 	assert.NilError(t, cw.Close())
 	var out, errb bytes.Buffer

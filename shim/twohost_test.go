@@ -46,13 +46,13 @@ func (h *host) flush(t *testing.T) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	assert.NilError(t, h.srv.Store.StoreController().Flush(ctx))
-	st := h.srv.Store.StoreController().Stats()
+	assert.NilError(t, h.srv.Core.Writer().Flush(ctx))
+	st := h.srv.Core.Writer().Stats()
 	assert.Equal(t, st.Errors[0], int64(0), "L2 writes failed")
 }
 
 // l2Loaded is how many chunks the host loaded from L2.
-func (h *host) l2Loaded() int64 { return h.srv.Store.PrefetchController().Stats().ChunksOK[0] }
+func (h *host) l2Loaded() int64 { return h.srv.Core.PrefetchController().Stats().ChunksOK[0] }
 
 func modelNS(model string) NamespaceSpec {
 	ns := chaosNS()

@@ -112,8 +112,8 @@ func TestL2CorruptChunkIsNeverRestored(t *testing.T) {
 	saveAfterRestart(t, r, "save", tokens, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	assert.NilError(t, r.srv.Store.StoreController().Flush(ctx))
-	assert.Equal(t, r.srv.Store.StoreController().Stats().Checksummed, int64(3))
+	assert.NilError(t, r.srv.Core.Writer().Flush(ctx))
+	assert.Equal(t, r.srv.Core.Writer().Stats().Checksummed, int64(3))
 	restart(fmt.Sprintf(`{"type":"fs","base_path":%q}`, dir))
 
 	// Chunk 1 in L2: the stored object (payload CRC set by the store) with
@@ -131,7 +131,7 @@ func TestL2CorruptChunkIsNeverRestored(t *testing.T) {
 	assert.NilError(t, err)
 	obj[objfmt.HeaderSize+77] ^= 0x04
 	assert.NilError(t, os.Remove(be.Path(key)))
-	st := r.srv.Store.L2Adapters()[0].Store(ctx, []l2.Key{key}, [][]byte{obj})
+	st := r.srv.Core.L2Adapters()[0].Store(ctx, []l2.Key{key}, [][]byte{obj})
 	<-st.Done()
 	assert.Assert(t, st.Results()[0].OK())
 
@@ -155,7 +155,7 @@ func TestL2CorruptChunkIsNeverRestored(t *testing.T) {
 		assert.Equal(t, len(errBlocks), 0)
 		r.sched.Finished(req)
 	}
-	ps := r.srv.Store.PrefetchController().Stats()
+	ps := r.srv.Core.PrefetchController().Stats()
 	assert.Equal(t, ps.ChunksRejected[0], int64(1))
 	c := r.caches[0]
 	for layer := range tLayers {

@@ -8,10 +8,15 @@ CPU tensors stand in for GPU memory: this machine has no GPU
 
 from __future__ import annotations
 
+import ctypes.util
+import json
+import os
 import uuid
 
 import numpy as np
 import pytest
+
+from kvshim import errors
 
 torch = pytest.importorskip("torch")
 vllm_connector = pytest.importorskip("kvshim.vllm")  # _tensor_desc: how the connector reports tensors
@@ -64,8 +69,8 @@ def test_round_trip_into_other_blocks(name):
         src, dst = [3, 4, 5, 6, 7], [17, 12, 20, 9, 1]  # dst: scattered, in another order
         before = [t.clone() for t in layers]
         rig.save("a", tokens, src)
-        n, errors = rig.restore("b", tokens, dst)
-        assert n == 2 * CHUNK and errors == []
+        n, load_errors = rig.restore("b", tokens, dst)
+        assert n == 2 * CHUNK and load_errors == []
         loaded = 2 * CHUNK // BLOCK
         for t, b in zip(layers, before):
             got = t.index_select(block_dim, torch.tensor(dst[:loaded]))
@@ -78,11 +83,46 @@ def test_round_trip_into_other_blocks(name):
         rig.close()
 
 
+def worker_handle():
+    """A worker handle with no server: registration needs none."""
+    from kvshim import native
+
+    ns = {"model": "t", "dtype": "bfloat16", "layout": "x", "world_size": 1, "chunk_size": CHUNK}
+    return native.Handle(json.dumps({"role": "worker", "server": "/nonexistent/kvshim.sock", "namespace": ns}))
+
+
+def register(h, descs) -> None:
+    from kvshim import native
+
+    h.check(native.library().kvshim_worker_register(h.value, json.dumps(descs).encode()))
+
+
 def test_inconsistent_geometry_is_refused_with_layer_and_field():
     t = fa(False)
     d = vllm_connector._tensor_desc("model.layers.0.attn", t, 0)
     d["stride_bytes"][1] = 7  # blocks overlapping each other
-    from kvshim.errors import KVShimError
+    with worker_handle() as h:
+        with pytest.raises(errors.InvalidArgumentError, match=r'layer "model.layers.0.attn"') as e:
+            register(h, [d])
+        assert e.value.code == errors.EINVAL
 
-    with pytest.raises(KVShimError, match=r'layer "model.layers.0.attn"'):
-        Rig(f"bad-{uuid.uuid4().hex[:8]}", [(t, d)]).close()
+
+def test_registered_twice_is_an_invalid_argument():
+    t = fa(False)
+    d = vllm_connector._tensor_desc("model.layers.0.attn", t, 0)
+    with worker_handle() as h:
+        register(h, [d])
+        with pytest.raises(errors.InvalidArgumentError, match="registered twice"):
+            register(h, [d])
+
+
+@pytest.mark.skipif(bool(os.environ.get("KVSHIM_LIBCUDA") or ctypes.util.find_library("cuda")),
+                    reason="a CUDA driver is loadable here")
+def test_gpu_cache_without_a_driver_is_not_supported():
+    t = fa(False)
+    d = {**vllm_connector._tensor_desc("model.layers.0.attn", t, 0), "device": "cuda:0"}
+    with worker_handle() as h:
+        with pytest.raises(errors.NotSupportedError, match="cuda") as e:
+            register(h, [d])
+        assert e.value.code == errors.ENOTSUP
+        register(h, [vllm_connector._tensor_desc("model.layers.0.attn", t, 0)])  # the host engine still works

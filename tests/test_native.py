@@ -13,6 +13,11 @@ import pytest
 from kvshim import errors
 
 
+# A handle that needs no server: a worker opens without dialling.
+WORKER = json.dumps({"role": "worker", "server": "/nonexistent/kvshim.sock",
+                     "namespace": {"model": "t", "dtype": "bfloat16", "layout": "x", "world_size": 1, "chunk_size": 8}})
+
+
 def run_py(code: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, **kw)
 
@@ -44,8 +49,9 @@ def test_child_of_fork_loads_and_works():
         pid = os.fork()
         if pid == 0:
             try:
-                with native.Handle(json.dumps({"role": "skeleton", "block_bytes": 64,
-                                               "block_tokens": 4, "chunk_tokens": 8})):
+                with native.Handle(json.dumps({"role": "worker", "server": "/nonexistent/kvshim.sock",
+                                               "namespace": {"model": "t", "dtype": "bfloat16", "layout": "x",
+                                                             "world_size": 1, "chunk_size": 8}})):
                     assert native.version()
                 os._exit(0)
             except BaseException as e:
@@ -89,11 +95,11 @@ def test_errors_carry_code_and_message():
 
     with pytest.raises(errors.InvalidArgumentError, match="not JSON"):
         native.Handle("{")
-    with pytest.raises(errors.InvalidArgumentError, match=r'unknown role "x" \(valid: .*skeleton'):
+    with pytest.raises(errors.InvalidArgumentError, match=r'unknown role "x" \(valid: scheduler, tool, worker\)'):
         native.Handle('{"role": "x"}')
     with pytest.raises(errors.BadHandleError, match="handle 99"):
         native.check(native.library().kvshim_close(99))
-    h = native.Handle('{"role": "skeleton", "block_bytes": 64, "block_tokens": 4, "chunk_tokens": 8}')
+    h = native.Handle(WORKER)
     with pytest.raises(errors.PanicError, match="kvshim_debug_panic called"):
         h.check(native.library().kvshim_debug_panic(h.value))
     h.close()
@@ -106,7 +112,7 @@ def test_handles_do_not_leak():
 
     lib = native.library()
     before = lib.kvshim_handle_count()
-    hs = [native.Handle('{"role": "skeleton", "block_bytes": 8, "block_tokens": 1, "chunk_tokens": 2}') for _ in range(5)]
+    hs = [native.Handle(WORKER) for _ in range(5)]
     assert lib.kvshim_handle_count() == before + 5
     for h in hs:
         h.close()

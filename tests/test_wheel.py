@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(
 
 OPEN_HANDLE = (
     "import json, kvshim.native as n; print(n.library_path());"
-    "h = n.Handle(json.dumps({'role': 'skeleton', 'block_bytes': 8, 'block_tokens': 1, 'chunk_tokens': 1})); h.close();"
+    "h = n.Handle(json.dumps({'role': 'worker', 'server': '/nonexistent/kvshim.sock', 'namespace': {'model': 't',"
+    " 'dtype': 'bfloat16', 'layout': 'x', 'world_size': 1, 'chunk_size': 8}})); h.close();"
     "print(n.version())"
 )
 

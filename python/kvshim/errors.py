@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import builtins
 
+# kvshim.h's return codes, by the header's names less the KVSHIM_ prefix
+# (tests/test_abi_header.py checks them against the header).
+OK = 0
+EINVAL = -1
+EBADH = -2
+EPANIC = -3
+ERANGE = -4
+ENOTSUP = -5
+ETIMEDOUT = -6
+EIO = -7
+ENOSPC = -8
+ECLOSED = -9
+EINTERNAL = -10
+
 
 class KVShimError(Exception):
     """A libkvshim call failed; `code` is its KVSHIM_E* return code."""
 
-    code = -10
+    code = EINTERNAL
 
     def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
@@ -17,39 +31,39 @@ class KVShimError(Exception):
 
 
 class InvalidArgumentError(KVShimError, ValueError):
-    code = -1
+    code = EINVAL
 
 
 class BadHandleError(KVShimError):
-    code = -2
+    code = EBADH
 
 
 class PanicError(KVShimError):
-    code = -3
+    code = EPANIC
 
 
 class BufferTooSmallError(KVShimError):
-    code = -4
+    code = ERANGE
 
 
 class NotSupportedError(KVShimError):
-    code = -5
+    code = ENOTSUP
 
 
 class TimeoutError(KVShimError, builtins.TimeoutError):  # noqa: A001 - mirrors KVSHIM_ETIMEDOUT
-    code = -6
+    code = ETIMEDOUT
 
 
 class IOError(KVShimError, OSError):  # noqa: A001 - mirrors KVSHIM_EIO
-    code = -7
+    code = EIO
 
 
 class NoSpaceError(KVShimError):
-    code = -8
+    code = ENOSPC
 
 
 class ClosedError(KVShimError):
-    code = -9
+    code = ECLOSED
 
 
 _BY_CODE: dict[int, type[KVShimError]] = {

@@ -11,7 +11,7 @@ import os
 import threading
 from pathlib import Path
 
-from kvshim.errors import error_for
+from kvshim.errors import EBADH, ERANGE, error_for
 
 ABI_VERSION = 1  # kvshim.h's KVSHIM_ABI_VERSION
 
@@ -31,9 +31,6 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_handle_count": [],
     "kvshim_debug_panic": [_c_handle],
     "kvshim_main": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
-    "kvshim_skeleton_save": [_c_handle, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t, _u32p, ctypes.c_size_t, _u64p],
-    "kvshim_skeleton_lookup": [_c_handle, _u32p, ctypes.c_size_t, _u64p],
-    "kvshim_skeleton_load": [_c_handle, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t, _u32p, ctypes.c_size_t, ctypes.c_uint64],
     "kvshim_take_output": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_stats": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_ping": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, _sizep],
@@ -111,7 +108,7 @@ def check(rc: int, handle: int = 0) -> int:
     """Raises the exception for a negative return code with its message."""
     if rc < 0:
         # Errors of an unknown handle are recorded on the library (handle 0).
-        msg = last_error(handle) if handle and rc != -2 else last_error(0)
+        msg = last_error(handle) if handle and rc != EBADH else last_error(0)
         raise error_for(rc, msg)
     return rc
 
@@ -152,7 +149,7 @@ class Handle:
         lib = library()
         n = ctypes.c_size_t(0)
         rc = getattr(lib, fn_name)(self.value, *args, self._buf, len(self._buf), ctypes.byref(n))
-        if rc == -4:  # KVSHIM_ERANGE: kept on the handle, fetch with a buffer that fits
+        if rc == ERANGE:  # kept on the handle for this thread: fetch it with a buffer that fits
             self._buf = ctypes.create_string_buffer(max(n.value, 2 * len(self._buf)))
             rc = lib.kvshim_take_output(self.value, self._buf, len(self._buf), ctypes.byref(n))
         self.check(rc)

@@ -34,6 +34,9 @@
 // buffer may be partly written even when its key reports a miss or a
 // failure: only StatusOK bytes may be consumed.
 //
+// Every adapter's tests run these rules as one suite, l2test.Run, against
+// the real backend; a new rule here belongs there too.
+//
 // A prefetch controller uses it like this:
 //
 //	look := a.LookupAndHold(ctx, keys)          // whole key list, one task

@@ -1,10 +1,14 @@
 package l2
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/kvshim/kvshim/kv"
+)
 
 // Sentinel errors; per-key errors wrap them with %w.
 var (
-	ErrBadKey       = errors.New("l2: bad key")
+	ErrBadKey       = kv.ErrBadKey
 	ErrBadConfig    = errors.New("l2: bad adapter config")
 	ErrUnknownType  = errors.New("l2: unknown adapter type")
 	ErrClosed       = errors.New("l2: adapter closed")

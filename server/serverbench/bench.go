@@ -95,11 +95,11 @@ func hashOf(seed string, i int) ipc.Hash {
 	return sha256.Sum256(append([]byte(seed), b[:]...))
 }
 
-func newStore(gib float64) (*server.Store, *server.Session, error) {
+func newCore(gib float64) (*server.Core, *server.Session, error) {
 	cfg := server.DefaultConfig()
 	cfg.L1SizeGB = gib
 	cfg.HighWatermark, cfg.LowWatermark = 0.95, 0.9
-	st, err := server.NewStore(cfg, server.Options{Source: &MmapSource{}})
+	st, err := server.NewCore(cfg, server.Options{Source: &MmapSource{}})
 	if err != nil {
 		return nil, nil, err
 	}
@@ -112,7 +112,7 @@ func newStore(gib float64) (*server.Store, *server.Session, error) {
 }
 
 // put stores hashes under rank (ALLOC + COMMIT), batch at a time.
-func put(st *server.Store, s *server.Session, rank uint32, hs []ipc.Hash, size uint64, batch int) error {
+func put(st *server.Core, s *server.Session, rank uint32, hs []ipc.Hash, size uint64, batch int) error {
 	sizes := make([]uint64, batch)
 	for i := range sizes {
 		sizes[i] = size
@@ -160,10 +160,10 @@ func Run(o Options) (*Result, error) {
 	return res, nil
 }
 
-func lookupSetup(o Options) (*server.Store, *server.Session, []ipc.Hash, error) {
+func lookupSetup(o Options) (*server.Core, *server.Session, []ipc.Hash, error) {
 	const size = 64 << 10
 	total := o.Chunks*o.Ranks + o.Background
-	st, s, err := newStore(float64(total)*size/server.GiB*1.2 + 1)
+	st, s, err := newCore(float64(total)*size/server.GiB*1.2 + 1)
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -193,7 +193,7 @@ func lookupSetup(o Options) (*server.Store, *server.Session, []ipc.Hash, error) 
 }
 
 // lookupOnce runs LOOKUP + LOOKUP_RESULT + FREE for lookup id.
-func lookupOnce(st *server.Store, s *server.Session, hs []ipc.Hash, ranks int, id uint64) error {
+func lookupOnce(st *server.Core, s *server.Session, hs []ipc.Hash, ranks int, id uint64) error {
 	if err := st.Lookup(s, &ipc.LookupReq{LookupID: id, WorldSize: uint32(ranks), Hashes: hs}); err != nil {
 		return err
 	}
@@ -256,7 +256,7 @@ func lookupBench(o Options, res *Result) error {
 func allocBench(o Options, res *Result) error {
 	const size = 64 << 10
 	// L1 holds a quarter of the objects: steady state evicts.
-	st, s, err := newStore(float64(o.AllocObjects) * size / 4 / server.GiB)
+	st, s, err := newCore(float64(o.AllocObjects) * size / 4 / server.GiB)
 	if err != nil {
 		return err
 	}
@@ -293,7 +293,7 @@ func allocBench(o Options, res *Result) error {
 
 func metaBench(o Options, res *Result) error {
 	const size = 4096
-	st, s, err := newStore(float64(o.MetaObjects)*size/server.GiB + 1)
+	st, s, err := newCore(float64(o.MetaObjects)*size/server.GiB + 1)
 	if err != nil {
 		return err
 	}

@@ -13,7 +13,7 @@ import (
 	"github.com/kvshim/kvshim/server/tier"
 )
 
-// writeL2 stores prompts × chunks objects through a store with cfg.
+// writeL2 stores prompts × chunks objects through a core with cfg.
 func writeL2(t *testing.T, cfg string, prompts, chunks int) [][]ipc.Hash {
 	t.Helper()
 	a := newEnv(t, 4, nil, server.Options{}, cfg)
@@ -102,7 +102,7 @@ func TestAdmissionTrimsToBudget(t *testing.T) {
 	b2.check(t, id, 1, false, ps[0], n)
 }
 
-// The store controller's hold keeps the L1 source of a running L2 write
+// The writer's hold keeps the L1 source of a running L2 write
 // from eviction; once the write ends the object is evictable again, and a
 // later lookup loads it back from L2.
 func TestStorePinsSourceUntilWriteEnds(t *testing.T) {
@@ -122,18 +122,18 @@ func TestStorePinsSourceUntilWriteEnds(t *testing.T) {
 	for i := range 4 {
 		b.put(t, 0, hashes(fmt.Sprint("pressure ", i), 4))
 	}
-	sc := b.st.StoreController()
-	assert.Equal(t, sc.Stats().SkippedBusy, int64(16))
+	wr := b.st.Writer()
+	assert.Equal(t, wr.Stats().SkippedBusy, int64(16))
 	assert.Assert(t, b.stat(t, "kvshim_l1_evictions_total") >= 4)
 	assert.Assert(t, b.stat(t, "kvshim_l1_used_max_bytes") <= float64(1<<20))
 	id, n := b.lookup(t, 1, false, p) // still resident: an L1 hit
 	assert.Equal(t, n, uint32(4))
 	b.check(t, id, 1, false, p, n)
-	assert.Equal(t, sc.Stats().Pending, int64(4))
+	assert.Equal(t, wr.Stats().Pending, int64(4))
 	assert.Equal(t, b.st.PrefetchController().Stats().Loaded, int64(0))
 	close(gate)
 	b.flush(t)
-	assert.Equal(t, sc.Stats().Saved[0], int64(4))
+	assert.Equal(t, wr.Stats().Saved[0], int64(4))
 	assert.Equal(t, b.stat(t, "kvshim_l1_pinned"), 0.0)
 	// Now evictable: more pressure drops them, L2 brings them back.
 	for i := range 4 {

@@ -21,7 +21,7 @@ import (
 	"github.com/kvshim/kvshim/server/l2/redis/redisserver"
 )
 
-// L2 capacity through the real store and prefetch controllers: a stream
+// L2 capacity through the real writer and prefetch controller: a stream
 // of saves into an L2 far smaller than the stream.
 
 const objFile = objSize + 16 // an fs object file: payload and trailer
@@ -126,7 +126,7 @@ func TestFSBudgetUnderStream(t *testing.T) {
 	wg.Wait()
 	t.Logf("peak %d bytes (max_bytes %d + slack %d); %+v", peak, maxBytes, slack, be.EvictStats())
 	assert.Assert(t, peak <= maxBytes+slack, "peak %d", peak)
-	s := e.st.StoreController().Stats()
+	s := e.st.Writer().Stats()
 	assert.Equal(t, s.Saved[0], int64(4*41))
 	assert.Equal(t, s.Errors[0], int64(0))
 	assert.Assert(t, be.EvictStats().Evicted >= 4*41-room)
@@ -138,7 +138,7 @@ func TestFSBudgetUnderStream(t *testing.T) {
 }
 
 // TestRedisFullUnderStream: a Redis with a 2 MiB maxmemory and the
-// noeviction policy, 10 MiB of saves through the store controller. The
+// noeviction policy, 10 MiB of saves through the writer. The
 // saves Redis refuses are failed writes, counted; nothing hangs or
 // retries; what Redis took is served to a restarted server.
 func TestRedisFullUnderStream(t *testing.T) {
@@ -156,7 +156,7 @@ func TestRedisFullUnderStream(t *testing.T) {
 		e.put(t, 0, prefixes[i])
 		e.flush(t)
 	}
-	s := e.st.StoreController().Stats()
+	s := e.st.Writer().Stats()
 	rb := e.st.L2Adapters()[0].Backend().(*redis.Backend)
 	t.Logf("saved %d, failed %d; %+v", s.Saved[0], s.Errors[0], rb.Stats())
 	assert.Equal(t, s.Saved[0]+s.Errors[0], int64(160))

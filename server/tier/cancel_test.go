@@ -295,7 +295,7 @@ func TestDroppedFillKeepsStagingUnderStuckLoad(t *testing.T) {
 	sb, pc := slow(b), b.st.PrefetchController()
 	stuck := make(chan struct{})
 	var unstick sync.Once
-	t.Cleanup(func() { unstick.Do(func() { close(stuck) }) }) // before the store closes
+	t.Cleanup(func() { unstick.Do(func() { close(stuck) }) }) // before the core closes
 	sb.mu.Lock()
 	sb.stuck = stuck
 	sb.mu.Unlock()
@@ -324,17 +324,20 @@ func TestDroppedFillKeepsStagingUnderStuckLoad(t *testing.T) {
 	assert.Equal(t, s.ChunksFailed[0], int64(k))
 }
 
-// taskRecorder is a Prefetcher that only records the fill tasks.
+// taskRecorder is a tier.Filler that only records the fill tasks.
 type taskRecorder struct{ tasks chan *server.FillTask }
 
-func (p taskRecorder) Prefetch(t *server.FillTask) bool { p.tasks <- t; return true }
+func (p taskRecorder) Fill(_ tier.FillRequest, f tier.Fill) bool {
+	p.tasks <- f.(*server.FillTask)
+	return true
+}
 
-// FillTask.Context ends when the lookup is dropped, whether the prefetcher
+// FillTask.Context ends when the lookup is dropped, whether the filler
 // asked for it before or only after; another session's task is not
 // touched, and a dropped task refuses reservations but still takes Done.
 func TestFillTaskContextEndsWhenLookupDropped(t *testing.T) {
 	rec := taskRecorder{make(chan *server.FillTask, 3)}
-	e := newEnv(t, 4, nil, server.Options{Prefetcher: rec})
+	e := newEnv(t, 4, nil, server.Options{Filler: rec})
 	doomed, err := e.st.OpenSession(ipc.Tag{0xD2})
 	assert.NilError(t, err)
 	hs := hashes("ctx", 4)
@@ -350,12 +353,12 @@ func TestFillTaskContextEndsWhenLookupDropped(t *testing.T) {
 	assert.ErrorIs(t, earlyCtx.Err(), context.Canceled)
 	assert.ErrorIs(t, late.Context().Err(), context.Canceled) // made after the drop
 	assert.NilError(t, liveCtx.Err())
-	_, _, _, err = early.Reserve(0, 0, objSize, true)
+	_, _, err = early.Reserve(0, 0, objSize, true)
 	assert.ErrorIs(t, err, server.ErrFill)
 	early.Done()
 	late.Done()
 
-	mem, _, ok, err := live.Reserve(0, 0, objSize, true)
+	mem, ok, err := live.Reserve(0, 0, objSize, true)
 	assert.NilError(t, err)
 	assert.Assert(t, ok)
 	copy(mem, pattern(hs[0], 0))

@@ -15,7 +15,7 @@ import (
 )
 
 // The payload CRC slot (objfmt, kvshim.verify=l2): workers seal headers
-// only; the L2 store sets each object's payload CRC in L1 before any
+// only; the L2 writer sets each object's payload CRC in L1 before any
 // adapter reads it; fills serve only objects whose CRC is set and matches.
 
 // bare is pattern(h, rank) as a worker under kvshim.verify=l2 seals it:
@@ -48,7 +48,7 @@ func (e *env) putObjs(t *testing.T, rank uint32, hs []ipc.Hash, objs [][]byte) [
 	return mem
 }
 
-// Objects committed without a payload CRC get one from the L2 store, in
+// Objects committed without a payload CRC get one from the L2 writer, in
 // L1 (before any adapter reads them) and so in every L2 copy; a restarted
 // server fills them from L2 and serves them, CRC checked.
 func TestStoreSetsPayloadCRCBeforeL2(t *testing.T) {
@@ -64,7 +64,7 @@ func TestStoreSetsPayloadCRCBeforeL2(t *testing.T) {
 	a := newEnv(t, 8, nil, server.Options{}, cfg)
 	mem := a.putObjs(t, 0, hs, objs)
 	a.flush(t)
-	st := a.st.StoreController().Stats()
+	st := a.st.Writer().Stats()
 	assert.Equal(t, st.Saved[0], int64(len(hs)))
 	assert.Equal(t, st.Checksummed, int64(len(hs)))
 	assert.Equal(t, a.stat(t, "kvshim_l2_store_checksummed_objects_total"), float64(len(hs)))
@@ -78,7 +78,7 @@ func TestStoreSetsPayloadCRCBeforeL2(t *testing.T) {
 	full := hashes("full", 2)
 	a.put(t, 0, full)
 	a.flush(t)
-	assert.Equal(t, a.st.StoreController().Stats().Checksummed, int64(len(hs)))
+	assert.Equal(t, a.st.Writer().Stats().Checksummed, int64(len(hs)))
 	a.close(t)
 
 	// In L2: what a restarted server fills from and serves.
@@ -107,7 +107,7 @@ func TestStoreSkipsObjectsThatDoNotVerify(t *testing.T) {
 	a := newEnv(t, 8, nil, server.Options{}, fsConfig(dir))
 	a.putObjs(t, 0, hs, [][]byte{bare(hs[0], 0), bare(other[0], 0), garbage})
 	a.flush(t)
-	st := a.st.StoreController().Stats()
+	st := a.st.Writer().Stats()
 	assert.Equal(t, st.Saved[0], int64(1))
 	assert.Equal(t, st.SkippedCorrupt, int64(2))
 	assert.Equal(t, st.Pending, int64(0))
@@ -133,10 +133,10 @@ func storeRaw(t *testing.T, e *env, be *fs.Backend, rank uint32, h ipc.Hash, obj
 
 // The seed's counterexample under the default policy, with the real fs
 // adapter: chunks 0-3 saved by workers that seal headers only; in L2,
-// chunk 1's payload is corrupt (its CRC, set by the store, still the
+// chunk 1's payload is corrupt (its CRC, set by the core, still the
 // original's) and chunk 2 is intact. The fill never serves chunk 1, and the
 // prefix stops there: 1 chunk, never 3. Objects in L2 without a payload CRC
-// (written by something other than the store) are rejected the same way.
+// (written by something other than the core) are rejected the same way.
 func TestCorruptL2ObjectIsNeverRestored(t *testing.T) {
 	dir := t.TempDir()
 	cfg := faultConfig(dir)
@@ -147,7 +147,7 @@ func TestCorruptL2ObjectIsNeverRestored(t *testing.T) {
 		damage func(h ipc.Hash) []byte // chunk 1's new L2 bytes
 	}{
 		{"payload byte changed", func(h ipc.Hash) []byte {
-			b := pattern(h, 0) // what the store wrote: the slot set
+			b := pattern(h, 0) // what the core wrote: the slot set
 			b[objfmt.HeaderSize+4000] ^= 0x08
 			return b
 		}},

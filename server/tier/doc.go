@@ -1,14 +1,18 @@
-// Package tier is the L2 tier's control plane: the store controller (L1 →
-// L2 after COMMIT, the L1 source pinned until the write ends) and the
-// prefetch controller (L2 → L1 for lookups, under a byte budget). It sits
+// Package tier is the L2 tier's control plane: the Writer (L1 → L2 after
+// COMMIT, the L1 source pinned until the write ends) and the
+// PrefetchController (L2 → L1 for lookups, under a byte budget). It sits
 // between package server (which implements L1 and Fill) and package l2
 // (the adapters); it does not import server.
 //
-// Store flow (the third "done"):
+// The fill seam is the two interfaces of types.go: a Filler (the
+// PrefetchController) is handed each lookup's FillRequest and its Fill (the
+// server's FillTask), and reserves, commits and answers through the Fill.
+//
+// Write flow (the third "done"):
 //
 //	COMMIT ─► L1 resident ("L1 readable", kvshim_l1_commits_total)
 //	   └─► server pins each published object (a hold owned by the
-//	       controller) and calls StoreController.Committed (no lock held)
+//	       controller) and calls Writer.Committed (no lock held)
 //	          └─► policy → prepare, once per object: header verified under
 //	              its key, payload CRC set in L1 (below)
 //	                 └─► adapter.Store(keys, L1 bytes) on every target
@@ -16,7 +20,7 @@
 //	                            kvshim_l2_store_saved_objects_total{adapter}),
 //	                            and when the last target finished: L1 unpinned.
 //
-// Prefetch flow (one goroutine per lookup that misses L1):
+// Fill flow (PrefetchController.Fill: one goroutine per lookup that misses L1):
 //
 //	LookupAndHold(missing cells) on every adapter ──► plan one contiguous
 //	prefix over L1 ∪ L2 (first adapter holding a cell wins) ──► release the
@@ -27,7 +31,7 @@
 // Admission is byte-aware: a lookup's planned bytes (4 KiB slots) are
 // admitted only while
 //
-//	L1 prefetch bytes (fill staging + temporary objects, from the store)
+//	L1 prefetch bytes (fill staging + temporary objects, from the core)
 //	+ accepted bytes not yet reserved (admitted lookups)
 //	+ this lookup's bytes  <=  budget
 //
@@ -47,7 +51,7 @@
 //   - Store. Workers (default kvshim.verify=l2) commit objects whose header
 //     is sealed and whose payload CRC slot is empty: their saves make no
 //     pass over the payload. Before the first adapter reads a committed
-//     object, the store controller verifies its header under the key it
+//     object, the writer verifies its header under the key it
 //     was committed under (an object that does not verify is never written:
 //     kvshim_l2_store_skipped_total{reason="corrupt"}) and sets its payload
 //     CRC in L1 (objfmt.SetPayloadCRC: one atomic 8-byte store outside the
@@ -62,7 +66,7 @@
 //     must name the key the fill asked for (namespace, rank, chunk hash),
 //     its size must match, and its payload CRC must be set and match the
 //     payload (objfmt.Verify): an L2 object without one (written by
-//     anything but this store) is rejected like a corrupt one. An object
+//     anything but this writer) is rejected like a corrupt one. An object
 //     that fails (a file copied over another key's, a stale writer's bytes,
 //     an object of another format version, a corrupt payload or payload
 //     CRC) is a failed load of that chunk, counted
@@ -78,7 +82,7 @@
 //     and an object without one is a load error).
 //
 // Partial failure: a load that fails or misses for chunk k frees its
-// staging; the store's fill (Done) then answers at most k chunks even when
+// staging; the core's fill (Done) then answers at most k chunks even when
 // later chunks loaded (they are dropped, or stay resident in retain mode
 // without counting).
 //
@@ -89,6 +93,6 @@
 // the last size seen for the (namespace, rank). A mooncake_store load that
 // timed out may still be written by Mooncake after its key failed (see
 // package mooncake); fs and redis never write a buffer after reporting its
-// key. The store controller does not retry failed writes (LMCache: best
+// key. The writer does not retry failed writes (LMCache: best
 // effort) and skips objects while MaxBytes are pinned ("busy").
 package tier

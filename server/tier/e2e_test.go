@@ -74,8 +74,8 @@ func TestServeL2EndToEnd(t *testing.T) {
 			}
 			_, err = worker.Commit(ctx, &ipc.CommitReq{Tag: ipc.Tag{0x42}, Namespace: ns1, Hashes: hs})
 			assert.NilError(t, err)
-			assert.NilError(t, srv.Store.StoreController().Flush(ctx))
-			assert.Equal(t, srv.Store.StoreController().Stats().Saved[0], int64(3))
+			assert.NilError(t, srv.Core.Writer().Flush(ctx))
+			assert.Equal(t, srv.Core.Writer().Stats().Saved[0], int64(3))
 			_, err = sched.Clear(ctx)
 			assert.NilError(t, err)
 			assert.NilError(t, sched.Lookup(ctx, &ipc.LookupReq{LookupID: 7, Namespace: ns1, WorldSize: 1, Hashes: hs}))
@@ -99,7 +99,7 @@ func TestServeL2EndToEnd(t *testing.T) {
 				assert.Assert(t, string(b) == string(pattern(hs[i], 0)), "chunk %d", i)
 			}
 			assert.NilError(t, worker.Release(ctx, &ipc.ReleaseReq{Owner: owner, LookupID: 7}))
-			assert.Equal(t, srv.Store.PrefetchController().Stats().ChunksOK[0], int64(3))
+			assert.Equal(t, srv.Core.PrefetchController().Stats().ChunksOK[0], int64(3))
 		})
 	}
 }

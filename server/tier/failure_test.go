@@ -16,7 +16,7 @@ import (
 )
 
 // seedCounterExample prepares the seed's case: 1,024 tokens = 4 chunks,
-// L2 has chunks 0-2 (chunk 3 never stored), and a restarted store whose L1
+// L2 has chunks 0-2 (chunk 3 never stored), and a restarted core whose L1
 // holds chunk 0 again. hook runs between the L2 lookup and the loads.
 func seedCounterExample(t *testing.T, cfg string, hook func(keys []l2.Key), tweak ...func(*server.Config)) (*env, []ipc.Hash) {
 	t.Helper()
@@ -108,7 +108,7 @@ func TestPartialFailureDeletedAndFailed(t *testing.T) {
 }
 
 // Redis killed mid-load: the keys being loaded fail, the answer is what
-// L1 had, and the store keeps serving L1 (lookups and new writes).
+// L1 had, and the core keeps serving L1 (lookups and new writes).
 func TestRedisKilledMidLoad(t *testing.T) {
 	rs := startRedis(t)
 	var killed bool

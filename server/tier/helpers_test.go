@@ -48,13 +48,13 @@ func (s *segSource) at(l ipc.Loc) []byte {
 }
 
 type env struct {
-	st   *server.Store
+	st   *server.Core
 	src  *segSource
 	sess *server.Session
 	ids  uint64
 }
 
-// newEnv starts a store of capMiB MiB with the given adapters (JSON).
+// newEnv starts a core of capMiB MiB with the given adapters (JSON).
 func newEnv(t *testing.T, capMiB float64, tweak func(*server.Config), o server.Options, adapters ...string) *env {
 	t.Helper()
 	cfg := server.DefaultConfig()
@@ -68,7 +68,7 @@ func newEnv(t *testing.T, capMiB float64, tweak func(*server.Config), o server.O
 	}
 	src := &segSource{}
 	o.Source = src
-	st, err := server.NewStore(cfg, o)
+	st, err := server.NewCore(cfg, o)
 	assert.NilError(t, err)
 	e := &env{st: st, src: src}
 	e.sess, err = st.OpenSession(ipc.Tag{0x5e})
@@ -187,7 +187,7 @@ func (e *env) flush(t *testing.T) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	assert.NilError(t, e.st.StoreController().Flush(ctx))
+	assert.NilError(t, e.st.Writer().Flush(ctx))
 }
 
 // waitFor polls cond (bounded).

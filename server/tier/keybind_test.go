@@ -109,7 +109,7 @@ func TestFillRejectsObjectsOfOtherKeys(t *testing.T) {
 	}
 	a.putIn(t, ns2, 0, foreign)
 	a.flush(t)
-	assert.Equal(t, a.st.StoreController().Stats().Saved[0], int64(6*world*4+4))
+	assert.Equal(t, a.st.Writer().Stats().Saved[0], int64(6*world*4+4))
 	a.close(t)
 	for _, c := range cases {
 		c.damage(c.hs)

@@ -15,6 +15,8 @@ import (
 	"github.com/kvshim/kvshim/server/l2"
 )
 
+var _ Filler = (*PrefetchController)(nil)
+
 // Defaults.
 const (
 	DefaultPrefetchTimeout = 5 * time.Second
@@ -51,7 +53,8 @@ type PrefetchConfig struct {
 	Verify objfmt.VerifyPolicy
 }
 
-// PrefetchController fills lookups' missing chunks from L2.
+// PrefetchController fills lookups' missing chunks from L2: the L2 side
+// of the fill seam.
 type PrefetchController struct {
 	adapters []*l2.Adapter
 	cfg      PrefetchConfig
@@ -168,20 +171,10 @@ func (pc *PrefetchController) Stats() PrefetchStats {
 	return s
 }
 
-// Cancellable is implemented by a Fill that its caller can abandon: Context
-// ends when the lookup is dropped. The controller then stops the fill's L2
-// lookups and loads (their context ends), its admission wait and its
-// remaining steps, and gives back its budget, holds and staging; a load
-// already writing into staging keeps it until the load reports, as after
-// the deadline.
-type Cancellable interface {
-	Context() context.Context
-}
-
-// Prefetch starts filling req in the background and returns true, or
+// Fill starts filling req from L2 in the background and returns true, or
 // returns false (nothing to do: no adapter, or closed). It never blocks.
-// After true, f.Done is called exactly once.
-func (pc *PrefetchController) Prefetch(req FillRequest, f Fill) bool {
+// After true, f.Done is called exactly once (Filler).
+func (pc *PrefetchController) Fill(req FillRequest, f Fill) bool {
 	if len(pc.adapters) == 0 || len(req.Hashes) == 0 {
 		return false
 	}
@@ -221,263 +214,10 @@ func (pc *PrefetchController) Close() {
 	}
 }
 
-// cell is one (rank, chunk) of the fill that L1 lacks; its L2 key is the
-// same index of the fill's keys. A fill of a long lookup has one per chunk
-// and rank until it ends: keep it small.
-type cell struct {
-	rank, chunk uint32 // chunk: lookup index
-	src         int    // adapter index, -1: none
-	size        uint64 // object bytes
-}
-
-// run is one lookup's prefetch.
-func (pc *PrefetchController) run(req FillRequest, f Fill) {
-	// ctx ends at the deadline, on Close, or when the lookup is dropped
-	// (gone is then closed, before ctx ends).
-	parent, drop := context.WithCancel(pc.ctx)
-	defer drop()
-	var gone <-chan struct{}
-	if c, ok := f.(Cancellable); ok && c.Context() != nil {
-		gone = c.Context().Done()
-		stop := context.AfterFunc(c.Context(), drop)
-		defer stop()
-	}
-	dropped := func() bool {
-		select {
-		case <-gone:
-			return true
-		default:
-			return false
-		}
-	}
-	ctx, cancel := context.WithTimeout(parent, pc.cfg.Timeout)
-	defer cancel()
-	R := req.Ranks
-	// 1. L2 lookup of every cell L1 lacks, on every adapter.
-	missing := len(req.Hashes) * int(R)
-	for _, res := range req.Resident {
-		if res {
-			missing--
-		}
-	}
-	cells := make([]cell, 0, missing)
-	keys := make([]l2.Key, 0, missing)
-	for i := range req.Hashes {
-		for r := range R {
-			if req.Resident != nil && req.Resident[uint32(i)*R+r] {
-				continue
-			}
-			cells = append(cells, cell{rank: r, chunk: req.Start + uint32(i), src: -1})
-			keys = append(keys, Key(req.Namespace, r, req.Hashes[i]))
-		}
-	}
-	looks := make([]*l2.Task, len(pc.adapters))
-	for a, ad := range pc.adapters {
-		looks[a] = ad.LookupAndHold(ctx, keys)
-	}
-	results := make([][]l2.Result, len(pc.adapters))
-	for a, t := range looks {
-		select {
-		case <-t.Done():
-			results[a] = t.Results()
-		case <-time.After(time.Until(deadline(ctx)) + time.Second):
-			// The task ends by its own deadline; release what it holds then.
-			ad := pc.adapters[a]
-			go func() { <-t.Done(); ad.Release(okKeys(t)) }()
-		}
-	}
-	// A dropped lookup's L2 lookups end early (their context ended);
-	// give back their holds and stop here.
-	if dropped() {
-		pc.cancelled.Add(1)
-		pc.release(results, keys, cells, 0, true)
-		f.Done()
-		return
-	}
-	// 2. Plan: the longest run of chunks whose every missing cell is in
-	// some adapter (the first adapter holding it), with a known size,
-	// trimmed to the budget.
-	planned, bytes := planPrefix(cells, results, pc.cfg.Budget, func(rank uint32) uint64 {
-		if req.SizeHint != 0 {
-			return req.SizeHint
-		}
-		return pc.cfg.Hints.Get(req.Namespace, rank)
-	})
-	for _, cl := range cells[:planned] {
-		pc.cfg.Hints.Learn(req.Namespace, cl.rank, cl.size)
-	}
-	// Release every hold outside the plan now.
-	pc.release(results, keys, cells, planned, true)
-	if planned == 0 {
-		pc.noL2.Add(1)
-		traceAdmission(f, Admission{Result: "no_l2"})
-		f.Done()
-		return
-	}
-	plan := cells[:planned]
-	// 3. Admission.
-	wait := min(pc.cfg.AdmissionWait, time.Until(deadline(ctx)))
-	var waited time.Duration
-	if !pc.ad.acquire(ctx, bytes, 0) {
-		pc.waited.Add(1)
-		t0 := time.Now()
-		ok := pc.ad.acquire(ctx, bytes, wait)
-		waited = time.Since(t0)
-		if !ok {
-			result := "rejected"
-			if dropped() {
-				pc.cancelled.Add(1)
-				result = "cancelled"
-			} else {
-				pc.rejected.Add(1)
-			}
-			traceAdmission(f, Admission{Cells: planned, Bytes: bytes, Result: result, Waited: waited})
-			pc.release(results, keys, plan, 0, false)
-			f.Done()
-			return
-		}
-	}
-	// 4. Reserve L1 staging in chunk order; a chunk that finds no space
-	// (or is already resident) ends the plan there. A dropped lookup's
-	// reservations fail.
-	mems := make([][]byte, len(plan))
-	n := 0
-	for n < len(plan) {
-		c := plan[n].chunk
-		k := n
-		for ; k < len(plan) && plan[k].chunk == c; k++ {
-			mem, ok, err := f.Reserve(plan[k].rank, c, plan[k].size, !pc.cfg.Retain)
-			if err != nil || !ok {
-				break
-			}
-			mems[k] = mem
-		}
-		if k < len(plan) && plan[k].chunk == c { // this chunk is incomplete
-			for q := n; q < k; q++ {
-				_ = f.Commit(plan[q].rank, c, false)
-			}
-			break
-		}
-		n = k
-	}
-	pc.ad.reserved(bytes)
-	pc.release(results, keys, plan, n, false) // holds of cells not reserved
-	adm := Admission{Cells: len(plan), Bytes: bytes, Staged: n, Result: "admitted", Waited: waited}
-	plan, mems = plan[:n], mems[:n]
-	if n == 0 || dropped() {
-		// Nothing loads into the staging yet: Done frees it.
-		if dropped() {
-			pc.cancelled.Add(1)
-			adm.Result = "cancelled"
-		} else {
-			pc.l1Full.Add(1)
-			adm.Result = "l1_full"
-		}
-		traceAdmission(f, adm)
-		pc.finish(f, results, keys, plan, nil)
-		return
-	}
-	traceAdmission(f, adm)
-	// 5. Load per adapter; admit each key as it arrives.
-	if pc.cfg.BeforeLoad != nil {
-		pc.cfg.BeforeLoad(append([]l2.Key(nil), keys[:n]...))
-	}
-	var loads sync.WaitGroup
-	// bad[a]: keys whose objects adapter a returned but the check
-	// rejected; each adapter's events goroutine appends to its own slice,
-	// read once loads are all done.
-	bad := make([][]l2.Key, len(pc.adapters))
-	for a := range pc.adapters {
-		var idx []int
-		for i := range plan {
-			if plan[i].src == a {
-				idx = append(idx, i)
-			}
-		}
-		if len(idx) == 0 {
-			continue
-		}
-		lkeys := make([]l2.Key, len(idx))
-		bufs := make([][]byte, len(idx))
-		for q, i := range idx {
-			lkeys[q], bufs[q] = keys[i], mems[i]
-		}
-		t := pc.adapters[a].Load(ctx, lkeys, bufs)
-		loads.Add(1)
-		go func() {
-			defer loads.Done()
-			for ev := range t.Events() {
-				i := idx[ev.Index]
-				cl, key := &plan[i], keys[i]
-				ok := ev.OK()
-				switch ev.Status {
-				case l2.StatusOK:
-					// Bytes from a disk or a network: check the header names
-					// the key asked for and the payload checksum before the
-					// object can be served.
-					if err := checkObject(mems[i], key, pc.cfg.Verify); err != nil {
-						ok = false
-						pc.reject(a, key, err)
-						bad[a] = append(bad[a], key)
-						break
-					}
-					pc.chunksOK[a].Add(1)
-					pc.bytesLoaded[a].Add(int64(ev.Bytes))
-				case l2.StatusMiss:
-					pc.chunksMiss[a].Add(1)
-				default:
-					pc.chunksFailed[a].Add(1)
-					pc.log.Debug("tier: L2 load failed", "adapter", pc.adapters[a].Name(), "key", ev.Key, "err", ev.Err)
-				}
-				_ = f.Commit(cl.rank, cl.chunk, ok)
-			}
-		}()
-	}
-	allDone := make(chan struct{})
-	go func() { loads.Wait(); close(allDone) }()
-	pc.loaded.Add(1)
-	select {
-	case <-allDone:
-		switch {
-		case dropped():
-			pc.cancelled.Add(1)
-		case !time.Now().Before(deadline(ctx)): // the loads ended by the deadline
-			// (by the clock: a backend's socket deadline can fire just
-			// before the context's timer)
-			pc.timeouts.Add(1)
-		}
-	case <-ctx.Done():
-		// Past the deadline, or the lookup was dropped: answer with what
-		// has arrived (a dropped lookup takes nothing); free the staging of
-		// loads still running only when their keys report.
-		if dropped() {
-			pc.cancelled.Add(1)
-		} else {
-			pc.timeouts.Add(1)
-		}
-		f.Answer()
-		select {
-		case <-allDone:
-		case <-time.After(drainTimeout):
-			pc.log.Warn("tier: L2 loads still running after the deadline (or the lookup was dropped); their staging stays reserved")
-			go func() { <-allDone; pc.finish(f, results, keys, plan, bad) }()
-			return
-		}
-	}
-	pc.finish(f, results, keys, plan, bad)
-}
-
-func (pc *PrefetchController) finish(f Fill, results [][]l2.Result, keys []l2.Key, plan []cell, bad [][]l2.Key) {
-	f.Done()
-	pc.release(results, keys, plan, 0, false)
-	pc.ad.kick()
-	pc.deleteRejected(bad) // after release: the adapter refuses to delete held keys
-}
-
 // checkObject verifies an object loaded from L2 for key: header (magic,
 // format version, header checksum), the key it names, its size and, unless
-// the policy is VerifyOff, its payload CRC, which must be set (the L2 store
-// sets it before writing) and match. The server does not know the KV
+// the policy is VerifyOff, its payload CRC, which must be set (the L2
+// writer sets it before writing) and match. The server does not know the KV
 // layout; the layout fingerprint and chunk tokens are the worker's to
 // check.
 func checkObject(obj []byte, key l2.Key, policy objfmt.VerifyPolicy) error {

@@ -52,7 +52,7 @@ func TestRestartHitsFromL2(t *testing.T) {
 				a.put(t, r, hs)
 			}
 			a.flush(t)
-			s := a.st.StoreController().Stats()
+			s := a.st.Writer().Stats()
 			assert.Equal(t, s.Saved[0], int64(2*4))
 			assert.Equal(t, s.SavedBytes[0], int64(2*4*objSize))
 			assert.Equal(t, a.stat(t, "kvshim_l1_commits_total"), 8.0) // L1 readable
@@ -132,11 +132,11 @@ func TestMooncakeClearedL1HitsFromL2(t *testing.T) {
 	a := newEnv(t, 4, nil, server.Options{}, cfg)
 	a.put(t, 0, hs)
 	a.flush(t)
-	assert.Equal(t, a.st.StoreController().Stats().Saved[0], int64(3))
+	assert.Equal(t, a.st.Writer().Stats().Saved[0], int64(3))
 	_, err = a.st.Clear(a.sess)
 	assert.NilError(t, err)
 	assert.Equal(t, a.stat(t, "kvshim_l1_used_bytes"), 0.0)
-	// mooncake's exists reports no size: the store controller's hint is used
+	// mooncake's exists reports no size: the writer's hint is used
 	id, n := a.lookup(t, 1, false, hs)
 	assert.Equal(t, n, uint32(3))
 	a.check(t, id, 1, false, hs, n)
@@ -172,14 +172,14 @@ func TestConfigValidation(t *testing.T) {
 	cfg := base
 	cfg.L1SizeGB = 1.0 / 1024
 	cfg.L2Adapters = []string{`{"type":"fs","bogus":1,"base_path":"/tmp/x"}`}
-	_, err := server.NewStore(cfg, server.Options{})
+	_, err := server.NewCore(cfg, server.Options{})
 	assert.ErrorContains(t, err, `key "bogus": unknown for type "fs"`)
 	assert.Assert(t, errors.Is(err, l2.ErrBadConfig))
 	// L1 only: policy none installs no commit hook and pins nothing.
 	e := newEnv(t, 1, func(c *server.Config) { c.L2StorePolicy = tier.PolicyNone }, server.Options{}, fsConfig(t.TempDir()))
 	e.put(t, 0, hashes("none", 2))
 	assert.Equal(t, e.stat(t, "kvshim_l1_pinned"), 0.0)
-	assert.Equal(t, e.st.StoreController().Stats().Pending, int64(0))
+	assert.Equal(t, e.st.Writer().Stats().Pending, int64(0))
 }
 
 // server.Start registers every L1 segment with the adapters (fd + mapping).
@@ -194,11 +194,11 @@ func TestStartRegistersSegments(t *testing.T) {
 	srv, err := server.Start(cfg, nil, server.Options{})
 	assert.NilError(t, err)
 	defer func() { assert.NilError(t, srv.Close()) }()
-	sess, err := srv.Store.OpenSession([16]byte{9})
+	sess, err := srv.Core.OpenSession([16]byte{9})
 	assert.NilError(t, err)
-	_, err = srv.Store.Alloc(sess, allocReq(hashes("seg", 20)))
+	_, err = srv.Core.Alloc(sess, allocReq(hashes("seg", 20)))
 	assert.NilError(t, err)
-	fb := srv.Store.L2Adapters()[0].Backend().(*faultBackend)
+	fb := srv.Core.L2Adapters()[0].Backend().(*faultBackend)
 	waitFor(t, "2 segment registrations", func() bool {
 		fb.mu.Lock()
 		defer fb.mu.Unlock()

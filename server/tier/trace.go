@@ -7,7 +7,7 @@ import (
 )
 
 // L2Tracer is implemented by an L1 host that records lifecycle traces
-// (server.Store): the store controller reports each L2 write's end to it.
+// (server.Core): the writer reports each L2 write's end to it.
 type L2Tracer interface {
 	// TraceL2Saved: the L2 write of key (bytes) by adapter ended; err is
 	// nil when it is saved.
@@ -15,9 +15,9 @@ type L2Tracer interface {
 }
 
 // traceSaved reports one L2 write's end to the host, if it traces.
-func (sc *StoreController) traceSaved(a int, key l2.Key, bytes int, err error) {
-	if t, ok := sc.l1.(L2Tracer); ok {
-		t.TraceL2Saved(sc.adapters[a].Name(), key, bytes, err)
+func (wr *Writer) traceSaved(a int, key l2.Key, bytes int, err error) {
+	if t, ok := wr.l1.(L2Tracer); ok {
+		t.TraceL2Saved(wr.adapters[a].Name(), key, bytes, err)
 	}
 }
 
@@ -32,15 +32,4 @@ type Admission struct {
 	Bytes         uint64
 	Result        string
 	Waited        time.Duration
-}
-
-// AdmissionTracer is implemented by a Fill whose host records traces.
-type AdmissionTracer interface {
-	TraceAdmission(Admission)
-}
-
-func traceAdmission(f Fill, a Admission) {
-	if t, ok := f.(AdmissionTracer); ok {
-		t.TraceAdmission(a)
-	}
 }

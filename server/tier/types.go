@@ -1,13 +1,14 @@
 package tier
 
 import (
+	"context"
 	"sync"
 
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
-// L1 is what the controllers need from the L1 store.
+// L1 is what the controllers need from L1 (the server's Core).
 type L1 interface {
 	// Unpin drops the controller-owned holds of objs (taken at commit).
 	Unpin(objs []Object)
@@ -21,10 +22,27 @@ type L1 interface {
 type Object struct {
 	Key l2.Key
 	Mem []byte
-	Ref uint64 // the store's handle for Unpin
+	Ref uint64 // the core's handle for Unpin
 }
 
-// Fill is one lookup's missing suffix (the L1 store's fill task).
+// Filler is the L2 side of the fill seam: it is asked to fill the missing
+// suffix of a lookup into L1 while the lookup stays pending.
+// PrefetchController is the one that loads from L2 adapters.
+//
+// Fill is called without L1's lock, once per lookup that misses at least
+// one chunk. It must not block: it starts the work and returns true, or
+// returns false when it has nothing to do (the lookup is then final at
+// once). After returning true it must call f.Done exactly once, from any
+// goroutine, when it has finished (loaded, failed or given up). Between
+// the two it may Reserve / Commit objects through f. f.Context() ends when
+// the lookup is dropped (its session closes, the hold TTL): the filler
+// should then abandon the work, still calling Done.
+type Filler interface {
+	Fill(req FillRequest, f Fill) bool
+}
+
+// Fill is the L1 side of the fill seam: one lookup's missing suffix
+// (server.FillTask implements it).
 type Fill interface {
 	// Reserve stages size bytes for (rank, chunk); ok=false: no L1 space.
 	Reserve(rank, chunk uint32, size uint64, temporary bool) (mem []byte, ok bool, err error)
@@ -36,6 +54,14 @@ type Fill interface {
 	// Done ends the fill: frees what is still reserved and answers the
 	// lookup if Answer was not called. Called exactly once.
 	Done()
+	// Context ends when the lookup is dropped (nil: never). The filler then
+	// stops the fill's L2 lookups and loads (their context ends), its
+	// admission wait and its remaining steps, and gives back its budget,
+	// holds and staging; a load already writing into staging keeps it
+	// until the load reports, as after the deadline.
+	Context() context.Context
+	// TraceAdmission records the fill's admission decision (traces).
+	TraceAdmission(Admission)
 }
 
 // FillRequest describes a fill: chunks [Start, Start+len(Hashes)) of a

@@ -1,6 +1,7 @@
 package tier_test
 
 import (
+	"context"
 	"sync"
 	"testing"
 	"time"
@@ -32,8 +33,10 @@ func (f *recordFill) Commit(rank, chunk uint32, ok bool) error {
 	return nil
 }
 
-func (f *recordFill) Answer() {}
-func (f *recordFill) Done()   { close(f.done) }
+func (f *recordFill) Answer()                       {}
+func (f *recordFill) Done()                         { close(f.done) }
+func (f *recordFill) Context() context.Context      { return nil }
+func (f *recordFill) TraceAdmission(tier.Admission) {}
 
 type noL1 struct{}
 
@@ -77,7 +80,7 @@ func TestFillPayloadCheckFollowsVerifyPolicy(t *testing.T) {
 			assert.NilError(t, err)
 			t.Cleanup(pc.Close)
 			f := &recordFill{ok: map[uint32]bool{}, done: make(chan struct{})}
-			assert.Assert(t, pc.Prefetch(tier.FillRequest{Namespace: ns1, Ranks: 1, Hashes: []ipc.Hash(hs)}, f))
+			assert.Assert(t, pc.Fill(tier.FillRequest{Namespace: ns1, Ranks: 1, Hashes: []ipc.Hash(hs)}, f))
 			select {
 			case <-f.done:
 			case <-time.After(20 * time.Second):

@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
+	"github.com/kvshim/kvshim/server/l2/l2test"
 )
 
 // Capacity: max_bytes with LRU eviction (doc.go, "Capacity").
@@ -81,9 +82,9 @@ func storeAll(t *testing.T, a *l2.Adapter, keys []l2.Key, seed int) {
 	t.Helper()
 	bufs := make([][]byte, len(keys))
 	for i := range keys {
-		bufs[i] = payload(seed+i, objPayload)
+		bufs[i] = l2test.Payload(seed+i, objPayload)
 	}
-	for i, r := range wait(t, a.Store(context.Background(), keys, bufs)) {
+	for i, r := range l2test.Wait(t, a.Store(context.Background(), keys, bufs)) {
 		assert.Equal(t, r.Status, l2.StatusOK, "key %d: %v", i, r.Err)
 	}
 }
@@ -94,19 +95,19 @@ func hit(t *testing.T, a *l2.Adapter, k l2.Key, seed int) {
 	t.Helper()
 	ctx := context.Background()
 	look := a.LookupAndHold(ctx, []l2.Key{k})
-	wait(t, look)
+	l2test.Wait(t, look)
 	assert.Equal(t, look.Bitmap().Count(), 1, "%s is not in L2", k)
 	dst := make([]byte, objPayload)
-	res := wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
+	res := l2test.Wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
 	a.Release([]l2.Key{k})
 	assert.Equal(t, res[0].Status, l2.StatusOK, "%v", res[0].Err)
-	assert.Assert(t, bytes.Equal(dst, payload(seed, objPayload)))
+	assert.Assert(t, bytes.Equal(dst, l2test.Payload(seed, objPayload)))
 }
 
 func keyRange(from, n int) []l2.Key {
 	ks := make([]l2.Key, n)
 	for i := range ks {
-		ks[i] = key(from + i)
+		ks[i] = l2test.Key(from + i)
 	}
 	return ks
 }
@@ -149,7 +150,7 @@ func TestMaxBytesKeepsRecentlyUsed(t *testing.T) {
 	dir := t.TempDir()
 	const room = 12
 	a, b := openAtDir(t, dir, fmt.Sprintf(`,"max_bytes":%d,"touch_interval_ms":0,"eviction":{"eviction_policy":"LRU"}`, room*objFile))
-	hot := key(1000)
+	hot := l2test.Key(1000)
 	storeAll(t, a, []l2.Key{hot}, 1000)
 	for batch := range 20 {
 		time.Sleep(2 * time.Millisecond) // mtimes from a coarse clock: keep batches apart
@@ -163,7 +164,7 @@ func TestMaxBytesKeepsRecentlyUsed(t *testing.T) {
 	assert.Equal(t, st.Full, int64(0))
 	assert.Equal(t, st.TouchErrors, int64(0))
 	assert.Assert(t, present(t, b, hot), "the object used after every batch was evicted")
-	assert.Assert(t, !present(t, b, key(0)), "the oldest unused object was kept")
+	assert.Assert(t, !present(t, b, l2test.Key(0)), "the oldest unused object was kept")
 	for _, k := range keyRange(76, 4) { // the last batch
 		assert.Assert(t, present(t, b, k))
 	}
@@ -180,7 +181,7 @@ func TestMaxBytesKeepsRecentlyUsed(t *testing.T) {
 // at most once per touch_interval_ms.
 func TestRecencyIsTheTouchedMtime(t *testing.T) {
 	a, b := openAtDir(t, t.TempDir(), fmt.Sprintf(`,"max_bytes":%d,"touch_interval_ms":0`, 100*objFile))
-	k := key(7)
+	k := l2test.Key(7)
 	storeAll(t, a, []l2.Key{k}, 7)
 	past := time.Now().Add(-time.Hour)
 	assert.NilError(t, os.Chtimes(b.Path(k), past, past))
@@ -225,7 +226,7 @@ func TestCapacitySurvivesRestart(t *testing.T) {
 		if i == 3 {
 			at = t0.Add(50 * time.Minute)
 		}
-		assert.NilError(t, os.Chtimes(b0.Path(key(i)), at, at))
+		assert.NilError(t, os.Chtimes(b0.Path(l2test.Key(i)), at, at))
 	}
 	assert.NilError(t, b0.Close())
 
@@ -242,13 +243,13 @@ func TestCapacitySurvivesRestart(t *testing.T) {
 	objects, _, n := walkUsage(t, dir)
 	assert.Assert(t, objects <= room*objFile)
 	assert.Equal(t, n, 9, "evicted down to 90%% of max_bytes")
-	assert.Assert(t, present(t, b, key(3)), "the most recently used object was evicted")
+	assert.Assert(t, present(t, b, l2test.Key(3)), "the most recently used object was evicted")
 	for i := 22; i < 30; i++ {
-		assert.Assert(t, present(t, b, key(i)), "object %d", i)
+		assert.Assert(t, present(t, b, l2test.Key(i)), "object %d", i)
 	}
 	for i := range 22 {
 		if i != 3 {
-			assert.Assert(t, !present(t, b, key(i)), "object %d was kept", i)
+			assert.Assert(t, !present(t, b, l2test.Key(i)), "object %d was kept", i)
 		}
 	}
 }
@@ -259,15 +260,15 @@ func TestCapacitySurvivesRestart(t *testing.T) {
 func TestFullStoresFail(t *testing.T) {
 	a, b := openAtDir(t, t.TempDir(), fmt.Sprintf(`,"max_bytes":%d`, 4*objFile))
 	ctx := context.Background()
-	res := wait(t, a.Store(ctx, []l2.Key{key(99)}, [][]byte{payload(99, 4*objFile)}))
+	res := l2test.Wait(t, a.Store(ctx, []l2.Key{l2test.Key(99)}, [][]byte{l2test.Payload(99, 4*objFile)}))
 	assert.Equal(t, res[0].Status, l2.StatusFailed)
 	assert.Assert(t, errors.Is(res[0].Err, fs.ErrFull), "%v", res[0].Err)
 
 	held := keyRange(0, 4)
 	storeAll(t, a, held, 0)
-	wait(t, a.LookupAndHold(ctx, held))
+	l2test.Wait(t, a.LookupAndHold(ctx, held))
 	start := time.Now()
-	res = wait(t, a.Store(ctx, []l2.Key{key(5)}, [][]byte{payload(5, objPayload)}))
+	res = l2test.Wait(t, a.Store(ctx, []l2.Key{l2test.Key(5)}, [][]byte{l2test.Payload(5, objPayload)}))
 	assert.Equal(t, res[0].Status, l2.StatusFailed)
 	assert.Assert(t, errors.Is(res[0].Err, fs.ErrFull), "%v", res[0].Err)
 	assert.Assert(t, time.Since(start) < 5*time.Second)
@@ -276,8 +277,8 @@ func TestFullStoresFail(t *testing.T) {
 	}
 	// Released, they can go (one, to make room for the new one).
 	a.Release(held)
-	storeAll(t, a, []l2.Key{key(5)}, 5)
-	assert.Assert(t, present(t, b, key(5)))
+	storeAll(t, a, []l2.Key{l2test.Key(5)}, 5)
+	assert.Assert(t, present(t, b, l2test.Key(5)))
 	kept := 0
 	for _, k := range held {
 		if present(t, b, k) {
@@ -301,7 +302,7 @@ func TestSharedDirectoryTwoServers(t *testing.T) {
 	a, ba := openAtDir(t, dir, cfg)
 	b, bb := openAtDir(t, dir, cfg)
 	ctx := context.Background()
-	hot := key(5000)
+	hot := l2test.Key(5000)
 	storeAll(t, a, []l2.Key{hot}, 5000)
 	for round := range 12 {
 		time.Sleep(2 * time.Millisecond)
@@ -321,7 +322,7 @@ func TestSharedDirectoryTwoServers(t *testing.T) {
 	objects, _, _ := walkUsage(t, dir)
 	assert.Assert(t, objects <= room*objFile)
 	assert.Assert(t, present(t, ba, hot), "B evicted the object A keeps using")
-	assert.Assert(t, !present(t, ba, key(0)) && !present(t, ba, key(4)))
+	assert.Assert(t, !present(t, ba, l2test.Key(0)) && !present(t, ba, l2test.Key(4)))
 	assert.Assert(t, ba.EvictStats().Evicted > 0 && bb.EvictStats().Evicted > 0, "%+v %+v", ba.EvictStats(), bb.EvictStats())
 }
 

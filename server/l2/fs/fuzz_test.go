@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
+	"github.com/kvshim/kvshim/server/l2/l2test"
 )
 
 // FuzzLoad: whatever bytes sit in an object file, a load never panics and
@@ -38,7 +39,7 @@ func FuzzLoad(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	k := key(1)
+	k := l2test.Key(1)
 	f.Fuzz(func(t *testing.T, file []byte, n int) {
 		if n < 0 || n > 1<<16 {
 			return

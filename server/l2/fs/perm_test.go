@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
+	"github.com/kvshim/kvshim/server/l2/l2test"
 )
 
 // withUmask sets the process umask for the test (tests of this package do
@@ -69,17 +70,17 @@ func TestModesWhateverTheUmask(t *testing.T) {
 				a := openAt(t, base, tc.extra, nil)
 				ctx := context.Background()
 				be := a.Backend().(*fs.Backend)
-				healed := key(2)
+				healed := l2test.Key(2)
 				assert.NilError(t, os.MkdirAll(filepath.Dir(be.Path(healed)), 0o700))
 				assert.NilError(t, os.WriteFile(be.Path(healed), nil, 0o600))
-				for _, r := range wait(t, a.Store(ctx, []l2.Key{key(1), healed}, [][]byte{payload(1, 64), payload(2, 64)})) {
+				for _, r := range l2test.Wait(t, a.Store(ctx, []l2.Key{l2test.Key(1), healed}, [][]byte{l2test.Payload(1, 64), l2test.Payload(2, 64)})) {
 					assert.Equal(t, r.Status, l2.StatusOK, "%v", r.Err)
 				}
 				for _, d := range []string{base,
-					filepath.Dir(filepath.Dir(be.Path(key(1)))), filepath.Dir(be.Path(key(1)))} {
+					filepath.Dir(filepath.Dir(be.Path(l2test.Key(1)))), filepath.Dir(be.Path(l2test.Key(1)))} {
 					assert.Equal(t, modeOf(t, d), tc.dir, "directory %s", d)
 				}
-				for _, k := range []l2.Key{key(1), healed} {
+				for _, k := range []l2.Key{l2test.Key(1), healed} {
 					assert.Equal(t, modeOf(t, be.Path(k)), tc.fileMode, "file of %s", k)
 				}
 			})
@@ -94,8 +95,8 @@ func TestSetgidBaseIsInherited(t *testing.T) {
 	base := t.TempDir()
 	assert.NilError(t, os.Chmod(base, 0o770|os.ModeSetgid))
 	a := openAt(t, base, `,"dir_mode":"0770","file_mode":"0640"`, nil)
-	wait(t, a.Store(context.Background(), []l2.Key{key(1)}, [][]byte{payload(1, 8)}))
-	p := a.Backend().(*fs.Backend).Path(key(1))
+	l2test.Wait(t, a.Store(context.Background(), []l2.Key{l2test.Key(1)}, [][]byte{l2test.Payload(1, 8)}))
+	p := a.Backend().(*fs.Backend).Path(l2test.Key(1))
 	assert.Equal(t, modeOf(t, filepath.Dir(p)), 0o770|os.ModeSetgid)
 	assert.Equal(t, modeOf(t, p), os.FileMode(0o640))
 }
@@ -207,7 +208,7 @@ func TestOtherUidCannotReadL2Files(t *testing.T) {
 	assert.Equal(t, string(out), "hi")
 
 	withUmask(t, 0o022) // the usual umask: the 0644/0755 of the issue
-	src := payload(7, 4096)
+	src := l2test.Payload(7, 4096)
 	for _, tc := range []struct {
 		name, extra string
 		gid         uint32 // the child's group
@@ -221,8 +222,8 @@ func TestOtherUidCannotReadL2Files(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			base := filepath.Join(top, strings.ReplaceAll(tc.name, " ", "_"))
 			a := openAt(t, base, tc.extra, nil)
-			assert.Equal(t, wait(t, a.Store(context.Background(), []l2.Key{key(7)}, [][]byte{src}))[0].Status, l2.StatusOK)
-			p := a.Backend().(*fs.Backend).Path(key(7))
+			assert.Equal(t, l2test.Wait(t, a.Store(context.Background(), []l2.Key{l2test.Key(7)}, [][]byte{src}))[0].Status, l2.StatusOK)
+			p := a.Backend().(*fs.Backend).Path(l2test.Key(7))
 			st, err := os.Stat(p)
 			assert.NilError(t, err)
 			assert.Equal(t, st.Sys().(*syscall.Stat_t).Gid, uint32(0))
@@ -243,7 +244,7 @@ func TestOtherUidCannotReadL2Files(t *testing.T) {
 // stored bytes and a further store is a skip: the same inode stays).
 func TestBrokenFileIsMissAndHealsOnStore(t *testing.T) {
 	const n = 4096
-	src := payload(3, n)
+	src := l2test.Payload(3, n)
 	trailer := func(p []byte) []byte {
 		var tr [16]byte
 		binary.LittleEndian.PutUint32(tr[0:], 0x324c564b)
@@ -269,24 +270,24 @@ func TestBrokenFileIsMissAndHealsOnStore(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			a, b, _ := open(t, "")
 			ctx := context.Background()
-			k := key(3)
+			k := l2test.Key(3)
 			path := b.Path(k)
 			plant := func() {
 				assert.NilError(t, os.MkdirAll(filepath.Dir(path), 0o700))
 				assert.NilError(t, os.WriteFile(path, tc.file, 0o600))
 			}
 			plant()
-			look := wait(t, a.LookupAndHold(ctx, []l2.Key{k}))
+			look := l2test.Wait(t, a.LookupAndHold(ctx, []l2.Key{k}))
 			a.Release([]l2.Key{k})
 			assert.Equal(t, look[0].Status, l2.StatusMiss, "Exists: %v", look[0].Err)
 
 			dst := make([]byte, n)
-			res := wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
+			res := l2test.Wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
 			assert.Equal(t, res[0].Status, l2.StatusMiss, "Load: %v", res[0].Err)
 			assert.Assert(t, errors.Is(res[0].Err, fs.ErrCorrupt), "%v", res[0].Err)
 
 			plant() // Load discarded it; a store must heal it without that
-			assert.Equal(t, wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{src}))[0].Status, l2.StatusOK)
+			assert.Equal(t, l2test.Wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{src}))[0].Status, l2.StatusOK)
 			got, err := os.ReadFile(path)
 			assert.NilError(t, err)
 			assert.Assert(t, bytes.Equal(got, valid), "store did not replace the broken file (%d bytes)", len(got))
@@ -294,18 +295,18 @@ func TestBrokenFileIsMissAndHealsOnStore(t *testing.T) {
 			assert.NilError(t, err)
 			assert.Equal(t, len(ents), 1, "temporary file left")
 
-			look = wait(t, a.LookupAndHold(ctx, []l2.Key{k}))
+			look = l2test.Wait(t, a.LookupAndHold(ctx, []l2.Key{k}))
 			a.Release([]l2.Key{k})
 			assert.Equal(t, look[0].Status, l2.StatusOK)
 			assert.Equal(t, look[0].Bytes, n)
 			clear(dst)
-			res = wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
+			res = l2test.Wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
 			assert.Equal(t, res[0].Status, l2.StatusOK, "%v", res[0].Err)
 			assert.Assert(t, bytes.Equal(dst, src))
 
 			before, err := os.Stat(path)
 			assert.NilError(t, err)
-			assert.Equal(t, wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{src}))[0].Status, l2.StatusOK)
+			assert.Equal(t, l2test.Wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{src}))[0].Status, l2.StatusOK)
 			after, err := os.Stat(path)
 			assert.NilError(t, err)
 			assert.Assert(t, os.SameFile(before, after), "a valid object was rewritten")
@@ -319,19 +320,19 @@ func TestBrokenFileIsMissAndHealsOnStore(t *testing.T) {
 func TestOtherLengthObjectIsReplacedOnStore(t *testing.T) {
 	a, b, _ := open(t, "")
 	ctx := context.Background()
-	k := key(4)
-	wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{payload(4, 100)}))
-	look := wait(t, a.LookupAndHold(ctx, []l2.Key{k}))
+	k := l2test.Key(4)
+	l2test.Wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{l2test.Payload(4, 100)}))
+	look := l2test.Wait(t, a.LookupAndHold(ctx, []l2.Key{k}))
 	a.Release([]l2.Key{k})
 	assert.Equal(t, look[0].Status, l2.StatusOK)
 	assert.Equal(t, look[0].Bytes, 100)
 	dst := make([]byte, 200)
-	res := wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
+	res := l2test.Wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
 	assert.Assert(t, errors.Is(res[0].Err, l2.ErrBufferSize), "%v", res[0].Err)
 
-	src := payload(4, 200)
-	assert.Equal(t, wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{src}))[0].Status, l2.StatusOK)
-	res = wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
+	src := l2test.Payload(4, 200)
+	assert.Equal(t, l2test.Wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{src}))[0].Status, l2.StatusOK)
+	res = l2test.Wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
 	assert.Equal(t, res[0].Status, l2.StatusOK, "%v", res[0].Err)
 	assert.Assert(t, bytes.Equal(dst, src))
 	_, err := os.Stat(b.Path(k))

@@ -64,7 +64,9 @@
 // Semantics: put of an existing key is success; exists = StatusOK and takes
 // Mooncake's lease (plus the l2 layer's local hold count, which does not
 // extend the lease); a get returning <= 0 or -704 is a miss; a size other
-// than len(dst) is ErrBufferSize; every other negative code fails that key
+// than len(dst) is ErrBufferSize (Mooncake answers a smaller buffer with
+// INVALID_PARAMS; the helper then answers the object's size); every other
+// negative code fails that key
 // only, with the code's name (LEASE_EXPIRED, TRANSFER_FAIL, ...). remove
 // honours other readers' leases (OBJECT_HAS_LEASE fails the key).
 //

@@ -10,6 +10,7 @@ import (
 	is "gotest.tools/v3/assert/cmp"
 
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/l2test"
 	"github.com/kvshim/kvshim/server/l2/mooncake/mctest"
 )
 
@@ -22,12 +23,12 @@ import (
 func TestMooncakeEvictsWhenFull(t *testing.T) {
 	py, m := env(t, 500)
 	const segment, size = 16 << 20, 1 << 20
-	a := open(t, mctest.Config(py, m, segment, 16<<20, ""))
+	a := l2test.Open(t, mctest.Config(py, m, segment, 16<<20, ""))
 	ctx := context.Background()
 	batch := func(b int) []l2.Key {
 		keys := make([]l2.Key, 4)
 		for i := range keys {
-			keys[i] = key(b*4 + i)
+			keys[i] = l2test.Key(b*4 + i)
 		}
 		return keys
 	}
@@ -35,16 +36,16 @@ func TestMooncakeEvictsWhenFull(t *testing.T) {
 	for b := range 16 {
 		if b > 0 {
 			look := a.LookupAndHold(ctx, batch(0))
-			wait(t, look)
+			l2test.Wait(t, look)
 			a.Release(batch(0))
 			assert.Equal(t, look.Bitmap().Count(), 4, "batch %d: an object in use was evicted", b)
 		}
 		keys := batch(b)
 		bufs := make([][]byte, len(keys))
 		for i := range keys {
-			bufs[i] = payload(b*4+i, size)
+			bufs[i] = l2test.Payload(b*4+i, size)
 		}
-		for _, r := range wait(t, a.Store(ctx, keys, bufs)) {
+		for _, r := range l2test.Wait(t, a.Store(ctx, keys, bufs)) {
 			if r.OK() {
 				ok++
 				continue
@@ -56,9 +57,9 @@ func TestMooncakeEvictsWhenFull(t *testing.T) {
 	}
 	all := make([]l2.Key, 64)
 	for i := range all {
-		all[i] = key(i)
+		all[i] = l2test.Key(i)
 	}
-	res := wait(t, a.LookupAndHold(ctx, all))
+	res := l2test.Wait(t, a.LookupAndHold(ctx, all))
 	a.Release(all)
 	present := 0
 	for _, r := range res {
@@ -71,7 +72,7 @@ func TestMooncakeEvictsWhenFull(t *testing.T) {
 	assert.Assert(t, present*size <= segment && present >= 8, "%d objects present", present)
 	assert.Assert(t, !res[4].OK() && !res[5].OK(), "the oldest objects not in use were kept")
 	dst := make([]byte, size)
-	ld := wait(t, a.Load(ctx, all[:1], [][]byte{dst}))
+	ld := l2test.Wait(t, a.Load(ctx, all[:1], [][]byte{dst}))
 	assert.Equal(t, ld[0].Status, l2.StatusOK, "%v", ld[0].Err)
-	assert.Assert(t, bytes.Equal(dst, payload(0, size)))
+	assert.Assert(t, bytes.Equal(dst, l2test.Payload(0, size)))
 }

@@ -16,6 +16,7 @@ import (
 	is "gotest.tools/v3/assert/cmp"
 
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/l2test"
 	"github.com/kvshim/kvshim/server/l2/redis"
 	"github.com/kvshim/kvshim/server/l2/redis/redisserver"
 )
@@ -36,13 +37,13 @@ func pttl(t *testing.T, s *redisserver.Server, k l2.Key) int {
 func TestTTL(t *testing.T) {
 	s := startRedis(t)
 	ctx := context.Background()
-	plain := open(t, fmt.Sprintf(`{"type":"redis","addrs":[%q]}`, s.Addr))
-	wait(t, plain.Store(ctx, []l2.Key{key(1)}, [][]byte{payload(1, 1000)}))
-	assert.Equal(t, pttl(t, s, key(1)), -1, "without ttl_s objects do not expire")
+	plain := l2test.Open(t, fmt.Sprintf(`{"type":"redis","addrs":[%q]}`, s.Addr))
+	l2test.Wait(t, plain.Store(ctx, []l2.Key{l2test.Key(1)}, [][]byte{l2test.Payload(1, 1000)}))
+	assert.Equal(t, pttl(t, s, l2test.Key(1)), -1, "without ttl_s objects do not expire")
 
-	a := open(t, fmt.Sprintf(`{"type":"redis","addrs":[%q],"ttl_s":2}`, s.Addr))
-	keys := []l2.Key{key(2), key(3)}
-	for _, r := range wait(t, a.Store(ctx, keys, [][]byte{payload(2, 1000), payload(3, 1000)})) {
+	a := l2test.Open(t, fmt.Sprintf(`{"type":"redis","addrs":[%q],"ttl_s":2}`, s.Addr))
+	keys := []l2.Key{l2test.Key(2), l2test.Key(3)}
+	for _, r := range l2test.Wait(t, a.Store(ctx, keys, [][]byte{l2test.Payload(2, 1000), l2test.Payload(3, 1000)})) {
 		assert.Equal(t, r.Status, l2.StatusOK, "%v", r.Err)
 	}
 	for _, k := range keys {
@@ -51,23 +52,23 @@ func TestTTL(t *testing.T) {
 	}
 	// A hit extends the life to ttl_s from now; a lookup does not.
 	time.Sleep(1200 * time.Millisecond)
-	wait(t, a.LookupAndHold(ctx, keys))
+	l2test.Wait(t, a.LookupAndHold(ctx, keys))
 	a.Release(keys)
 	dst := make([]byte, 1000)
-	res := wait(t, a.Load(ctx, keys[:1], [][]byte{dst}))
+	res := l2test.Wait(t, a.Load(ctx, keys[:1], [][]byte{dst}))
 	assert.Equal(t, res[0].Status, l2.StatusOK, "%v", res[0].Err)
-	assert.Assert(t, bytes.Equal(dst, payload(2, 1000)))
+	assert.Assert(t, bytes.Equal(dst, l2test.Payload(2, 1000)))
 	assert.Assert(t, pttl(t, s, keys[0]) > 1500, "the hit did not extend the life")
 	assert.Assert(t, pttl(t, s, keys[1]) < 900, "the lookup extended the life")
 	// Expired: a miss, and the key can be stored again.
 	time.Sleep(1000 * time.Millisecond)
 	look := a.LookupAndHold(ctx, keys)
-	wait(t, look)
+	l2test.Wait(t, look)
 	assert.Equal(t, l2.BitmapOf(look.Results()).Count(), 1)
 	assert.Equal(t, look.Results()[1].Status, l2.StatusMiss)
-	res = wait(t, a.Load(ctx, keys[1:], [][]byte{dst}))
+	res = l2test.Wait(t, a.Load(ctx, keys[1:], [][]byte{dst}))
 	assert.Equal(t, res[0].Status, l2.StatusMiss)
-	assert.Equal(t, wait(t, a.Store(ctx, keys[1:], [][]byte{payload(3, 1000)}))[0].Status, l2.StatusOK)
+	assert.Equal(t, l2test.Wait(t, a.Store(ctx, keys[1:], [][]byte{l2test.Payload(3, 1000)}))[0].Status, l2.StatusOK)
 	assert.Equal(t, pttl(t, s, keys[1]) > 0, true)
 }
 
@@ -119,9 +120,9 @@ func TestOOMIsAFailedStoreNotAStorm(t *testing.T) {
 		keys := make([]l2.Key, 4)
 		bufs := make([][]byte, 4)
 		for i := range keys {
-			keys[i], bufs[i] = key(batch*4+i), payload(batch*4+i, size)
+			keys[i], bufs[i] = l2test.Key(batch*4+i), l2test.Payload(batch*4+i, size)
 		}
-		for i, r := range wait(t, a.Store(ctx, keys, bufs)) {
+		for i, r := range l2test.Wait(t, a.Store(ctx, keys, bufs)) {
 			switch r.Status {
 			case l2.StatusOK:
 				stored = append(stored, keys[i])
@@ -143,19 +144,19 @@ func TestOOMIsAFailedStoreNotAStorm(t *testing.T) {
 
 	// Reads work while Redis is full.
 	look := a.LookupAndHold(ctx, stored)
-	wait(t, look)
+	l2test.Wait(t, look)
 	assert.Equal(t, look.Bitmap().Count(), len(stored))
 	a.Release(stored)
 	dst := make([]byte, size)
-	res := wait(t, a.Load(ctx, stored[:1], [][]byte{dst}))
+	res := l2test.Wait(t, a.Load(ctx, stored[:1], [][]byte{dst}))
 	assert.Equal(t, res[0].Status, l2.StatusOK, "%v", res[0].Err)
-	assert.Assert(t, bytes.Equal(dst, payload(int(stored[0].Hash[0])|int(stored[0].Hash[1])<<8, size)))
+	assert.Assert(t, bytes.Equal(dst, l2test.Payload(int(stored[0].Hash[0])|int(stored[0].Hash[1])<<8, size)))
 	// Room again (deletes work when full): after the backoff, stores succeed.
-	for _, r := range wait(t, a.Delete(ctx, stored)) {
+	for _, r := range l2test.Wait(t, a.Delete(ctx, stored)) {
 		assert.Equal(t, r.Status, l2.StatusOK, "%v", r.Err)
 	}
 	time.Sleep(redis.OOMBackoff + 100*time.Millisecond)
-	res = wait(t, a.Store(ctx, failed[:2], [][]byte{payload(1, size), payload(2, size)}))
+	res = l2test.Wait(t, a.Store(ctx, failed[:2], [][]byte{l2test.Payload(1, size), l2test.Payload(2, size)}))
 	for _, r := range res {
 		assert.Equal(t, r.Status, l2.StatusOK, "%v", r.Err)
 	}

@@ -13,6 +13,7 @@ import (
 	is "gotest.tools/v3/assert/cmp"
 
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/l2test"
 	_ "github.com/kvshim/kvshim/server/l2/redis"
 	"github.com/kvshim/kvshim/server/l2/redis/redisserver"
 )
@@ -28,121 +29,72 @@ func startRedis(t *testing.T) *redisserver.Server {
 	return s
 }
 
-func open(t *testing.T, cfg string) *l2.Adapter {
-	t.Helper()
-	a, err := l2.OpenJSON(cfg, l2.Options{})
-	assert.NilError(t, err)
-	t.Cleanup(func() { assert.NilError(t, a.Close()) })
-	return a
-}
-
-func key(i int) l2.Key {
-	k := l2.Key{Rank: uint32(i)}
-	k.Hash[0], k.Hash[1], k.Hash[2] = byte(i), byte(i>>8), 0xee
-	return k
-}
-
-// payload is binary: zeros, CR LF and every byte value.
-func payload(i, n int) []byte {
-	b := make([]byte, n)
-	for j := range b {
-		b[j] = byte(i + j)
+func TestContract(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		start func(t *testing.T) string // a Redis config for a fresh server
+	}{
+		{"one server", func(t *testing.T) string {
+			s := startRedis(t)
+			return fmt.Sprintf(`{"type":"redis","addrs":[%q],"num_workers":2,
+				"per_op_workers":{"lookup":1,"retrieve":2},"key_prefix":"t:"}`, s.Addr)
+		}},
+		{"LMCache host and port", func(t *testing.T) string {
+			s := startRedis(t)
+			return fmt.Sprintf(`{"type":"redis","host":"127.0.0.1","port":%d}`, s.Port)
+		}},
+		{"cluster", func(t *testing.T) string {
+			if _, err := redisserver.Binary(); err != nil {
+				t.Skip(err.Error())
+			}
+			srvs, err := redisserver.Cluster(t.TempDir(), 3)
+			assert.NilError(t, err)
+			addrs := make([]string, len(srvs))
+			for i, s := range srvs {
+				addrs[i] = fmt.Sprintf("%q", s.Addr)
+				t.Cleanup(s.Kill)
+			}
+			return fmt.Sprintf(`{"type":"redis","addrs":[%s],"num_workers":3}`, strings.Join(addrs, ","))
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := tc.start(t)
+			// Redis has no per-key store fault (any key name is accepted):
+			// no BreakStore.
+			l2test.Run(t, l2test.Target{Open: func(t testing.TB) *l2.Adapter { return l2test.Open(t, cfg) }})
+		})
 	}
-	copy(b, "\r\n\x00$-1\r\n")
-	return b
 }
 
-func wait(t *testing.T, task *l2.Task) []l2.Result {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	res, err := task.Wait(ctx)
-	assert.NilError(t, err)
-	return res
-}
-
-func roundTrip(t *testing.T, a *l2.Adapter, n, size int) {
-	t.Helper()
+// SET NX: a second store of other bytes is success and changes nothing
+// (the contract requires only that a key always names the same bytes).
+func TestStoreKeepsTheFirstBytes(t *testing.T) {
+	s := startRedis(t)
+	a := l2test.Open(t, fmt.Sprintf(`{"type":"redis","addrs":[%q]}`, s.Addr))
 	ctx := context.Background()
-	keys := make([]l2.Key, n)
-	src := make([][]byte, n)
-	for i := range keys {
-		keys[i], src[i] = key(i), payload(i, size)
-	}
-	half := n / 2
-	for _, r := range wait(t, a.Store(ctx, keys[:half], src[:half])) {
-		assert.Equal(t, r.Status, l2.StatusOK, "%v", r.Err)
-	}
-	// immutable: a second store of other bytes is success and changes nothing
-	wait(t, a.Store(ctx, keys[:1], [][]byte{make([]byte, size)}))
-	look := a.LookupAndHold(ctx, keys)
-	wait(t, look)
-	assert.Equal(t, look.Bitmap().Prefix(), half)
-	assert.Equal(t, look.Bitmap().Count(), half)
-	a.Release(keys)
-	dst := make([][]byte, n)
-	for i := range dst {
-		dst[i] = make([]byte, size)
-	}
-	res := wait(t, a.Load(ctx, keys, dst))
-	for i, r := range res {
-		if i < half {
-			assert.Equal(t, r.Status, l2.StatusOK, "%d: %v", i, r.Err)
-			assert.Assert(t, bytes.Equal(dst[i], src[i]), "key %d", i)
-		} else {
-			assert.Equal(t, r.Status, l2.StatusMiss, "%d", i)
-		}
-	}
-	short := wait(t, a.Load(ctx, keys[1:2], [][]byte{make([]byte, size-1)}))
-	assert.Assert(t, errors.Is(short[0].Err, l2.ErrBufferSize))
-	del := wait(t, a.Delete(ctx, keys[:half+1]))
-	assert.Equal(t, del[0].Status, l2.StatusOK)
-	assert.Equal(t, del[half].Status, l2.StatusMiss)
-	assert.Equal(t, l2.BitmapOf(wait(t, a.LookupAndHold(ctx, keys))).Count(), 0)
-}
-
-func TestRoundTrip(t *testing.T) {
-	s := startRedis(t)
-	a := open(t, fmt.Sprintf(`{"type":"redis","addrs":[%q],"num_workers":2,
-		"per_op_workers":{"lookup":1,"retrieve":2},"key_prefix":"t:"}`, s.Addr))
-	roundTrip(t, a, 40, 70<<10)
-}
-
-func TestLMCacheHostPort(t *testing.T) {
-	s := startRedis(t)
-	a := open(t, fmt.Sprintf(`{"type":"redis","host":"127.0.0.1","port":%d}`, s.Port))
-	roundTrip(t, a, 6, 1000)
-}
-
-func TestCluster(t *testing.T) {
-	if _, err := redisserver.Binary(); err != nil {
-		t.Skip(err.Error())
-	}
-	srvs, err := redisserver.Cluster(t.TempDir(), 3)
-	assert.NilError(t, err)
-	addrs := make([]string, len(srvs))
-	for i, s := range srvs {
-		addrs[i] = fmt.Sprintf("%q", s.Addr)
-		t.Cleanup(s.Kill)
-	}
-	a := open(t, fmt.Sprintf(`{"type":"redis","addrs":[%s],"num_workers":3}`, strings.Join(addrs, ",")))
-	roundTrip(t, a, 60, 4096)
+	k := []l2.Key{l2test.Key(1)}
+	src := l2test.Payload(1, 1000)
+	assert.Equal(t, l2test.Wait(t, a.Store(ctx, k, [][]byte{src}))[0].Status, l2.StatusOK)
+	assert.Equal(t, l2test.Wait(t, a.Store(ctx, k, [][]byte{make([]byte, len(src))}))[0].Status, l2.StatusOK)
+	dst := make([]byte, len(src))
+	assert.Equal(t, l2test.Wait(t, a.Load(ctx, k, [][]byte{dst}))[0].Status, l2.StatusOK)
+	assert.Assert(t, bytes.Equal(dst, src))
 }
 
 // Redis dies while a load is in flight: every key of that load reports
 // failed (not miss, not a hang), and later operations fail fast.
 func TestKilledMidLoad(t *testing.T) {
 	s := startRedis(t)
-	a := open(t, fmt.Sprintf(`{"type":"redis","addrs":%q,"num_workers":4,"op_timeout_ms":5000,
+	a := l2test.Open(t, fmt.Sprintf(`{"type":"redis","addrs":%q,"num_workers":4,"op_timeout_ms":5000,
 		"read_timeout_ms":4000,"dial_timeout_ms":500}`, s.Addr))
 	const n, size = 32, 256 << 10
 	keys := make([]l2.Key, n)
 	src := make([][]byte, n)
 	dst := make([][]byte, n)
 	for i := range keys {
-		keys[i], src[i], dst[i] = key(i), payload(i, size), make([]byte, size)
+		keys[i], src[i], dst[i] = l2test.Key(i), l2test.Payload(i, size), make([]byte, size)
 	}
-	for _, r := range wait(t, a.Store(context.Background(), keys, src)) {
+	for _, r := range l2test.Wait(t, a.Store(context.Background(), keys, src)) {
 		assert.Equal(t, r.Status, l2.StatusOK, "%v", r.Err)
 	}
 	s.Pause() // replies stop: the load below is in flight when the kill comes
@@ -150,7 +102,7 @@ func TestKilledMidLoad(t *testing.T) {
 	ld := a.Load(context.Background(), keys, dst)
 	time.Sleep(150 * time.Millisecond)
 	s.Kill()
-	res := wait(t, ld)
+	res := l2test.Wait(t, ld)
 	elapsed := time.Since(start)
 	for i, r := range res {
 		assert.Equal(t, r.Status, l2.StatusFailed, "key %d", i)
@@ -160,7 +112,7 @@ func TestKilledMidLoad(t *testing.T) {
 	assert.Assert(t, elapsed < 3*time.Second, "load took %v after the kill", elapsed)
 
 	start = time.Now()
-	look := wait(t, a.LookupAndHold(context.Background(), keys[:4]))
+	look := l2test.Wait(t, a.LookupAndHold(context.Background(), keys[:4]))
 	for _, r := range look {
 		assert.Equal(t, r.Status, l2.StatusFailed)
 	}
@@ -170,11 +122,11 @@ func TestKilledMidLoad(t *testing.T) {
 // A hung (stopped) server: keys fail at the task deadline.
 func TestHungServerTimesOut(t *testing.T) {
 	s := startRedis(t)
-	a := open(t, fmt.Sprintf(`{"type":"redis","addrs":%q,"op_timeout_ms":300}`, s.Addr))
-	wait(t, a.Store(context.Background(), []l2.Key{key(1)}, [][]byte{payload(1, 10)}))
+	a := l2test.Open(t, fmt.Sprintf(`{"type":"redis","addrs":%q,"op_timeout_ms":300}`, s.Addr))
+	l2test.Wait(t, a.Store(context.Background(), []l2.Key{l2test.Key(1)}, [][]byte{l2test.Payload(1, 10)}))
 	s.Pause()
 	start := time.Now()
-	res := wait(t, a.LookupAndHold(context.Background(), []l2.Key{key(1), key(2)}))
+	res := l2test.Wait(t, a.LookupAndHold(context.Background(), []l2.Key{l2test.Key(1), l2test.Key(2)}))
 	assert.Equal(t, res[0].Status, l2.StatusFailed)
 	assert.Equal(t, res[1].Status, l2.StatusFailed)
 	assert.Assert(t, time.Since(start) < 3*time.Second, "took %v", time.Since(start))

@@ -1,15 +1,22 @@
-package server
+package l1
 
-import "fmt"
+import (
+	"errors"
+	"fmt"
+)
+
+// ErrSegment: the segment source failed to provide memory (the allocation
+// that needed it finds no space).
+var ErrSegment = errors.New("l1: segment source failed")
 
 // SegmentSource provides L1 memory, one segment at a time, as L1 grows.
-// The server wires ipc.CreateSegment behind it (and announces each new
-// segment to every session through Store.OnSegment); tests use HeapSource.
+// The server wires ipc.CreateSegment behind it (server.IPCSource, which
+// announces each new segment to every session); tests use HeapSource.
 type SegmentSource interface {
 	// NewSegment returns size bytes of memory for segment id. The memory
 	// must stay valid until Close.
 	NewSegment(id uint32, size uint64) (mem []byte, err error)
-	// Close releases every segment. The store calls it from Store.Close.
+	// Close releases every segment. Cache.Close calls it.
 	Close() error
 }
 

@@ -51,12 +51,12 @@ func ParseStorePolicy(name string) (StorePolicy, error) {
 	return nil, fmt.Errorf("tier: store policy %q: want %q or %q", name, PolicyAll, PolicyNone)
 }
 
-// IsNone reports whether p never writes anything (the store then need not
+// IsNone reports whether p never writes anything (the core then need not
 // pin objects at all).
 func IsNone(p StorePolicy) bool { _, ok := p.(policyNone); return ok }
 
-// StoreConfig configures a StoreController.
-type StoreConfig struct {
+// WriterConfig configures a Writer.
+type WriterConfig struct {
 	Policy StorePolicy // nil: all
 	// MaxBytes bounds the bytes pinned for L2 writes (submitted, not yet
 	// finished); an object over it is not written (counted as "busy").
@@ -66,11 +66,11 @@ type StoreConfig struct {
 	CloseTimeout time.Duration
 }
 
-// StoreController writes committed L1 objects to the L2 adapters.
-type StoreController struct {
+// Writer writes committed L1 objects to the L2 adapters.
+type Writer struct {
 	l1       L1
 	adapters []*l2.Adapter
-	cfg      StoreConfig
+	cfg      WriterConfig
 	log      *slog.Logger
 	ctx      context.Context
 	cancel   context.CancelFunc
@@ -90,8 +90,8 @@ type StoreController struct {
 	errLog                        []warnLimiter  // per adapter: a full or dead L2 is not a line per key
 }
 
-// NewStoreController returns a controller over adapters; reg may be nil.
-func NewStoreController(l1 L1, adapters []*l2.Adapter, cfg StoreConfig, reg prometheus.Registerer, log *slog.Logger) (*StoreController, error) {
+// NewWriter returns a writer to adapters; reg may be nil.
+func NewWriter(l1 L1, adapters []*l2.Adapter, cfg WriterConfig, reg prometheus.Registerer, log *slog.Logger) (*Writer, error) {
 	if len(adapters) > 64 {
 		return nil, fmt.Errorf("tier: %d adapters, at most 64", len(adapters))
 	}
@@ -104,39 +104,39 @@ func NewStoreController(l1 L1, adapters []*l2.Adapter, cfg StoreConfig, reg prom
 	if log == nil {
 		log = slog.Default()
 	}
-	sc := &StoreController{l1: l1, adapters: adapters, cfg: cfg, log: log,
+	wr := &Writer{l1: l1, adapters: adapters, cfg: cfg, log: log,
 		saved: make([]atomic.Int64, len(adapters)), savedBytes: make([]atomic.Int64, len(adapters)),
 		errs: make([]atomic.Int64, len(adapters)), errLog: make([]warnLimiter, len(adapters))}
-	sc.ctx, sc.cancel = context.WithCancel(context.Background())
+	wr.ctx, wr.cancel = context.WithCancel(context.Background())
 	c := &collector{}
-	c.add("kvshim_l2_store_pending_objects", "Objects pinned in L1 for L2 writes not yet finished (store queue depth).", true, &sc.pendingObjs)
-	c.add("kvshim_l2_store_inflight_bytes", "L1 bytes pinned for L2 writes not yet finished.", true, &sc.inflightBytes)
-	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &sc.skippedPolicy, "reason", "policy")
-	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &sc.skippedBusy, "reason", "busy")
-	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &sc.skippedClosed, "reason", "closed")
-	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &sc.skippedCorrupt, "reason", "corrupt")
-	c.add("kvshim_l2_store_checksummed_objects_total", "Committed objects whose payload CRC the L2 store computed and set in L1 before writing them (objects sealed without one: the default kvshim.verify=l2).", false, &sc.checksummed)
-	c.add("kvshim_l2_store_checksummed_bytes_total", "Payload bytes the L2 store read to compute payload CRCs.", false, &sc.checksummedBytes)
+	c.add("kvshim_l2_store_pending_objects", "Objects pinned in L1 for L2 writes not yet finished (store queue depth).", true, &wr.pendingObjs)
+	c.add("kvshim_l2_store_inflight_bytes", "L1 bytes pinned for L2 writes not yet finished.", true, &wr.inflightBytes)
+	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &wr.skippedPolicy, "reason", "policy")
+	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &wr.skippedBusy, "reason", "busy")
+	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &wr.skippedClosed, "reason", "closed")
+	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &wr.skippedCorrupt, "reason", "corrupt")
+	c.add("kvshim_l2_store_checksummed_objects_total", "Committed objects whose payload CRC the L2 store computed and set in L1 before writing them (objects sealed without one: the default kvshim.verify=l2).", false, &wr.checksummed)
+	c.add("kvshim_l2_store_checksummed_bytes_total", "Payload bytes the L2 store read to compute payload CRCs.", false, &wr.checksummedBytes)
 	for i, a := range adapters {
-		c.add("kvshim_l2_store_saved_objects_total", "Objects saved to L2 (the third done: L2 saved).", false, &sc.saved[i], "adapter", a.Name())
-		c.add("kvshim_l2_store_saved_bytes_total", "Bytes saved to L2.", false, &sc.savedBytes[i], "adapter", a.Name())
-		c.add("kvshim_l2_store_errors_total", "Objects whose L2 write failed (best effort, not retried).", false, &sc.errs[i], "adapter", a.Name())
+		c.add("kvshim_l2_store_saved_objects_total", "Objects saved to L2 (the third done: L2 saved).", false, &wr.saved[i], "adapter", a.Name())
+		c.add("kvshim_l2_store_saved_bytes_total", "Bytes saved to L2.", false, &wr.savedBytes[i], "adapter", a.Name())
+		c.add("kvshim_l2_store_errors_total", "Objects whose L2 write failed (best effort, not retried).", false, &wr.errs[i], "adapter", a.Name())
 	}
-	sc.metrics = c
+	wr.metrics = c
 	if err := register(reg, c); err != nil {
 		return nil, fmt.Errorf("tier: store metrics: %w", err)
 	}
-	return sc, nil
+	return wr, nil
 }
 
 // Export calls fn for each of the controller's metrics (name, labels as
 // "k=v,k2=v2", value), as its Prometheus collector exports them.
-func (sc *StoreController) Export(fn func(name, labels string, value float64, isCounter bool)) {
-	sc.metrics.each(fn)
+func (wr *Writer) Export(fn func(name, labels string, value float64, isCounter bool)) {
+	wr.metrics.each(fn)
 }
 
-// StoreStats are the controller's counters (tests, traces).
-type StoreStats struct {
+// WriterStats are the controller's counters (tests, traces).
+type WriterStats struct {
 	Pending, InflightBytes                    int64
 	SkippedPolicy, SkippedBusy, SkippedClosed int64
 	// SkippedCorrupt: objects whose header does not verify under their key
@@ -147,14 +147,14 @@ type StoreStats struct {
 }
 
 // Stats returns the counters now.
-func (sc *StoreController) Stats() StoreStats {
-	s := StoreStats{Pending: sc.pendingObjs.Load(), InflightBytes: sc.inflightBytes.Load(),
-		SkippedPolicy: sc.skippedPolicy.Load(), SkippedBusy: sc.skippedBusy.Load(), SkippedClosed: sc.skippedClosed.Load(),
-		SkippedCorrupt: sc.skippedCorrupt.Load(), Checksummed: sc.checksummed.Load()}
-	for i := range sc.adapters {
-		s.Saved = append(s.Saved, sc.saved[i].Load())
-		s.SavedBytes = append(s.SavedBytes, sc.savedBytes[i].Load())
-		s.Errors = append(s.Errors, sc.errs[i].Load())
+func (wr *Writer) Stats() WriterStats {
+	s := WriterStats{Pending: wr.pendingObjs.Load(), InflightBytes: wr.inflightBytes.Load(),
+		SkippedPolicy: wr.skippedPolicy.Load(), SkippedBusy: wr.skippedBusy.Load(), SkippedClosed: wr.skippedClosed.Load(),
+		SkippedCorrupt: wr.skippedCorrupt.Load(), Checksummed: wr.checksummed.Load()}
+	for i := range wr.adapters {
+		s.Saved = append(s.Saved, wr.saved[i].Load())
+		s.SavedBytes = append(s.SavedBytes, wr.savedBytes[i].Load())
+		s.Errors = append(s.Errors, wr.errs[i].Load())
 	}
 	return s
 }
@@ -171,69 +171,69 @@ type batchObj struct {
 // written to the adapters its policy selects and unpinned when the last
 // write ends; objects not written are unpinned at once. It never blocks
 // (adapter submission is asynchronous) and must be called without the
-// store's lock.
-func (sc *StoreController) Committed(objs []Object) {
+// core's lock.
+func (wr *Writer) Committed(objs []Object) {
 	var drop []Object
-	per := make([][]*batchObj, len(sc.adapters))
-	sc.mu.Lock()
+	per := make([][]*batchObj, len(wr.adapters))
+	wr.mu.Lock()
 	for i := range objs {
 		o := &objs[i]
-		if sc.closed {
+		if wr.closed {
 			drop = append(drop, *o)
-			sc.skippedClosed.Add(1)
+			wr.skippedClosed.Add(1)
 			continue
 		}
-		mask := sc.cfg.Policy.Targets(o, sc.adapters)
-		if len(sc.adapters) < 64 {
-			mask &= 1<<len(sc.adapters) - 1
+		mask := wr.cfg.Policy.Targets(o, wr.adapters)
+		if len(wr.adapters) < 64 {
+			mask &= 1<<len(wr.adapters) - 1
 		}
 		if mask == 0 {
 			drop = append(drop, *o)
-			sc.skippedPolicy.Add(1)
+			wr.skippedPolicy.Add(1)
 			continue
 		}
 		size := uint64(len(o.Mem))
-		if sc.inflight+size > sc.cfg.MaxBytes {
+		if wr.inflight+size > wr.cfg.MaxBytes {
 			drop = append(drop, *o)
-			sc.skippedBusy.Add(1)
+			wr.skippedBusy.Add(1)
 			continue
 		}
-		sc.inflight += size
-		sc.cfg.Hints.Learn(o.Key.Namespace, o.Key.Rank, size)
+		wr.inflight += size
+		wr.cfg.Hints.Learn(o.Key.Namespace, o.Key.Rank, size)
 		b := &batchObj{o: *o}
 		b.refs.Store(int32(bits.OnesCount64(mask)))
-		for a := range sc.adapters {
+		for a := range wr.adapters {
 			if mask&(1<<a) != 0 {
 				per[a] = append(per[a], b)
 			}
 		}
-		sc.pendingObjs.Add(1)
-		sc.inflightBytes.Add(int64(size))
+		wr.pendingObjs.Add(1)
+		wr.inflightBytes.Add(int64(size))
 	}
-	if !sc.closed {
+	if !wr.closed {
 		for a, bs := range per {
 			if len(bs) > 0 {
-				sc.wg.Add(1)
-				go sc.write(a, bs)
+				wr.wg.Add(1)
+				go wr.write(a, bs)
 			}
 		}
 	}
-	sc.mu.Unlock()
+	wr.mu.Unlock()
 	if len(drop) > 0 {
-		sc.l1.Unpin(drop)
+		wr.l1.Unpin(drop)
 	}
 }
 
 // write runs one adapter's batch and unpins objects as their last write
 // ends. Each object is prepared (payload CRC) before any adapter reads it.
-func (sc *StoreController) write(a int, bs []*batchObj) {
-	defer sc.wg.Done()
+func (wr *Writer) write(a int, bs []*batchObj) {
+	defer wr.wg.Done()
 	keys := make([]l2.Key, 0, len(bs))
 	bufs := make([][]byte, 0, len(bs))
 	kept := bs[:0:0]
 	for _, b := range bs {
-		if sc.prepare(b) != nil {
-			sc.unref(b)
+		if wr.prepare(b) != nil {
+			wr.unref(b)
 			continue
 		}
 		keys, bufs, kept = append(keys, b.o.Key), append(bufs, b.o.Mem), append(kept, b)
@@ -241,28 +241,28 @@ func (sc *StoreController) write(a int, bs []*batchObj) {
 	if len(kept) == 0 {
 		return
 	}
-	t := sc.adapters[a].Store(sc.ctx, keys, bufs)
+	t := wr.adapters[a].Store(wr.ctx, keys, bufs)
 	for ev := range t.Events() {
 		b := kept[ev.Index]
-		sc.traceSaved(a, b.o.Key, len(b.o.Mem), ev.Err)
+		wr.traceSaved(a, b.o.Key, len(b.o.Mem), ev.Err)
 		if ev.OK() {
-			sc.saved[a].Add(1)
-			sc.savedBytes[a].Add(int64(len(b.o.Mem)))
+			wr.saved[a].Add(1)
+			wr.savedBytes[a].Add(int64(len(b.o.Mem)))
 		} else {
-			sc.errs[a].Add(1)
-			if n, ok := sc.errLog[a].allow(time.Now()); ok {
-				sc.log.Warn("tier: L2 write failed (not retried)", "adapter", sc.adapters[a].Name(), "key", ev.Key, "err", ev.Err,
+			wr.errs[a].Add(1)
+			if n, ok := wr.errLog[a].allow(time.Now()); ok {
+				wr.log.Warn("tier: L2 write failed (not retried)", "adapter", wr.adapters[a].Name(), "key", ev.Key, "err", ev.Err,
 					"suppressed_since_last", n)
 			}
 		}
-		sc.unref(b)
+		wr.unref(b)
 	}
 }
 
 // unref ends one adapter's part in b; the last one unpins it.
-func (sc *StoreController) unref(b *batchObj) {
+func (wr *Writer) unref(b *batchObj) {
 	if b.refs.Add(-1) == 0 {
-		sc.finish(b)
+		wr.finish(b)
 	}
 }
 
@@ -276,39 +276,39 @@ func (sc *StoreController) unref(b *batchObj) {
 // one atomic store while readers may load the object; the payload is
 // unchanged while the object is pinned. A slot already set (a worker under
 // kvshim.verify=always, or an object filled from L2) is kept.
-func (sc *StoreController) prepare(b *batchObj) error {
+func (wr *Writer) prepare(b *batchObj) error {
 	b.prep.Do(func() {
 		k := b.o.Key
 		_, set, err := objfmt.SetPayloadCRC(b.o.Mem, objfmt.Key{Namespace: k.Namespace, Rank: k.Rank, Hash: k.Hash})
 		switch {
 		case err != nil:
 			b.bad = err
-			sc.skippedCorrupt.Add(1)
-			sc.log.Error("tier: committed L1 object does not verify; not written to L2", "key", k, "err", err)
+			wr.skippedCorrupt.Add(1)
+			wr.log.Error("tier: committed L1 object does not verify; not written to L2", "key", k, "err", err)
 		case set:
-			sc.checksummed.Add(1)
-			sc.checksummedBytes.Add(int64(len(b.o.Mem) - objfmt.HeaderSize))
+			wr.checksummed.Add(1)
+			wr.checksummedBytes.Add(int64(len(b.o.Mem) - objfmt.HeaderSize))
 		}
 	})
 	return b.bad
 }
 
-func (sc *StoreController) finish(b *batchObj) {
+func (wr *Writer) finish(b *batchObj) {
 	size := uint64(len(b.o.Mem))
-	sc.l1.Unpin([]Object{b.o})
-	sc.mu.Lock()
-	sc.inflight -= size
-	sc.mu.Unlock()
-	sc.pendingObjs.Add(-1)
-	sc.inflightBytes.Add(-int64(size))
+	wr.l1.Unpin([]Object{b.o})
+	wr.mu.Lock()
+	wr.inflight -= size
+	wr.mu.Unlock()
+	wr.pendingObjs.Add(-1)
+	wr.inflightBytes.Add(-int64(size))
 }
 
 // Flush waits until no write is pending (tests, shutdown) or ctx ends.
-func (sc *StoreController) Flush(ctx context.Context) error {
-	for sc.pendingObjs.Load() > 0 {
+func (wr *Writer) Flush(ctx context.Context) error {
+	for wr.pendingObjs.Load() > 0 {
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("tier: flush: %d objects pending: %w", sc.pendingObjs.Load(), ctx.Err())
+			return fmt.Errorf("tier: flush: %d objects pending: %w", wr.pendingObjs.Load(), ctx.Err())
 		case <-time.After(time.Millisecond):
 		}
 	}
@@ -317,27 +317,27 @@ func (sc *StoreController) Flush(ctx context.Context) error {
 
 // Close stops taking objects, waits (bounded) for running writes, then
 // cancels what is left. Objects are unpinned as their writes end.
-func (sc *StoreController) Close() {
-	sc.mu.Lock()
-	if sc.closed {
-		sc.mu.Unlock()
+func (wr *Writer) Close() {
+	wr.mu.Lock()
+	if wr.closed {
+		wr.mu.Unlock()
 		return
 	}
-	sc.closed = true
-	sc.mu.Unlock()
+	wr.closed = true
+	wr.mu.Unlock()
 	done := make(chan struct{})
-	go func() { sc.wg.Wait(); close(done) }()
+	go func() { wr.wg.Wait(); close(done) }()
 	select {
 	case <-done:
-	case <-time.After(sc.cfg.CloseTimeout):
-		sc.cancel()
+	case <-time.After(wr.cfg.CloseTimeout):
+		wr.cancel()
 		select {
 		case <-done:
-		case <-time.After(sc.cfg.CloseTimeout):
-			sc.log.Warn("tier: store controller: writes still running after close timeout")
+		case <-time.After(wr.cfg.CloseTimeout):
+			wr.log.Warn("tier: store controller: writes still running after close timeout")
 		}
 	}
-	sc.cancel()
+	wr.cancel()
 }
 
 // warnEvery rate-limits per-adapter warnings.

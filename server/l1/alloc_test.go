@@ -1,4 +1,4 @@
-package server
+package l1
 
 import (
 	"errors"
@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"gotest.tools/v3/assert"
+
+	"github.com/kvshim/kvshim/ipc"
 )
 
 type failingSource struct{ HeapSource }
@@ -24,7 +26,7 @@ func TestAllocatorGrowsLazilyAndReturnsSlabs(t *testing.T) {
 		assert.NilError(t, err)
 		assert.Assert(t, ok)
 		seg, off := a.loc(s, sl)
-		assert.Assert(t, seg >= 1 && off%pageSize == 0)
+		assert.Assert(t, seg >= 1 && off%PageSize == 0)
 		refs = append(refs, ref{s, sl})
 	}
 	assert.DeepEqual(t, announced, []uint32{1, 2, 3, 4})
@@ -58,14 +60,14 @@ func TestAllocatorSegmentSourceError(t *testing.T) {
 	_, _, ok, err := a.alloc(4096)
 	assert.Assert(t, !ok)
 	assert.Assert(t, errors.Is(err, ErrSegment))
-	// The store turns it into NoSpace and counts it.
-	st := newStore(t, 1, Options{Source: failingSource{}})
-	s := open(t, st, 0)
-	r := store(t, st, s, 1, 0, hashes("x", 1))
-	assert.Equal(t, int(r[0]), 2) // StatusNoSpace
-	assert.Equal(t, stat(t, st, "kvshim_l1_objects{state=staging}"), 0.0)
-	assert.Equal(t, stat(t, st, "kvshim_l1_segment_errors_total"), 1.0)
-	assert.ErrorContains(t, st.LastSegmentError(), "no memfd")
+	// The cache turns it into "no space" and counts it.
+	c := New(failingSource{}, Config{Capacity: 1 << 20, SegmentSize: 256 << 10, SlabSize: 64 << 10})
+	sh, _ := c.Shard(ipc.Namespace{1}, true)
+	_, ok = c.Reserve(sh, 0, &ipc.Hash{1}, 4096, false)
+	assert.Assert(t, !ok)
+	assert.Equal(t, c.Stats().Objects[Staging], uint64(0))
+	assert.Equal(t, c.Stats().SegmentErrors, uint64(1))
+	assert.ErrorContains(t, c.LastSegmentError(), "no memfd")
 }
 
 // FuzzAllocator drives random alloc/free sequences and checks that live
@@ -104,10 +106,10 @@ func FuzzAllocator(f *testing.F) {
 		seen := map[uint32][]span{}
 		for _, l := range lv {
 			seg, off := a.loc(l.slab, l.slot)
-			if off%pageSize != 0 {
+			if off%PageSize != 0 {
 				t.Fatalf("unaligned offset %d", off)
 			}
-			end := off + roundPage(l.size)
+			end := off + RoundPage(l.size)
 			for _, o := range seen[seg] {
 				if off < o.end && o.off < end {
 					t.Fatalf("overlap in segment %d: [%d,%d) and [%d,%d)", seg, off, end, o.off, o.end)

@@ -1,24 +1,10 @@
-package server
+package l1
 
 import (
 	"encoding/binary"
 
 	"github.com/kvshim/kvshim/ipc"
 )
-
-// objState is an object's place in its life cycle.
-type objState uint8
-
-const (
-	stFree      objState = iota // arena slot unused
-	stStaging                   // reserved for one writer, invisible to readers
-	stResident                  // published, readable, evictable when unheld
-	stTemporary                 // loaded for one lookup, freed when unheld
-	stFenced                    // a possibly-alive writer's slot: unused until it is known dead (fence.go)
-	numStates
-)
-
-var stateNames = [numStates]string{"free", "staging", "resident", "temporary", "fenced"}
 
 // object is one L1 object's metadata (80 bytes; the table adds a 16-byte
 // map slot per chunk hash, shared by all ranks). Indices, not pointers, so the arena is
@@ -30,11 +16,11 @@ type object struct {
 	slab  uint32
 	slot  uint32
 	holds uint32 // read holds (all lookups, all readers)
-	prev  uint32 // LRU neighbours (resident only); nilIdx at the ends
+	prev  uint32 // LRU neighbours (resident only); Nil at the ends
 	next  uint32
 	coll  uint32 // next resident object of the shard with the same table key
 	// (the same chunk on other ranks, or a rare key collision)
-	state objState
+	state State
 	fill  bool   // staged or temporary for a prefetch (counted in prefetchBytes)
 	size  uint64 // requested bytes (Loc.Size)
 }
@@ -51,10 +37,10 @@ type shard struct {
 }
 
 // tableKey is the shard map key of h: 64 bits of the chunk hash itself
-// (already uniform: SHA-256), mixed with a per-store seed so a client
+// (already uniform: SHA-256), mixed with a per-cache seed so a client
 // cannot line keys up across restarts.
-func (st *Store) tableKey(h *ipc.Hash) uint64 {
-	return (binary.LittleEndian.Uint64(h[:8]) ^ st.seed64) & st.keyMask
+func (c *Cache) tableKey(h *ipc.Hash) uint64 {
+	return (binary.LittleEndian.Uint64(h[:8]) ^ c.seed64) & c.keyMask
 }
 
 // sameHash compares two chunk hashes word by word (inlined; a [32]byte ==
@@ -67,33 +53,33 @@ func sameHash(a, b *ipc.Hash) bool {
 }
 
 // find returns the resident object (h, rank) of sh (sh may be nil).
-func (st *Store) find(sh *shard, h *ipc.Hash, rank uint32) (uint32, bool) {
+func (c *Cache) find(sh *shard, h *ipc.Hash, rank uint32) (uint32, bool) {
 	if sh == nil {
-		return nilIdx, false
+		return Nil, false
 	}
-	i, ok := sh.m[st.tableKey(h)]
-	for ok && i != nilIdx {
-		o := st.objs.get(i)
+	i, ok := sh.m[c.tableKey(h)]
+	for ok && i != Nil {
+		o := c.objs.get(i)
 		if o.rank == rank && sameHash(&o.hash, h) {
 			return i, true
 		}
 		i = o.coll
 	}
-	return nilIdx, false
+	return Nil, false
 }
 
 // findRanks sets out[r] to the resident object (h, r) of sh for every rank
-// r < len(out), nilIdx where absent, with one map probe.
-func (st *Store) findRanks(sh *shard, h *ipc.Hash, out []uint32) {
+// r < len(out), Nil where absent, with one map probe.
+func (c *Cache) findRanks(sh *shard, h *ipc.Hash, out []uint32) {
 	for r := range out {
-		out[r] = nilIdx
+		out[r] = Nil
 	}
 	if sh == nil {
 		return
 	}
-	i, ok := sh.m[st.tableKey(h)]
-	for ok && i != nilIdx {
-		o := st.objs.get(i)
+	i, ok := sh.m[c.tableKey(h)]
+	for ok && i != Nil {
+		o := c.objs.get(i)
 		if o.rank < uint32(len(out)) && sameHash(&o.hash, h) {
 			out[o.rank] = i
 		}
@@ -102,11 +88,11 @@ func (st *Store) findRanks(sh *shard, h *ipc.Hash, out []uint32) {
 }
 
 // insert adds resident object i to its shard's table.
-func (st *Store) insert(i uint32) {
-	o := st.objs.get(i)
-	sh := &st.shards[o.shard]
-	k := st.tableKey(&o.hash)
-	o.coll = nilIdx
+func (c *Cache) insert(i uint32) {
+	o := c.objs.get(i)
+	sh := &c.shards[o.shard]
+	k := c.tableKey(&o.hash)
+	o.coll = Nil
 	if head, ok := sh.m[k]; ok {
 		o.coll = head
 	}
@@ -114,39 +100,25 @@ func (st *Store) insert(i uint32) {
 }
 
 // unlink removes resident object i from its shard's table.
-func (st *Store) unlink(i uint32) {
-	o := st.objs.get(i)
-	sh := &st.shards[o.shard]
-	k := st.tableKey(&o.hash)
+func (c *Cache) unlink(i uint32) {
+	o := c.objs.get(i)
+	sh := &c.shards[o.shard]
+	k := c.tableKey(&o.hash)
 	head := sh.m[k]
 	if head == i {
-		if o.coll == nilIdx {
+		if o.coll == Nil {
 			delete(sh.m, k)
 		} else {
 			sh.m[k] = o.coll
 		}
 		return
 	}
-	for p := head; p != nilIdx; p = st.objs.get(p).coll {
-		if po := st.objs.get(p); po.coll == i {
+	for p := head; p != Nil; p = c.objs.get(p).coll {
+		if po := c.objs.get(p); po.coll == i {
 			po.coll = o.coll
 			return
 		}
 	}
-}
-
-// stageKey names a staging object: (namespace, rank, hash) plus writer tag.
-type stageKey struct {
-	shard uint32
-	rank  uint32
-	hash  ipc.Hash
-	tag   ipc.Tag
-}
-
-type stageEntry struct {
-	idx   uint32
-	owner *Session
-	since int64 // unix nanoseconds
 }
 
 const arenaShift = 12
@@ -185,12 +157,12 @@ func (a *arena) release(i uint32) {
 // recently used.
 type lru struct{ head, tail uint32 }
 
-func (l *lru) init() { l.head, l.tail = nilIdx, nilIdx }
+func (l *lru) init() { l.head, l.tail = Nil, Nil }
 
 func (l *lru) pushHead(a *arena, i uint32) {
 	o := a.get(i)
-	o.prev, o.next = nilIdx, l.head
-	if l.head != nilIdx {
+	o.prev, o.next = Nil, l.head
+	if l.head != Nil {
 		a.get(l.head).prev = i
 	} else {
 		l.tail = i
@@ -200,20 +172,20 @@ func (l *lru) pushHead(a *arena, i uint32) {
 
 func (l *lru) remove(a *arena, i uint32) {
 	o := a.get(i)
-	if o.prev != nilIdx {
+	if o.prev != Nil {
 		a.get(o.prev).next = o.next
 	} else {
 		l.head = o.next
 	}
-	if o.next != nilIdx {
+	if o.next != Nil {
 		a.get(o.next).prev = o.prev
 	} else {
 		l.tail = o.prev
 	}
-	o.prev, o.next = nilIdx, nilIdx
+	o.prev, o.next = Nil, Nil
 }
 
-// placeAfter moves i right after at (at = nilIdx: to the head). Moving a
+// placeAfter moves i right after at (at = Nil: to the head). Moving a
 // sequence to the front is a run of placeAfter(previous, next); when the
 // sequence is already there (a repeated hit) each step only reads i.prev.
 func (l *lru) placeAfter(a *arena, at, i uint32) {
@@ -221,7 +193,7 @@ func (l *lru) placeAfter(a *arena, at, i uint32) {
 		return
 	}
 	o := a.get(i)
-	if at == nilIdx {
+	if at == Nil {
 		if l.head != i {
 			l.remove(a, i)
 			l.pushHead(a, i)
@@ -234,7 +206,7 @@ func (l *lru) placeAfter(a *arena, at, i uint32) {
 	l.remove(a, i)
 	ao := a.get(at)
 	o.prev, o.next = at, ao.next
-	if ao.next != nilIdx {
+	if ao.next != Nil {
 		a.get(ao.next).prev = i
 	} else {
 		l.tail = i

@@ -5,26 +5,17 @@ import (
 	"fmt"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l1"
+	"github.com/kvshim/kvshim/server/tier"
 )
 
-// Prefetcher is the L2 seam: it is asked to fill the missing suffix of a
-// lookup into L1 while the lookup stays pending.
-//
-// Prefetch is called without the store's lock, once per lookup that misses
-// at least one chunk. It must not block: it starts the work and returns
-// true, or returns false when it has nothing to do (the lookup is then
-// final at once). After returning true it must call t.Done exactly once,
-// from any goroutine, when it has finished (loaded, failed or given up).
-// Between the two it may Reserve / Commit objects through t. t.Context()
-// ends when the lookup is dropped (its session closes, the hold TTL): the
-// prefetcher should then abandon the work, still calling Done.
-type Prefetcher interface {
-	Prefetch(t *FillTask) bool
-}
+// FillTask is the L1 side of the fill seam, as package tier sees it.
+var _ tier.Fill = (*FillTask)(nil)
 
 type fillKey struct{ rank, chunk uint32 }
 
-// FillTask is one lookup's fill: chunks [Start, Start+len(Hashes)) are the
+// FillTask is one lookup's fill, the L1 side of the fill seam (tier.Fill,
+// handed to the tier.Filler): chunks [Start, Start+len(Hashes)) are the
 // suffix that L1 lacked on at least one rank when the lookup arrived.
 type FillTask struct {
 	Namespace ipc.Namespace
@@ -33,8 +24,8 @@ type FillTask struct {
 	Start     uint32 // lookup index of Hashes[0]
 	Hashes    []ipc.Hash
 
-	st       *Store
-	lk       *lookup            // nil once the lookup is gone or answered (guarded by st.mu)
+	core     *Core
+	lk       *lookup            // nil once the lookup is gone or answered (guarded by core.mu)
 	done     bool               // Done was called
 	answered bool               // the lookup was made final (Answer or Done)
 	staged   map[fillKey]uint32 // reserved, not yet committed
@@ -54,49 +45,46 @@ func (t *FillTask) Ranks() uint32 {
 }
 
 // Reserve stages size bytes for (rank, chunk) and returns the memory to
-// fill and its location. temporary objects serve only this lookup and are
+// fill. temporary objects serve only this lookup and are
 // freed once its holds are gone; the others become resident on Commit.
 // It fails with ErrFill when the task is finished or cancelled, the chunk is
 // out of range, already resident, or already reserved; with
 // ErrBadRequest for a bad size; and reports ok=false when L1 has no space.
-func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem []byte, loc ipc.Loc, ok bool, err error) {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem []byte, ok bool, err error) {
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	k := fillKey{rank, chunk}
 	switch {
-	case t.done || t.answered || t.lk == nil || st.closed:
-		return nil, loc, false, fmt.Errorf("%w: task finished or cancelled", ErrFill)
+	case t.done || t.answered || t.lk == nil || core.closed:
+		return nil, false, fmt.Errorf("%w: task finished or cancelled", ErrFill)
 	case rank >= t.Ranks() || chunk < t.Start || chunk-t.Start >= uint32(len(t.Hashes)):
-		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) is outside the task", ErrFill, rank, chunk)
-	case size == 0 || size > st.mem.maxObject():
-		return nil, loc, false, fmt.Errorf("%w: fill size %d", ErrBadRequest, size)
+		return nil, false, fmt.Errorf("%w: (rank %d, chunk %d) is outside the task", ErrFill, rank, chunk)
+	case size == 0 || size > core.l1.MaxObject():
+		return nil, false, fmt.Errorf("%w: fill size %d", ErrBadRequest, size)
 	}
 	if _, dup := t.staged[k]; dup {
-		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) already reserved", ErrFill, rank, chunk)
+		return nil, false, fmt.Errorf("%w: (rank %d, chunk %d) already reserved", ErrFill, rank, chunk)
 	}
 	if _, dup := t.filled[k]; dup {
-		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) already filled", ErrFill, rank, chunk)
+		return nil, false, fmt.Errorf("%w: (rank %d, chunk %d) already filled", ErrFill, rank, chunk)
 	}
 	h := t.Hashes[chunk-t.Start]
-	sh, _ := st.shardOf(t.Namespace, true)
-	if _, res := st.find(&st.shards[sh], &h, rank); res {
-		return nil, loc, false, fmt.Errorf("%w: (rank %d, chunk %d) is resident", ErrFill, rank, chunk)
+	sh, _ := core.l1.Shard(t.Namespace, true)
+	if _, res := core.l1.Find(sh, &h, rank); res {
+		return nil, false, fmt.Errorf("%w: (rank %d, chunk %d) is resident", ErrFill, rank, chunk)
 	}
-	idx, ok := st.newObject(sh, rank, h, size, stStaging)
+	idx, ok := core.l1.Reserve(sh, rank, &h, size, true)
 	if !ok {
-		return nil, loc, false, nil
+		return nil, false, nil
 	}
-	st.objs.get(idx).fill = true
-	st.cnt.prefetchBytes += roundPage(size)
 	if temporary {
 		// Marked by the high bit until Commit; state stays staging.
 		t.staged[k] = idx | tempBit
 	} else {
 		t.staged[k] = idx
 	}
-	o := st.objs.get(idx)
-	return st.mem.bytes(o.slab, o.slot, o.size), st.loc(idx), true, nil
+	return core.l1.Bytes(idx), true, nil
 }
 
 // tempBit marks a staged fill object as temporary. Arena indices stay
@@ -106,9 +94,9 @@ const tempBit = 1 << 31
 // Commit finishes (rank, chunk): ok publishes it (resident, or temporary
 // for this lookup), !ok frees it. The memory must not be written after.
 func (t *FillTask) Commit(rank, chunk uint32, ok bool) error {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	k := fillKey{rank, chunk}
 	v, found := t.staged[k]
 	if !found {
@@ -116,30 +104,28 @@ func (t *FillTask) Commit(rank, chunk uint32, ok bool) error {
 	}
 	delete(t.staged, k)
 	idx := v &^ tempBit
-	if !ok || t.lk == nil || st.closed {
-		st.freeObject(idx)
+	if !ok || t.lk == nil || core.closed {
+		core.l1.Free(idx)
 		return nil
 	}
 	if v&tempBit != 0 {
-		st.setState(idx, stTemporary)
+		if err := core.l1.MakeTemporary(idx); err != nil {
+			core.l1.Free(idx)
+			return err
+		}
 		if t.filled == nil {
 			t.filled = map[fillKey]uint32{}
 		}
 		t.filled[k] = idx
 		return nil
 	}
-	o := st.objs.get(idx)
-	st.unfill(idx) // resident objects are not prefetch bytes any more
-	if _, dup := st.find(&st.shards[o.shard], &o.hash, o.rank); dup {
-		st.cnt.discarded++
-		st.cnt.discardedBytes += o.size
-		st.freeObject(idx)
-		return nil
+	published, err := core.l1.Publish(idx) // false: already resident, discarded
+	if err != nil {
+		return err
 	}
-	st.setState(idx, stResident)
-	st.insert(idx)
-	st.lru.pushHead(&st.objs, idx)
-	st.maybeEvict()
+	if published {
+		core.l1.MaybeEvict()
+	}
 	return nil
 }
 
@@ -148,15 +134,15 @@ func (t *FillTask) Commit(rank, chunk uint32, ok bool) error {
 // present on every rank, releases filled objects beyond it, and becomes
 // final. Calls after the first do nothing.
 func (t *FillTask) Done() {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	if t.done {
 		return
 	}
 	t.done = true
 	for k, v := range t.staged {
-		st.freeObject(v &^ tempBit)
+		core.l1.Free(v &^ tempBit)
 		delete(t.staged, k)
 	}
 	t.answerLocked()
@@ -164,20 +150,20 @@ func (t *FillTask) Done() {
 
 // Answer makes the lookup final now, as Done would, but keeps the
 // reservations not yet committed: a later Commit frees its object (it is
-// never published) and Done frees the rest. A prefetcher past its deadline
+// never published) and Done frees the rest. A filler past its deadline
 // uses it while loads still write into staging buffers. Done must still be
 // called.
 func (t *FillTask) Answer() {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	if !t.done {
 		t.answerLocked()
 	}
 }
 
 func (t *FillTask) answerLocked() {
-	st := t.st
+	core := t.core
 	if t.answered {
 		return
 	}
@@ -187,35 +173,41 @@ func (t *FillTask) answerLocked() {
 		return
 	}
 	from := uint32(len(lk.held[0]))
-	p := st.extend(lk, from)
-	st.cnt.hitChunks += uint64(p - from)
-	st.cnt.missedChunks -= uint64(p - from)
+	p := core.extend(lk, from)
+	core.cnt.hitChunks += uint64(p - from)
+	core.cnt.missedChunks -= uint64(p - from)
 	lk.chunks = p
 	lk.state = lkFinal
-	st.traceFinal(lk)
-	st.cnt.pending--
+	core.traceFinal(lk)
+	core.cnt.pending--
 	lk.fill = nil
 	t.lk = nil
 	t.dropFilled()
 }
 
+// request describes the fill to the filler (the L1 state now).
+func (t *FillTask) request() tier.FillRequest {
+	return tier.FillRequest{Namespace: t.Namespace, Ranks: t.Ranks(), Start: t.Start,
+		Hashes: t.Hashes, Resident: t.Resident(), SizeHint: t.SizeHint()}
+}
+
 // Resident reports, for each cell (rank r, chunk Start+i) at index
 // i*Ranks()+r, whether L1 has it resident now.
 func (t *FillTask) Resident() []bool {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	ranks := t.Ranks()
 	out := make([]bool, uint32(len(t.Hashes))*ranks)
-	sh, ok := st.shardOf(t.Namespace, false)
+	sh, ok := core.l1.Shard(t.Namespace, false)
 	if !ok {
 		return out
 	}
 	found := make([]uint32, ranks)
 	for i := range t.Hashes {
-		st.findRanks(&st.shards[sh], &t.Hashes[i], found)
+		core.l1.FindRanks(sh, &t.Hashes[i], found)
 		for r, idx := range found {
-			out[uint32(i)*ranks+uint32(r)] = idx != nilIdx
+			out[uint32(i)*ranks+uint32(r)] = idx != l1.Nil
 		}
 	}
 	return out
@@ -224,16 +216,16 @@ func (t *FillTask) Resident() []bool {
 // SizeHint is the size of an object the lookup already holds (its L1
 // prefix), or 0: L2 adapters that do not report sizes load with it.
 func (t *FillTask) SizeHint() uint64 {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	if t.lk == nil {
 		return 0
 	}
 	for _, row := range t.lk.held {
 		for _, i := range row {
-			if i != nilIdx {
-				return st.objs.get(i).size
+			if i != l1.Nil {
+				return core.l1.Size(i)
 			}
 		}
 	}
@@ -242,13 +234,13 @@ func (t *FillTask) SizeHint() uint64 {
 
 // Context ends when the task is cancelled: its lookup was dropped (the
 // session closed, the hold TTL) before the fill answered it. The
-// prefetcher then abandons its work — adapter operations, waits — and still
+// filler then abandons its work — adapter operations, waits — and still
 // calls Done; a load already writing into a reservation must report (and
-// Commit) before Done frees it, as after Answer.
+// Commit) before Done frees it, as after Answer (tier.Fill).
 func (t *FillTask) Context() context.Context {
-	st := t.st
-	st.mu.Lock()
-	defer st.mu.Unlock()
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
 	if t.ctx == nil {
 		t.ctx, t.cancel = context.WithCancel(context.Background())
 		if t.cancelled {
@@ -259,7 +251,7 @@ func (t *FillTask) Context() context.Context {
 }
 
 // cancelLocked detaches the task from its dropped lookup and ends its
-// Context: filled objects go now, staged ones when the prefetcher commits
+// Context: filled objects go now, staged ones when the filler commits
 // them or calls Done.
 func (t *FillTask) cancelLocked() {
 	t.lk = nil
@@ -273,8 +265,8 @@ func (t *FillTask) cancelLocked() {
 // dropFilled frees temporary objects that no hold kept.
 func (t *FillTask) dropFilled() {
 	for k, idx := range t.filled {
-		if t.st.objs.get(idx).holds == 0 {
-			t.st.freeObject(idx)
+		if t.core.l1.Holds(idx) == 0 {
+			t.core.l1.Free(idx)
 		}
 		delete(t.filled, k)
 	}

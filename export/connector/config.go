@@ -1,0 +1,160 @@
+// Package connector holds what kvshim_open's connector roles (scheduler,
+// worker, tool) are configured with and the embedded server they share:
+// the JSON a handle is opened with, parsed strictly and resolved (socket,
+// instance id, timeout), and the lifetime of the in-process server that
+// the scheduler role starts when no external one is configured.
+//
+// It sits beside package export (package main) and imports what export
+// may import (shim, server, ipc) plus the leaves those use (layout, objfmt,
+// trace); nothing below it imports it. Its failures wrap ErrConfig, which
+// the C ABI reports as KVSHIM_EINVAL, or the server's own errors.
+package connector
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"regexp"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/layout"
+	"github.com/kvshim/kvshim/shim"
+)
+
+// ErrConfig marks a handle's configuration that is not valid: not the
+// expected JSON, an unknown key, or a value out of range.
+var ErrConfig = errors.New("connector: invalid config")
+
+// DefaultTimeout is Config.TimeoutMS's default.
+const DefaultTimeout = 5 * time.Second
+
+// Config is the JSON of kvshim_open for roles "scheduler", "worker" and
+// "tool" (the Python connector writes it from kv_connector_extra_config).
+type Config struct {
+	Role      string    `json:"role"`
+	Server    string    `json:"server"`    // "embedded" (or empty) or a socket path
+	EngineID  string    `json:"engine_id"` // names the embedded server's socket
+	Instance  string    `json:"instance"`  // uuid; generated when empty
+	Namespace Namespace `json:"namespace"`
+	BlockSize int       `json:"block_size"` // scheduler
+	Rank      int       `json:"rank"`       // worker
+	TimeoutMS int       `json:"timeout_ms"`
+
+	// Verify is kvshim.verify (worker role): "l2" (default), "always" or
+	// "off" (objfmt.ParseVerifyPolicy).
+	Verify string `json:"verify"`
+
+	// TraceDir is kvshim.trace_dir: lifecycle records (package trace) of
+	// the worker and of the embedded server go there ("": off).
+	TraceDir string `json:"trace_dir"`
+
+	// The embedded server's settings (scheduler role only).
+	L1SizeGB   float64  `json:"l1_size_gb"`
+	HoldTTLS   float64  `json:"hold_ttl_s"`
+	L2Adapters []string `json:"l2_adapters"` // one --l2-adapter JSON each
+	// The embedded server's --l1-prefault-gb (server.Config.L1PrefaultGB):
+	// absent, the default; 0, lazy L1.
+	L1PrefaultGB *float64 `json:"l1_prefault_gb"`
+	// MetricsPort is kvshim.metrics_port: the embedded server serves
+	// /metrics and /healthz on 127.0.0.1:PORT (0: off), as `kvshim serve
+	// --metrics-port` does.
+	MetricsPort int `json:"metrics_port"`
+}
+
+// Namespace is the JSON of Config.Namespace.
+type Namespace struct {
+	Model     string `json:"model"`
+	DType     string `json:"dtype"`
+	Layout    string `json:"layout"`
+	Format    uint32 `json:"object_format"` // optional: this build's layout.FormatVersion
+	WorldSize int    `json:"world_size"`
+	TPSize    int    `json:"tp_size"`
+	ChunkSize int    `json:"chunk_size"`
+	KVGroup   int    `json:"kv_group"`
+	MLA       bool   `json:"mla"`
+}
+
+// Spec is the namespace spec. The object format is the one this build
+// reads and writes (it belongs in the namespace, so objects of another
+// format miss): a caller may state it, but only to be told it differs.
+func (n Namespace) Spec() (shim.NamespaceSpec, error) {
+	if n.Format != 0 && n.Format != layout.FormatVersion {
+		return shim.NamespaceSpec{}, fmt.Errorf("object_format %d: this library reads and writes format %d: %w",
+			n.Format, layout.FormatVersion, ErrConfig)
+	}
+	return shim.NamespaceSpec{Model: n.Model, DType: n.DType, LayoutFingerprint: n.Layout, ObjectFormat: layout.FormatVersion,
+		WorldSize: n.WorldSize, TPSize: n.TPSize, ChunkSize: n.ChunkSize, KVGroup: n.KVGroup, MLA: n.MLA}, nil
+}
+
+// Resolved is what a Config resolves to before anything is opened.
+type Resolved struct {
+	Socket   string        // where the server listens
+	Instance uuid.UUID     // Config.Instance, or a new one
+	Timeout  time.Duration // Config.TimeoutMS, or DefaultTimeout
+}
+
+// Parse decodes a connector config (unknown keys refused) and resolves
+// its socket, instance id and timeout.
+func Parse(raw []byte) (*Config, Resolved, error) {
+	c := &Config{}
+	if err := decodeStrict(raw, c); err != nil {
+		return nil, Resolved{}, err
+	}
+	r, err := c.resolve()
+	if err != nil {
+		return nil, Resolved{}, err
+	}
+	return c, r, nil
+}
+
+// Embedded reports whether the handle uses the embedded server (no
+// socket path given).
+func (c *Config) Embedded() bool { return c.Server == "" || c.Server == "embedded" }
+
+var engineIDPattern = regexp.MustCompile(`^[A-Za-z0-9._-]{1,64}$`)
+
+// EmbeddedSocket is where the embedded server of engineID listens.
+func EmbeddedSocket(engineID string) (string, error) {
+	if !engineIDPattern.MatchString(engineID) {
+		return "", fmt.Errorf("embedded server needs an engine_id of 1-64 letters, digits, '.', '_' or '-', got %q: %w",
+			engineID, ErrConfig)
+	}
+	return filepath.Join(ipc.DefaultSocketDir(), "embedded-"+engineID+".sock"), nil
+}
+
+func (c *Config) resolve() (r Resolved, err error) {
+	r.Socket = c.Server
+	if c.Embedded() {
+		if r.Socket, err = EmbeddedSocket(c.EngineID); err != nil {
+			return Resolved{}, err
+		}
+	}
+	r.Instance = uuid.New()
+	if c.Instance != "" {
+		if r.Instance, err = uuid.Parse(c.Instance); err != nil {
+			return Resolved{}, fmt.Errorf("instance %q: %v: %w", c.Instance, err, ErrConfig)
+		}
+	}
+	if c.TimeoutMS < 0 {
+		return Resolved{}, fmt.Errorf("timeout_ms %d is negative: %w", c.TimeoutMS, ErrConfig)
+	}
+	r.Timeout = DefaultTimeout
+	if c.TimeoutMS > 0 {
+		r.Timeout = time.Duration(c.TimeoutMS) * time.Millisecond
+	}
+	return r, nil
+}
+
+func decodeStrict(raw []byte, v any) error {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return fmt.Errorf("config: %v: %w", err, ErrConfig)
+	}
+	return nil
+}
