@@ -33,6 +33,12 @@ const (
 	DimBlockSize Dim = "block_size"
 	DimHeads     Dim = "heads"
 	DimHead      Dim = "head"
+	// DimKernelBlocks counts the kernel blocks one block is split into
+	// (vLLM's prepare_kernel_block_sizes: an attention backend that takes
+	// smaller blocks than the scheduler's sees k kernel blocks per block,
+	// in order). With it a block holds kernel_blocks × block_size tokens,
+	// the block size the scheduler's block ids mean.
+	DimKernelBlocks Dim = "kernel_blocks"
 )
 
 // DefaultDims returns the dimension names of the backend's logical shape,

@@ -73,7 +73,10 @@ func (l *Layout) AppendPlan(dst []Span, blockIDs []int64, objectBase uint64, dir
 	return dst, nil
 }
 
-// Skip in a load plan's block ids marks a block not to write.
+// Skip in a plan's block ids marks a block not to copy: a load does not
+// write it (vLLM has it), a save leaves its bytes in the object unwritten
+// (a windowed KV-cache group's object holds only the blocks inside the
+// window; shim/groups.go), and no load of that object ever reads them.
 const Skip int64 = -1
 
 func (l *Layout) checkPlan(ids []int64, objectBase uint64, dir Direction) error {
@@ -90,7 +93,7 @@ func (l *Layout) checkPlan(ids []int64, objectBase uint64, dir Direction) error 
 		seen = make(map[int64]bool, len(ids))
 	}
 	for i, b := range ids {
-		if b == Skip && dir == Load {
+		if b == Skip {
 			continue
 		}
 		if b < 0 || b >= l.numBlocks {

@@ -134,7 +134,7 @@ func TestPlanRefuses(t *testing.T) {
 		{"too many", []int64{0, 1, 2}, obj, Save, "partial chunk"},
 		{"out of range", []int64{0, 4}, obj, Load, "out of range"},
 		{"negative", []int64{-2, 0}, obj, Load, "out of range"},
-		{"skip in a save", []int64{Skip, 0}, obj, Save, "out of range"},
+		{"below skip in a save", []int64{-2, 0}, obj, Save, "out of range"},
 		{"repeat", []int64{2, 2}, obj, Load, "repeated"},
 		{"null object", []int64{0, 1}, 0, Save, "object_base"},
 		{"overflow", []int64{0, 1}, ^uint64(0) - 100, Save, "overflows"},
@@ -161,9 +161,38 @@ func TestPlanLoadSkipsBlocks(t *testing.T) {
 	// Blocks 5 and 6 are adjacent on both sides: one span; the skipped
 	// blocks' bytes of the object are passed over, never read or written.
 	assert.DeepEqual(t, spans, []Span{{Src: obj + HeaderSize + 128, Dst: 1<<20 + 5*128, Len: 256}})
-	_, err = l.Plan([]int64{Skip, 5, 6, 7}, obj, Save)
-	assert.ErrorContains(t, err, "block id -1 out of range")
+	// A save skips too (a windowed group's object leaves blocks out).
+	spans, err = l.Plan([]int64{Skip, 5, 6, 7}, obj, Save)
+	assert.NilError(t, err)
+	assert.DeepEqual(t, spans, []Span{{Src: 1<<20 + 5*128, Dst: obj + HeaderSize + 128, Len: 384}})
 	spans, err = l.Plan([]int64{Skip, Skip, Skip, Skip}, obj, Load)
 	assert.NilError(t, err)
 	assert.Equal(t, len(spans), 0)
+}
+
+// vLLM's kernel block split: dim 0 of a (blocks, heads, block_size, head)
+// view counts kernel blocks, two per block. Described with a kernel_blocks
+// dim, a block is its two kernel blocks (block size 2 × 4 tokens), and in
+// this head-major page (heads outside the tokens) still one run.
+func TestPlanKernelBlocks(t *testing.T) {
+	const base = 1 << 20
+	descs := []TensorDesc{{Layer: "x", Backend: Paged, Device: Device{Kind: CPU}, DataPtr: base, DTypeSize: 2,
+		Shape:   []int64{4, 2, 2, 4, 8},
+		Strides: []int64{256, 128, 64, 16, 2},
+		Dims:    []Dim{DimBlocks, DimKernelBlocks, DimHeads, DimBlockSize, DimHead}}}
+	l, err := New(descs, 16)
+	assert.NilError(t, err)
+	assert.Equal(t, l.BlockSize(), 8)
+	assert.Equal(t, l.ChunkBlocks(), 2)
+	assert.Equal(t, l.BlockBytes(), uint64(256))
+	const obj = 1 << 30
+	spans, err := l.Plan([]int64{1, 2}, obj, Save)
+	assert.NilError(t, err)
+	assert.DeepEqual(t, spans, []Span{{Src: base + 256, Dst: obj + HeaderSize, Len: 512}})
+	// Without the dim the same view is 4-token blocks: another layout.
+	descs[0].Shape, descs[0].Strides, descs[0].Dims = []int64{8, 2, 4, 8}, []int64{128, 64, 16, 2}, nil
+	l2, err := New(descs, 16)
+	assert.NilError(t, err)
+	assert.Equal(t, l2.BlockSize(), 4)
+	assert.Check(t, l2.Fingerprint() != l.Fingerprint())
 }

@@ -40,7 +40,7 @@ var requiredDims = map[Backend][]Dim{
 }
 
 var knownDims = map[Dim]bool{DimLayers: true, DimKV: true, DimBlocks: true,
-	DimBlockSize: true, DimHeads: true, DimHead: true}
+	DimBlockSize: true, DimHeads: true, DimHead: true, DimKernelBlocks: true}
 
 // analyze validates one descriptor and derives its per-block runs.
 func analyze(d *TensorDesc) (*tensor, error) {
@@ -147,6 +147,10 @@ func analyze(d *TensorDesc) (*tensor, error) {
 	}
 	if blk.size > 1 {
 		t.blockStride = uint64(blk.stride)
+	}
+	if i, ok := byName[DimKernelBlocks]; ok {
+		// a kernel block split: a block is its kernel blocks' tokens
+		t.blockSize *= dims[i].size
 	}
 
 	// Dense inner run: the smallest-stride non-block dims that tile memory

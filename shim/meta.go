@@ -41,6 +41,7 @@ type StepMeta struct {
 // load error).
 type LoadSpec struct {
 	Req    string  `json:"req"`
+	Group  uint32  `json:"group,omitempty"` // KV-cache group (its namespace and layout)
 	Owner  Tag     `json:"owner"`
 	Lookup uint64  `json:"lookup"`
 	Start  uint32  `json:"start"`
@@ -50,9 +51,13 @@ type LoadSpec struct {
 }
 
 // SaveSpec stores the chunks with Hashes from Blocks (ChunkBlocks ids per
-// chunk). First is the index of the first chunk in the request (for logs).
+// chunk) of KV-cache group Group. First is the index of the first chunk in
+// the request (for logs). -1 marks a block a windowed group's object leaves
+// out (outside the window at the chunk's end): its bytes in the object are
+// never written and never restored.
 type SaveSpec struct {
 	Req    string  `json:"req"`
+	Group  uint32  `json:"group,omitempty"`
 	First  uint32  `json:"first"`
 	Hashes []Hash  `json:"hashes"`
 	Blocks []int64 `json:"blocks"`
@@ -71,8 +76,8 @@ var ErrBadMeta = errors.New("bad step metadata")
 // MetaVersion is the first byte of the metadata's binary form:
 //
 //	meta  = version:u8 list(load) list(save) list(str) list(str)   (the last two: finished, preempted)
-//	load  = str(req) owner:[16]u8 uv(lookup) uv(start) uv(end) list(hash) list(block)
-//	save  = str(req) uv(first) list(hash) list(block)
+//	load  = str(req) uv(group) owner:[16]u8 uv(lookup) uv(start) uv(end) list(hash) list(block)
+//	save  = str(req) uv(group) uv(first) list(hash) list(block)
 //	list  = uv(count), then count items
 //	str   = uv(length), then the bytes
 //	hash  = [32]u8, raw
@@ -82,19 +87,19 @@ var ErrBadMeta = errors.New("bad step metadata")
 // Nothing follows the last list. A decoder checks every count against the
 // bytes left before it allocates, and a number against its field's range.
 // Other versions are refused; the scheduler and the workers run the same
-// library, so a version only changes with it.
-const MetaVersion = 1
+// library, so a version only changes with it. Version 2 added the group.
+const MetaVersion = 2
 
 // Encode is the metadata's wire form: the binary form of MetaVersion.
 func (m *StepMeta) Encode() ([]byte, error) {
 	size := 5
 	for i := range m.Loads {
 		l := &m.Loads[i]
-		size += 48 + len(l.Req) + HashSizeBytes*len(l.Hashes) + 3*len(l.Blocks)
+		size += 49 + len(l.Req) + HashSizeBytes*len(l.Hashes) + 3*len(l.Blocks)
 	}
 	for i := range m.Saves {
 		s := &m.Saves[i]
-		size += 16 + len(s.Req) + HashSizeBytes*len(s.Hashes) + 3*len(s.Blocks)
+		size += 17 + len(s.Req) + HashSizeBytes*len(s.Hashes) + 3*len(s.Blocks)
 	}
 	for _, r := range m.Finished {
 		size += 2 + len(r)
@@ -108,6 +113,7 @@ func (m *StepMeta) Encode() ([]byte, error) {
 	for i := range m.Loads {
 		l := &m.Loads[i]
 		b = appendStr(b, l.Req)
+		b = binary.AppendUvarint(b, uint64(l.Group))
 		b = append(b, l.Owner[:]...)
 		b = binary.AppendUvarint(b, l.Lookup)
 		b = binary.AppendUvarint(b, uint64(l.Start))
@@ -119,6 +125,7 @@ func (m *StepMeta) Encode() ([]byte, error) {
 	for i := range m.Saves {
 		s := &m.Saves[i]
 		b = appendStr(b, s.Req)
+		b = binary.AppendUvarint(b, uint64(s.Group))
 		b = binary.AppendUvarint(b, uint64(s.First))
 		b = appendHashes(b, s.Hashes)
 		b = appendBlocks(b, s.Blocks)
@@ -274,10 +281,11 @@ func (r *metaReader) blocks() []int64 {
 	return ids
 }
 
-// Smallest encodings, to bound counts: a load is a one-byte req length, the
-// owner, four one-byte numbers and two one-byte counts; a save a one-byte
-// req length, three one-byte numbers or counts.
-const minLoadBytes, minSaveBytes = 1 + len(Tag{}) + 3 + 2, 1 + 3
+// Smallest encodings, to bound counts: a load is a one-byte req length, a
+// one-byte group, the owner, three one-byte numbers and two one-byte
+// counts; a save a one-byte req length and group, three one-byte numbers
+// or counts.
+const minLoadBytes, minSaveBytes = 1 + 1 + len(Tag{}) + 3 + 2, 1 + 1 + 3
 
 func decodeBinaryMeta(b []byte) (*StepMeta, error) {
 	var m StepMeta
@@ -290,6 +298,7 @@ func decodeBinaryMeta(b []byte) (*StepMeta, error) {
 		for i := range m.Loads {
 			l := &m.Loads[i]
 			l.Req = r.str("req")
+			l.Group = r.u32("group")
 			if p := r.bytes("owner", len(Tag{})); p != nil {
 				l.Owner = Tag(p)
 			}
@@ -308,6 +317,7 @@ func decodeBinaryMeta(b []byte) (*StepMeta, error) {
 		for i := range m.Saves {
 			s := &m.Saves[i]
 			s.Req = r.str("req")
+			s.Group = r.u32("group")
 			s.First = r.u32("first")
 			s.Hashes = r.hashes()
 			s.Blocks = r.blocks()
@@ -371,7 +381,7 @@ func DecodeStepMeta(b []byte, chunkBlocks int, numBlocks int64) (*StepMeta, erro
 		}
 	}
 	for _, s := range m.Saves {
-		if err := checkBlocks("save", s.Req, s.Blocks, len(s.Hashes), false); err != nil {
+		if err := checkBlocks("save", s.Req, s.Blocks, len(s.Hashes), true); err != nil {
 			return nil, err
 		}
 	}
@@ -382,10 +392,10 @@ func DecodeStepMeta(b []byte, chunkBlocks int, numBlocks int64) (*StepMeta, erro
 // key cannot be checked; the chunk is not loaded.
 var ErrNoChunkHash = errors.New("no chunk hash to check the object's key against")
 
-// objectKey is the key of chunk hash h of this worker's rank: what its
-// objects' headers name.
-func (w *Worker) objectKey(h Hash) layout.ObjectKey {
-	return layout.ObjectKey{Namespace: w.ns, Rank: w.kvRank, Hash: h}
+// objectKey is the key of chunk hash h of this worker's rank in namespace
+// ns (a KV-cache group's): what its objects' headers name.
+func (w *Worker) objectKey(ns kv.Namespace, h Hash) layout.ObjectKey {
+	return layout.ObjectKey{Namespace: ns, Rank: w.kvRank, Hash: h}
 }
 
 // verifyLoaded checks retrieved object obj, chunk i of a load's hashes,
@@ -394,7 +404,7 @@ func (w *Worker) objectKey(h Hash) layout.ObjectKey {
 // payload CRC too, which must be set (objfmt: payloads are checked where
 // they enter L2, not on every L1 restore). A header that names another key
 // is counted (KeyMismatches) and logged: bytes stored under the wrong name.
-func (w *Worker) verifyLoaded(l *layout.Layout, obj []byte, hashes []Hash, i int) error {
+func (w *Worker) verifyLoaded(l *layout.Layout, ns kv.Namespace, obj []byte, hashes []Hash, i int) error {
 	if i >= len(hashes) {
 		return ErrNoChunkHash
 	}
@@ -402,7 +412,7 @@ func (w *Worker) verifyLoaded(l *layout.Layout, obj []byte, hashes []Hash, i int
 	if w.cfg.Verify == objfmt.VerifyAlways {
 		check = l.VerifyObject
 	}
-	err := check(obj, w.objectKey(hashes[i]))
+	err := check(obj, w.objectKey(ns, hashes[i]))
 	if errors.Is(err, layout.ErrKeyMismatch) {
 		w.count(func(s *WorkerStats) { s.KeyMismatches++ })
 		slog.Error("kvshim: retrieved object names another key; not loaded", "rank", w.kvRank, "chunk_hash", hex.EncodeToString(hashes[i][:]), "err", err)

@@ -21,10 +21,10 @@ func metaSample() *StepMeta {
 		Loads: []LoadSpec{
 			{Req: "a", Owner: Tag{1, 2, 15: 3}, Lookup: 1 << 40, Start: 1, End: 3,
 				Hashes: []Hash{{1, 31: 2}, {3}}, Blocks: []int64{-1, 5, 6, 7}},
-			{Req: "", Lookup: 7, Start: 4, End: 4},
+			{Req: "", Group: 300, Lookup: 7, Start: 4, End: 4},
 		},
 		Saves: []SaveSpec{
-			{Req: "b", First: 2, Hashes: []Hash{{9}}, Blocks: []int64{1, 2}},
+			{Req: "b", Group: 1, First: 2, Hashes: []Hash{{9}}, Blocks: []int64{-1, 2}},
 			{Req: "ü\x00", First: 1<<32 - 1, Hashes: []Hash{{0xff}, {31: 0xff}}, Blocks: []int64{0, 63, 64, 70000}},
 		},
 		Finished:  []string{"c", ""},
@@ -51,8 +51,8 @@ func TestStepMetaIsBinary(t *testing.T) {
 	assert.NilError(t, err)
 	assert.Check(t, bytes.Contains(b, h[:]))
 	assert.Check(t, !bytes.Contains(b, []byte("deadbeef")))
-	// version, 0 loads, 1 save: "r", first 0, 1 hash, 2 blocks, 0 finished, 0 preempted
-	want := append([]byte{MetaVersion, 0, 1, 1, 'r', 0, 1}, h[:]...)
+	// version, 0 loads, 1 save: "r", group 0, first 0, 1 hash, 2 blocks, 0 finished, 0 preempted
+	want := append([]byte{MetaVersion, 0, 1, 1, 'r', 0, 0, 1}, h[:]...)
 	want = append(want, 2, 2, 4, 0, 0)
 	assert.DeepEqual(t, b, want)
 }
@@ -75,7 +75,7 @@ func TestStepMetaRejects(t *testing.T) {
 		{"short blocks", `{"loads":[{"req":"a","start":0,"end":2,"blocks":[1,2,3]}]}`, "3 block ids for 2 chunks"},
 		{"range", `{"loads":[{"req":"a","start":3,"end":2,"blocks":[]}]}`, "chunk range [3, 2)"},
 		{"block out of range", `{"saves":[{"req":"a","hashes":["` + hex64 + `"],"blocks":[1,8]}]}`, "block id 8 outside"},
-		{"skip in save", `{"saves":[{"req":"a","hashes":["` + hex64 + `"],"blocks":[-1,1]}]}`, "block id -1 outside"},
+		{"below skip in save", `{"saves":[{"req":"a","hashes":["` + hex64 + `"],"blocks":[-2,1]}]}`, "block id -2 outside"},
 		{"short hash", `{"saves":[{"req":"a","hashes":["00"],"blocks":[1,1]}]}`, "want 64 hex digits"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -103,19 +103,19 @@ func TestStepMetaRejectsBinary(t *testing.T) {
 		meta []byte
 		want string
 	}{
-		{"version 0", []byte{0, 0, 0, 0, 0}, "version 0 (this library reads version 1)"},
-		{"version 2", cat([]byte{2}, good[1:]), "version 2"},
+		{"version 0", []byte{0, 0, 0, 0, 0}, "version 0 (this library reads version 2)"},
+		{"version 3", cat([]byte{3}, good[1:]), "version 3"},
 		{"trailing byte", cat(good, []byte{0}), "1 bytes after the metadata"},
 		{"only the version", []byte{MetaVersion}, "loads: truncated"},
 		{"forged load count", cat([]byte{MetaVersion}, uv(1<<62)), "4611686018427387904 loads in 0 bytes"},
-		{"forged hash count", cat([]byte{MetaVersion, 0, 1, 0, 0}, uv(1<<40), make([]byte, 64)), "1099511627776 chunk hashes in 64 bytes"},
-		{"forged block count", cat([]byte{MetaVersion, 0, 1, 0, 0, 0}, uv(3), []byte{2, 2}), "3 block ids in 2 bytes"},
+		{"forged hash count", cat([]byte{MetaVersion, 0, 1, 0, 0, 0}, uv(1<<40), make([]byte, 64)), "1099511627776 chunk hashes in 64 bytes"},
+		{"forged block count", cat([]byte{MetaVersion, 0, 1, 0, 0, 0, 0}, uv(3), []byte{2, 2}), "3 block ids in 2 bytes"},
 		{"forged string length", cat([]byte{MetaVersion, 0, 0, 1}, uv(9), []byte("abc")), "9 finished bytes in 3 bytes"},
-		{"start past 32 bits", cat([]byte{MetaVersion, 1, 0}, make([]byte, 16), uv(0), uv(1<<32)), "start 4294967296 does not fit 32 bits"},
+		{"start past 32 bits", cat([]byte{MetaVersion, 1, 0, 0}, make([]byte, 16), uv(0), uv(1<<32)), "start 4294967296 does not fit 32 bits"},
 		{"overlong varint", cat([]byte{MetaVersion}, bytes.Repeat([]byte{0x80}, 10), []byte{1}), "loads: truncated or overlong varint"},
-		{"truncated block", cat([]byte{MetaVersion, 0, 1, 0, 0, 0, 2, 2, 0x80}), "block id 1 of 2: truncated"},
+		{"truncated block", cat([]byte{MetaVersion, 0, 1, 0, 0, 0, 0, 2, 2, 0x80}), "block id 1 of 2: truncated"},
 		{"block out of range", enc(&StepMeta{Saves: []SaveSpec{{Req: "a", Hashes: []Hash{{}}, Blocks: []int64{1, 8}}}}), "block id 8 outside"},
-		{"skip in save", enc(&StepMeta{Saves: []SaveSpec{{Req: "a", Hashes: []Hash{{}}, Blocks: []int64{-1, 1}}}}), "block id -1 outside"},
+		{"below skip in save", enc(&StepMeta{Saves: []SaveSpec{{Req: "a", Hashes: []Hash{{}}, Blocks: []int64{-2, 1}}}}), "block id -2 outside"},
 		{"range", enc(&StepMeta{Loads: []LoadSpec{{Req: "a", Start: 3, End: 2}}}), "chunk range [3, 2)"},
 		{"hashes for the range", enc(&StepMeta{Loads: []LoadSpec{{Req: "a", End: 1, Hashes: []Hash{{}, {}}, Blocks: []int64{1, 2}}}}), "2 chunk hashes for chunks [0, 1)"},
 	} {

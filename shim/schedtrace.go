@@ -17,12 +17,12 @@ type schedTrace struct{ w atomic.Pointer[trace.Writer] }
 // lookup that is never loaded. nil turns it off; the caller closes w.
 func (s *Scheduler) SetTrace(w *trace.Writer) { s.trace.w.Store(w) }
 
-func (s *Scheduler) traceSubmitted(r *schedReq) {
+func (s *Scheduler) traceSubmitted(r *schedReq, lookupID uint64, ns [16]byte) {
 	w := s.trace.w.Load()
 	if w == nil {
 		return
 	}
-	w.Emit(trace.Record{Kind: trace.KindLookup, Event: "request", RequestID: r.id, LookupID: r.lookupID,
-		Owner: hex.EncodeToString(s.cfg.Instance[:]), Namespace: hex.EncodeToString(s.ns[:]),
+	w.Emit(trace.Record{Kind: trace.KindLookup, Event: "request", RequestID: r.id, LookupID: lookupID,
+		Owner: hex.EncodeToString(s.cfg.Instance[:]), Namespace: hex.EncodeToString(ns[:]),
 		Chunks: uint32(len(r.hashes)), World: uint32(s.cfg.Namespace.KVWorldSize()), Rank: -1, Chunk: -1, StopRank: -1})
 }

@@ -25,11 +25,19 @@ type SchedulerConfig struct {
 // (how many tokens can be loaded? which blocks to load into? which chunks
 // to save?) into server lookups and per-step metadata for the workers.
 // Every method is one Python call; none blocks longer than the call timeout.
+//
+// With several KV-cache groups (groups.go) every group has its own
+// namespace, lookup, holds, loads and saves; chunk hashes are computed
+// once (from group 0's namespace) and the object key of a group's chunk is
+// (the group's namespace, rank, hash). Block ids cross the C ABI as one
+// array of all groups (splitGroups).
 type Scheduler struct {
-	cfg   SchedulerConfig
-	ns    ipc.Namespace
-	chunk int
-	link  *link
+	cfg    SchedulerConfig
+	ns     ipc.Namespace   // group 0's: roots the chunk hashes
+	groups []GroupSpec     // the KV-cache groups, in vLLM's order
+	gns    []ipc.Namespace // each group's namespace
+	chunk  int
+	link   *link
 
 	mu         sync.Mutex
 	reqs       map[string]*schedReq
@@ -38,7 +46,14 @@ type Scheduler struct {
 	finished   []string   // delay-freed requests, told to workers with the next metadata
 	saves      []SaveSpec // saves of finished requests, dispatched with the next metadata
 	orphans    []uint64   // lookups given up while pending: read once final so the server forgets them
-	trace      schedTrace // lifecycle records (schedtrace.go)
+	// fence maps a block a windowed group's save reads to the request of
+	// that save. vLLM frees such blocks while the request still runs (its
+	// window moved on) and may hand them out again: a step that allocates
+	// one makes the workers wait for that request's copies first (the
+	// request goes out in the metadata's preempted list, whose copies the
+	// workers wait for before the step's loads and forward pass).
+	fence map[int64]string
+	trace schedTrace // lifecycle records (schedtrace.go)
 }
 
 type lookupState uint8
@@ -49,30 +64,58 @@ const (
 	lookupFinal                      // answer read (and cached here)
 )
 
+// groupReq is one KV-cache group's part of a request.
+type groupReq struct {
+	lookupID   uint64
+	state      lookupState
+	hits       int     // final answer: this group's chunks present on all ranks, held for us
+	holdsFreed bool    // our holds were released (or never taken)
+	saved      int     // chunks that need no save (stored, dispatched, or no longer savable)
+	blocks     []int64 // block ids of the request, token order; -1: none (a null block)
+	// win is a windowed group's second lookup: only the chunks its window
+	// needs at the boundary the full-attention groups reached (foldHits);
+	// useWin: the load reads it, not the first one.
+	win    *winLookup
+	useWin bool
+}
+
+// winLookup is a lookup of chunks [base, ...) of a request.
+type winLookup struct {
+	id    uint64
+	state lookupState
+	hits  int // chunks present from base on
+	base  int
+	freed bool
+}
+
 type schedReq struct {
 	id        string
 	prompt    int        // prompt length in tokens
 	hashes    []ipc.Hash // the prompt's full chunks
 	extras    Extras     // what keyed hashes besides the tokens (extends them at the finish)
-	lookupID  uint64
 	state     lookupState
 	submitted time.Time
-	hits      int // final answer: chunks present on all ranks, held for us
+	hits      int // final answer, folded over the groups
 	local     int // vLLM's own prefix-cache hit, as last given to Match
 
-	blocks      []int64 // block ids of the request, token order (group 0)
-	computed    int     // tokens vLLM has computed, as of the last step
-	loadPlanned bool    // a load was planned (holds now belong to the workers)
-	holdsFreed  bool    // our holds were released (or never taken)
-	saved       int     // chunks that need no save (stored, or dispatched)
-	savesOut    bool    // saves were dispatched: the workers may still read its blocks
+	g           []groupReq // one per KV-cache group
+	winTried    bool       // windowed groups' second lookups were considered
+	computed    int        // tokens vLLM has computed, as of the last step
+	loadPlanned bool       // a load was planned (holds now belong to the workers)
+	savesOut    bool       // saves were dispatched: the workers may still read its blocks
 }
 
-// NewScheduler checks cfg and computes the namespace.
+// NewScheduler checks cfg and computes the namespaces.
 func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
-	ns, err := cfg.Namespace.Namespace()
+	groups, specs, err := cfg.Namespace.GroupNamespaces()
 	if err != nil {
 		return nil, err
+	}
+	gns := make([]ipc.Namespace, len(specs))
+	for i, sp := range specs {
+		if gns[i], err = sp.Namespace(); err != nil {
+			return nil, err
+		}
 	}
 	chunk := cfg.Namespace.ChunkSize
 	if cfg.BlockSize <= 0 || chunk%cfg.BlockSize != 0 {
@@ -82,19 +125,23 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 		cfg.Timeout = 5 * time.Second
 	}
 	return &Scheduler{
-		cfg: cfg, ns: ns, chunk: chunk,
+		cfg: cfg, ns: gns[0], groups: groups, gns: gns, chunk: chunk,
 		link: newLink(cfg.Socket, ipc.RoleScheduler, cfg.Instance, cfg.Timeout),
-		reqs: map[string]*schedReq{},
+		reqs: map[string]*schedReq{}, fence: map[int64]string{},
 	}, nil
 }
+
+// Groups are the KV-cache groups the scheduler was configured with.
+func (s *Scheduler) Groups() []GroupSpec { return slices.Clone(s.groups) }
 
 // Close drops the server session; the server releases everything it held for us.
 func (s *Scheduler) Close() error { return s.link.close() }
 
 // Match answers get_num_new_matched_tokens: the number of tokens beyond
 // numComputed that can be loaded, or pending (ask again next step). The
-// first call computes the chunk keys and registers the lookup; later calls
-// read the answer once and cache it, so repeated calls are side-effect free.
+// first call computes the chunk keys and registers the lookups (one per
+// KV-cache group); later calls read the answers once and cache them, so
+// repeated calls are side-effect free.
 func (s *Scheduler) Match(req string, tokens []uint32, ex Extras, numComputed int) (n int, pending bool, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -111,7 +158,10 @@ func (s *Scheduler) Match(req string, tokens []uint32, ex Extras, numComputed in
 		// "recompute"): the workers released the holds, so answer a final
 		// miss (never retry a load that just failed: it could fail forever)
 		// and save the recomputed chunks again.
-		r.loadPlanned, r.hits, r.saved = false, 0, 0
+		r.loadPlanned, r.hits = false, 0
+		for i := range r.g {
+			r.g[i].hits, r.g[i].saved = 0, 0
+		}
 	}
 	if r.state == lookupPending {
 		s.poll(r)
@@ -132,65 +182,224 @@ func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, e
 	if err != nil {
 		return nil, err
 	}
-	s.nextLookup++
-	r := &schedReq{id: req, prompt: len(tokens), hashes: hashes, extras: ex, lookupID: s.nextLookup, holdsFreed: true}
+	r := &schedReq{id: req, prompt: len(tokens), hashes: hashes, extras: ex, g: make([]groupReq, len(s.groups))}
+	for i := range r.g {
+		s.nextLookup++
+		r.g[i] = groupReq{lookupID: s.nextLookup, holdsFreed: true}
+	}
 	s.reqs[req] = r
 	if len(hashes) == 0 {
 		return r, nil
 	}
-	lk := &ipc.LookupReq{LookupID: r.lookupID, Namespace: s.ns, WorldSize: uint32(s.cfg.Namespace.KVWorldSize()),
-		MLA: s.cfg.Namespace.MLA, Hashes: hashes}
-	if s.cfg.Namespace.MLA {
-		// MLA objects are stored once and read by every TP rank.
-		lk.WorldSize = uint32(s.cfg.Namespace.WorldSize)
+	for i := range r.g {
+		lk := &ipc.LookupReq{LookupID: r.g[i].lookupID, Namespace: s.gns[i], WorldSize: uint32(s.cfg.Namespace.KVWorldSize()),
+			MLA: s.cfg.Namespace.MLA, Hashes: hashes}
+		if s.cfg.Namespace.MLA {
+			// MLA objects are stored once and read by every TP rank.
+			lk.WorldSize = uint32(s.cfg.Namespace.WorldSize)
+		}
+		err = s.link.call(func(ctx context.Context, c *ipc.Client) error { return c.Lookup(ctx, lk) })
+		if err != nil {
+			s.free(r, 0) // no server: a miss (and no lookup of another group is used)
+			r.state = lookupNone
+			return r, nil
+		}
+		r.g[i].state, r.g[i].holdsFreed = lookupPending, false
+		r.state = lookupPending
+		s.traceSubmitted(r, r.g[i].lookupID, s.gns[i])
 	}
-	err = s.link.call(func(ctx context.Context, c *ipc.Client) error { return c.Lookup(ctx, lk) })
-	if err != nil {
-		return r, nil // no server: a miss
-	}
-	r.state, r.submitted, r.holdsFreed = lookupPending, time.Now(), false
-	s.traceSubmitted(r)
+	r.submitted = time.Now()
 	return r, nil
 }
 
-// poll reads a pending lookup's answer; a server that is gone or too slow
-// turns it into a miss.
+// poll reads the pending lookups' answers; a server that is gone or too
+// slow turns the request into a miss. Once every group's answer is final,
+// windowed groups that fall short of the full-attention groups' boundary
+// get a second lookup of just their window there (submitWindows), and the
+// request's hit is the fold of all answers (foldHits).
 func (s *Scheduler) poll(r *schedReq) {
-	var res *ipc.LookupResultResp
-	err := s.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
-		res, err = c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: r.lookupID})
-		return err
-	})
+	read := func(id uint64) (lookupState, int) {
+		var res *ipc.LookupResultResp
+		err := s.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
+			res, err = c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: id})
+			return err
+		})
+		switch {
+		case err != nil || res.Status == ipc.StatusUnknown:
+			return lookupNone, 0
+		case res.Status == ipc.StatusPending:
+			return lookupPending, 0
+		}
+		return lookupFinal, int(res.Chunks)
+	}
+	pending, none := false, false
+	for i := range r.g {
+		g := &r.g[i]
+		if g.state == lookupPending {
+			g.state, g.hits = read(g.lookupID)
+			g.holdsFreed = g.state == lookupNone || g.state == lookupFinal && g.hits == 0
+		}
+		if w := g.win; w != nil && w.state == lookupPending {
+			w.state, w.hits = read(w.id)
+			w.freed = w.state == lookupNone || w.state == lookupFinal && w.hits == 0
+		}
+		pending = pending || g.state == lookupPending || g.win != nil && g.win.state == lookupPending
+		none = none || g.state == lookupNone
+	}
 	switch {
-	case err != nil || res.Status == ipc.StatusUnknown:
-		r.state, r.holdsFreed = lookupNone, true
-	case res.Status == ipc.StatusPending:
+	case none:
+		s.free(r, 0)
+		r.state = lookupNone
+	case pending:
 		if time.Since(r.submitted) > s.cfg.Timeout {
 			s.free(r, 0)
 			r.state = lookupNone
 		}
+	case !r.winTried && s.submitWindows(r):
+		// asked; answered in a later poll
 	default:
-		r.state, r.hits, r.saved = lookupFinal, int(res.Chunks), int(res.Chunks)
+		r.state, r.hits = lookupFinal, s.foldHits(r)
+		for i := range r.g {
+			r.g[i].saved = r.hits
+		}
 		if r.hits == 0 {
-			r.holdsFreed = true
+			s.free(r, 0)
 		}
 	}
 }
 
-// free releases our holds on chunks [from, end) of the lookup.
+// fullBoundary is the boundary (in chunks) every full-attention group of r
+// can restore: the smallest of their answers.
+func (s *Scheduler) fullBoundary(r *schedReq) int {
+	k := len(r.hashes)
+	for i, gs := range s.groups {
+		if !gs.Windowed() {
+			k = min(k, r.g[i].hits)
+		}
+	}
+	return k
+}
+
+// windowChunk is the first chunk a windowed group needs for a hit of k
+// chunks (ending where Match's answer ends it: one token short of the
+// prompt when every prompt chunk hits).
+func (s *Scheduler) windowChunk(r *schedReq, gs GroupSpec, k int) int {
+	end := min(k*s.chunk, r.prompt-1)
+	return gs.Skipped(end) / s.cfg.BlockSize / (s.chunk / s.cfg.BlockSize)
+}
+
+// submitWindows registers, for every windowed group whose answer (the
+// contiguous prefix of its chunks) is shorter than the full-attention
+// groups' boundary k, a lookup of the chunks its window needs at k. Such a
+// group does not need its earlier chunks: a request that finished after a
+// long answer stored only the windows its blocks still held. It reports
+// whether any lookup was submitted.
+func (s *Scheduler) submitWindows(r *schedReq) bool {
+	r.winTried = true
+	k := s.fullBoundary(r)
+	if k == 0 {
+		return false
+	}
+	submitted := false
+	for i, gs := range s.groups {
+		g := &r.g[i]
+		if !gs.Windowed() || g.hits >= k {
+			continue
+		}
+		base := s.windowChunk(r, gs, k)
+		s.nextLookup++
+		w := &winLookup{id: s.nextLookup, base: base, freed: true}
+		lk := &ipc.LookupReq{LookupID: w.id, Namespace: s.gns[i], WorldSize: uint32(s.cfg.Namespace.KVWorldSize()),
+			MLA: s.cfg.Namespace.MLA, Hashes: r.hashes[base:k]}
+		if s.cfg.Namespace.MLA {
+			lk.WorldSize = uint32(s.cfg.Namespace.WorldSize)
+		}
+		if err := s.link.call(func(ctx context.Context, c *ipc.Client) error { return c.Lookup(ctx, lk) }); err != nil {
+			continue // that group stays at its first answer
+		}
+		w.state, w.freed = lookupPending, false
+		g.win = w
+		submitted = true
+		s.traceSubmitted(r, w.id, s.gns[i])
+	}
+	return submitted
+}
+
+// foldHits is the request's hit in chunks from its groups' answers: the
+// largest chunk boundary every group can restore, each by its own
+// protocol. A full-attention group restores a boundary k when chunks
+// [0, k) are there (the server's contiguous prefix). A windowed group
+// needs only the objects of the chunks that hold blocks inside its window
+// at k (ObjectFirstBlock): there when its first answer reaches k, or when
+// its window lookup (submitWindows) found all of them. If a windowed group
+// cannot restore the full groups' boundary, the hit is the smallest first
+// answer. The lookups not used are released.
+func (s *Scheduler) foldHits(r *schedReq) int {
+	k := s.fullBoundary(r)
+	ok := true
+	for i, gs := range s.groups {
+		g := &r.g[i]
+		if gs.Windowed() && g.hits < k && (g.win == nil || g.win.state != lookupFinal || g.win.base+g.win.hits < k) {
+			ok = false
+		}
+	}
+	if !ok {
+		for i := range r.g {
+			k = min(k, r.g[i].hits)
+		}
+	}
+	for i := range r.g {
+		g := &r.g[i]
+		g.useWin = ok && g.win != nil && g.hits < k
+		if g.useWin {
+			s.freeGroup(r, i, 0)
+		} else {
+			s.freeWin(g)
+		}
+	}
+	return k
+}
+
+// free releases our holds on chunks [from, end) of every group's lookup
+// (and, from 0, every window lookup).
 func (s *Scheduler) free(r *schedReq, from uint32) {
-	if r.holdsFreed {
+	for i := range r.g {
+		s.freeGroup(r, i, from)
+		if from == 0 {
+			s.freeWin(&r.g[i])
+		}
+	}
+}
+
+// freeWin releases a group's window lookup, if any.
+func (s *Scheduler) freeWin(g *groupReq) {
+	w := g.win
+	if w == nil || w.freed {
 		return
 	}
 	_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
-		return c.Free(ctx, &ipc.FreeReq{LookupID: r.lookupID, Start: from, End: ^uint32(0)})
+		return c.Free(ctx, &ipc.FreeReq{LookupID: w.id, Start: 0, End: ^uint32(0)})
+	})
+	w.freed = true
+	if w.state == lookupPending {
+		s.orphans = append(s.orphans, w.id)
+	}
+}
+
+func (s *Scheduler) freeGroup(r *schedReq, i int, from uint32) {
+	g := &r.g[i]
+	if g.holdsFreed {
+		return
+	}
+	_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
+		return c.Free(ctx, &ipc.FreeReq{LookupID: g.lookupID, Start: from, End: ^uint32(0)})
 	})
 	if from == 0 {
-		r.holdsFreed = true
-		if r.state == lookupPending {
+		g.holdsFreed = true
+		if g.state == lookupPending {
 			// The server forgets a lookup only once its answer is read:
 			// read it when the fill ends (reapOrphans).
-			s.orphans = append(s.orphans, r.lookupID)
+			s.orphans = append(s.orphans, g.lookupID)
 		}
 	}
 }
@@ -220,13 +429,28 @@ func (s *Scheduler) reapOrphans() {
 	s.orphans = keep
 }
 
+// setBlocks records the request's block tables from one array of all
+// groups (splitGroups).
+func (s *Scheduler) setBlocks(r *schedReq, blocks []int64) error {
+	parts, err := splitGroups(blocks, len(s.groups))
+	if err != nil {
+		return err
+	}
+	for i := range r.g {
+		r.g[i].blocks = append(r.g[i].blocks[:0], parts[i]...)
+	}
+	return nil
+}
+
 // AfterAlloc answers update_state_after_alloc: blocks are all the request's
-// block ids so far (vLLM's own prefix-cache hits first), numComputed the
-// tokens vLLM has itself (negative: the value given to Match), numExternal
-// the tokens to load. It plans the load
-// of the chunks that cover [numComputed, numComputed+numExternal), skipping
-// the blocks vLLM already has, and releases every other hold. A second call
-// (more blocks after the load) only records the blocks.
+// block ids so far (vLLM's own prefix-cache hits first; with several
+// KV-cache groups, every group's in one array: splitGroups), numComputed
+// the tokens vLLM has itself (negative: the value given to Match),
+// numExternal the tokens to load. It plans, per group, the load of the
+// chunks that cover [numComputed, numComputed+numExternal) and hold blocks
+// the group needs there (a windowed group: from its window's first block
+// on), skipping the blocks vLLM already has, and releases every other hold.
+// A second call (more blocks after the load) only records the blocks.
 func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExternal int) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -237,7 +461,9 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 	if numComputed < 0 {
 		numComputed = r.local
 	}
-	r.blocks = append(r.blocks[:0], blocks...)
+	if err := s.setBlocks(r, blocks); err != nil {
+		return err
+	}
 	r.computed = numComputed
 	if r.loadPlanned {
 		return nil
@@ -247,58 +473,140 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 		return nil
 	}
 	bs := s.cfg.BlockSize
+	cb := s.chunk / bs
 	end := numComputed + numExternal
 	first, last := numComputed/s.chunk, (end+s.chunk-1)/s.chunk
-	if last > r.hits || (last*s.chunk)/bs > len(blocks)+(s.chunk/bs) {
-		return fmt.Errorf("%w: load of %q: tokens [%d, %d) but %d chunks held and %d blocks", ErrBadMeta, req, numComputed, end, r.hits, len(blocks))
+	if last > r.hits || (last*s.chunk)/bs > len(r.g[0].blocks)+cb && !s.groups[0].Windowed() {
+		return fmt.Errorf("%w: load of %q: tokens [%d, %d) but %d chunks held and %d blocks", ErrBadMeta, req, numComputed, end, r.hits, len(r.g[0].blocks))
 	}
-	ids := make([]int64, 0, (last-first)*s.chunk/bs)
-	for b := first * s.chunk / bs; b < last*s.chunk/bs; b++ {
-		switch {
-		case b < numComputed/bs:
-			ids = append(ids, -1) // vLLM has it: never overwrite a shared block
-		case b < len(blocks):
-			ids = append(ids, blocks[b])
-		default:
-			// The full-hit case: vLLM allocated blocks for one token less
-			// than the last chunk, so the tail of that chunk has no block.
-			ids = append(ids, -1)
+	for i, gs := range s.groups {
+		g := &r.g[i]
+		// The first block vLLM allocated for this group (below: null
+		// blocks of a window that moved on), and the chunk that holds it.
+		firstBlock := gs.Skipped(end) / bs
+		gFirst := max(first, firstBlock/cb)
+		ids := make([]int64, 0, (last-gFirst)*cb)
+		for b := gFirst * cb; b < last*cb; b++ {
+			switch {
+			case b < numComputed/bs:
+				ids = append(ids, -1) // vLLM has it: never overwrite a shared block
+			case b < firstBlock:
+				ids = append(ids, -1) // outside the window: a null block
+			case b < len(g.blocks):
+				ids = append(ids, g.blocks[b]) // -1 when vLLM gave a null block
+			default:
+				// The full-hit case: vLLM allocated blocks for one token less
+				// than the last chunk, so the tail of that chunk has no block.
+				ids = append(ids, -1)
+			}
 		}
+		// The lookup the load reads: the group's, or its window lookup,
+		// whose chunk 0 is chunk base of the request.
+		id, base, hits := g.lookupID, 0, g.hits
+		if g.useWin {
+			id, base, hits = g.win.id, g.win.base, g.win.base+g.win.hits
+			g.win.freed = true
+		}
+		// The chunk hashes go with the load: the workers check each object's
+		// header names its key before a byte of it reaches the KV cache.
+		hs := make([]Hash, 0, last-gFirst)
+		for _, h := range r.hashes[gFirst:last] {
+			hs = append(hs, Hash(h))
+		}
+		lo, hi := gFirst-base, last-base
+		if gFirst < base {
+			// vLLM loads fewer tokens than Match offered and the window
+			// starts before the chunks held: a load without hashes, so
+			// every block of it is a load error (no object is checked or
+			// copied) and vLLM recomputes them.
+			hs, lo, hi = nil, 0, last-gFirst
+		}
+		// Holds outside the chunks we load are not needed; the workers
+		// release the rest after their copies.
+		if lo > 0 {
+			_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
+				return c.Free(ctx, &ipc.FreeReq{LookupID: id, Start: 0, End: uint32(lo)})
+			})
+		}
+		if last < hits {
+			_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
+				return c.Free(ctx, &ipc.FreeReq{LookupID: id, Start: uint32(last - base), End: ^uint32(0)})
+			})
+		}
+		s.loads = append(s.loads, LoadSpec{Req: req, Group: uint32(i), Owner: Tag(s.cfg.Instance), Lookup: id,
+			Start: uint32(lo), End: uint32(hi), Hashes: hs, Blocks: ids})
+		g.holdsFreed = true
 	}
-	// Holds below the first chunk we load are not needed; the workers
-	// release the rest after their copies.
-	if first > 0 {
-		_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
-			return c.Free(ctx, &ipc.FreeReq{LookupID: r.lookupID, Start: 0, End: uint32(first)})
-		})
-	}
-	if last < r.hits {
-		_ = s.link.call(func(ctx context.Context, c *ipc.Client) error {
-			return c.Free(ctx, &ipc.FreeReq{LookupID: r.lookupID, Start: uint32(last), End: ^uint32(0)})
-		})
-	}
-	// The chunk hashes go with the load: the workers check each object's
-	// header names its key before a byte of it reaches the KV cache.
-	hs := make([]Hash, 0, last-first)
-	for _, h := range r.hashes[first:last] {
-		hs = append(hs, Hash(h))
-	}
-	s.loads = append(s.loads, LoadSpec{Req: req, Owner: Tag(s.cfg.Instance), Lookup: r.lookupID,
-		Start: uint32(first), End: uint32(last), Hashes: hs, Blocks: ids})
 	// vLLM itself keeps the blocks of a request whose load is in flight
 	// (WAITING_FOR_REMOTE_KVS) until the workers report it received.
-	r.loadPlanned, r.holdsFreed = true, true
+	r.loadPlanned = true
 	return nil
 }
 
+// groupSave is the save of group i's chunks [g.saved, full) of r from its
+// block table blocks, or nil when there is none; hashes are r's chunk
+// hashes (at least full of them). A full-attention group saves every block
+// of a chunk and stops at the first chunk with a missing block (not
+// allocated yet). A windowed group's object of chunk c holds the blocks
+// from ObjectFirstBlock on (the rest are -1, left out): a chunk whose
+// window has a null block (freed by vLLM) can no longer be saved and is
+// passed over. The blocks a windowed save reads are fenced (see fence).
+func (s *Scheduler) groupSave(r *schedReq, i int, full int, hashes []ipc.Hash, blocks []int64) *SaveSpec {
+	g, gs := &r.g[i], s.groups[i]
+	bs := s.cfg.BlockSize
+	cb := s.chunk / bs
+	if !gs.Windowed() {
+		full = min(full, len(blocks)/cb)
+	}
+	if full <= g.saved {
+		return nil
+	}
+	sv := &SaveSpec{Req: r.id, Group: uint32(i), First: uint32(g.saved), Blocks: make([]int64, 0, (full-g.saved)*cb)}
+	c := g.saved
+	for ; c < full; c++ {
+		lo, hi := gs.ObjectFirstBlock(c, s.chunk, bs), (c+1)*cb
+		if hi > len(blocks) {
+			break // not allocated yet
+		}
+		if slices.ContainsFunc(blocks[lo:hi], func(id int64) bool { return id < 0 }) {
+			continue // the window moved on: gone
+		}
+		if len(sv.Hashes) == 0 {
+			// (chunks passed over come first: a window only moves on, so
+			// the chunks saved are consecutive from here)
+			sv.First = uint32(c)
+		}
+		sv.Hashes = append(sv.Hashes, Hash(hashes[c]))
+		for b := c * cb; b < hi; b++ {
+			if b < lo {
+				sv.Blocks = append(sv.Blocks, -1)
+				continue
+			}
+			sv.Blocks = append(sv.Blocks, blocks[b])
+			if gs.Windowed() {
+				s.fence[blocks[b]] = r.id
+			}
+		}
+	}
+	g.saved = c
+	if len(sv.Hashes) == 0 {
+		return nil
+	}
+	return sv
+}
+
 // StepRequest is one scheduled request of an engine step, as Python
-// flattens vLLM's SchedulerOutput.
+// flattens vLLM's SchedulerOutput. Blocks and NewBlocks are KV-cache group
+// 0's; with several groups, GroupBlocks and NewGroupBlocks hold groups 1,
+// 2, ... (vLLM's null block, id 0, in them means no block).
 type StepRequest struct {
-	Req       string  `json:"req"`
-	Blocks    []int64 `json:"blocks"`     // new requests and resumed ones: all block ids
-	NewBlocks []int64 `json:"new_blocks"` // running requests: blocks added this step
-	Computed  int     `json:"computed"`   // num_computed_tokens before this step
-	Scheduled int     `json:"scheduled"`  // tokens scheduled this step
+	Req            string    `json:"req"`
+	Blocks         []int64   `json:"blocks"`           // new requests and resumed ones: all block ids
+	NewBlocks      []int64   `json:"new_blocks"`       // running requests: blocks added this step
+	GroupBlocks    [][]int64 `json:"group_blocks"`     // Blocks of groups 1, 2, ...
+	NewGroupBlocks [][]int64 `json:"new_group_blocks"` // NewBlocks of groups 1, 2, ...
+	Computed       int       `json:"computed"`         // num_computed_tokens before this step
+	Scheduled      int       `json:"scheduled"`        // tokens scheduled this step
 }
 
 // Step is one engine step: the scheduled requests, those that finished
@@ -308,9 +616,39 @@ type Step struct {
 	Preempted []string      `json:"preempted"`
 }
 
+// groupIDs returns the ids of group i (0: the first list, i > 0: others[i-1]),
+// with vLLM's null block (0) as -1 in a hybrid model.
+func (s *Scheduler) groupIDs(i int, first []int64, others [][]int64) []int64 {
+	if i == 0 {
+		if len(s.groups) == 1 {
+			return first
+		}
+		return nullToNone(first)
+	}
+	if i-1 < len(others) {
+		return nullToNone(others[i-1])
+	}
+	return nil
+}
+
+func nullToNone(ids []int64) []int64 {
+	if !slices.Contains(ids, 0) {
+		return ids
+	}
+	out := slices.Clone(ids)
+	for j, id := range out {
+		if id == 0 {
+			out[j] = -1
+		}
+	}
+	return out
+}
+
 // BuildMeta answers build_connector_meta: the loads planned since the last
-// step, the full prompt chunks this step completes (to save), the
-// delay-freed requests and the preempted ones. It resets the pending lists.
+// step, the full prompt chunks this step completes (to save, per KV-cache
+// group), the delay-freed requests and the preempted ones (and the
+// requests whose saves still read a block this step hands out again: see
+// fence). It resets the pending lists.
 func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -327,6 +665,7 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 			delete(s.reqs, id)
 		}
 	}
+	s.fenceStep(m, step)
 	bs := s.cfg.BlockSize
 	cb := s.chunk / bs
 	for _, sr := range step.Requests {
@@ -334,25 +673,64 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 		if r == nil {
 			continue
 		}
-		if sr.Blocks != nil {
-			r.blocks = append(r.blocks[:0], sr.Blocks...)
+		for i := range r.g {
+			g := &r.g[i]
+			if blocks := s.groupIDs(i, sr.Blocks, sr.GroupBlocks); blocks != nil || i == 0 && sr.Blocks != nil {
+				g.blocks = append(g.blocks[:0], blocks...)
+			}
+			g.blocks = append(g.blocks, s.groupIDs(i, sr.NewBlocks, sr.NewGroupBlocks)...)
 		}
-		r.blocks = append(r.blocks, sr.NewBlocks...)
 		r.computed = sr.Computed + sr.Scheduled
 		// Prompt chunks only: their keys are known from the lookup.
-		full := min(min(r.computed, r.prompt)/s.chunk, len(r.hashes), len(r.blocks)/cb)
-		if full <= r.saved {
-			continue
+		full := min(min(r.computed, r.prompt)/s.chunk, len(r.hashes))
+		if len(s.groups) == 1 {
+			full = min(full, len(r.g[0].blocks)/cb)
 		}
-		sv := SaveSpec{Req: r.id, First: uint32(r.saved), Blocks: make([]int64, 0, (full-r.saved)*cb)}
-		for c := r.saved; c < full; c++ {
-			sv.Hashes = append(sv.Hashes, Hash(r.hashes[c]))
-			sv.Blocks = append(sv.Blocks, r.blocks[c*cb:(c+1)*cb]...)
+		for i := range r.g {
+			if sv := s.groupSave(r, i, full, r.hashes, r.g[i].blocks); sv != nil {
+				m.Saves = append(m.Saves, *sv)
+				r.savesOut = true
+			}
 		}
-		m.Saves = append(m.Saves, sv)
-		r.saved, r.savesOut = full, true
 	}
 	return m.Encode()
+}
+
+// fenceStep adds to m's preempted list the requests whose windowed saves
+// (dispatched in earlier steps) read a block that this step allocates
+// again: to a scheduled request, or to a load.
+func (s *Scheduler) fenceStep(m *StepMeta, step *Step) {
+	if len(s.fence) == 0 {
+		return
+	}
+	waited := map[string]bool{}
+	for _, id := range m.Preempted {
+		waited[id] = true
+	}
+	check := func(ids []int64) {
+		for _, id := range ids {
+			if req, ok := s.fence[id]; ok {
+				delete(s.fence, id)
+				if !waited[req] {
+					waited[req] = true
+					m.Preempted = append(m.Preempted, req)
+				}
+			}
+		}
+	}
+	for _, sr := range step.Requests {
+		check(sr.Blocks)
+		check(sr.NewBlocks)
+		for _, ids := range sr.GroupBlocks {
+			check(ids)
+		}
+		for _, ids := range sr.NewGroupBlocks {
+			check(ids)
+		}
+	}
+	for _, ld := range m.Loads {
+		check(ld.Blocks)
+	}
 }
 
 // Finished answers request_finished for a request whose computed chunks
@@ -370,7 +748,8 @@ func (s *Scheduler) Finished(req string) (delay bool) {
 // (how many of its tokens have KV in its blocks: vLLM's num_computed_tokens
 // less the tokens still in flight; the last sampled token has none yet, and
 // rejected draft tokens are not counted) and Blocks (its block ids, token
-// order, group 0).
+// order; with several KV-cache groups every group's, as splitGroups reads
+// them).
 type FinishState struct {
 	Tokens   []uint32
 	First    int
@@ -402,9 +781,9 @@ func (s *Scheduler) FinishedSaving(req string, fin *FinishState) (delay bool, er
 		s.free(r, 0)
 	}
 	if fin != nil {
-		var sv *SaveSpec
-		if sv, err = s.finalSave(r, fin); sv != nil {
-			s.saves = append(s.saves, *sv)
+		var svs []SaveSpec
+		if svs, err = s.finalSave(r, fin); len(svs) > 0 {
+			s.saves = append(s.saves, svs...)
 			r.savesOut = true
 		}
 	}
@@ -414,9 +793,9 @@ func (s *Scheduler) FinishedSaving(req string, fin *FinishState) (delay bool, er
 	return r.savesOut, err
 }
 
-// finalSave is the save of r's full computed chunks [r.saved, n) at its
-// finish, or nil when there is none.
-func (s *Scheduler) finalSave(r *schedReq, fin *FinishState) (*SaveSpec, error) {
+// finalSave is the save of r's full computed chunks [saved, n) at its
+// finish, per group.
+func (s *Scheduler) finalSave(r *schedReq, fin *FinishState) ([]SaveSpec, error) {
 	known := len(r.hashes) * s.chunk
 	if fin.First < 0 || fin.First > known {
 		return nil, fmt.Errorf("%w: finish of %q: tokens from %d, but the lookup keyed only the first %d", ErrBadMeta, r.id, fin.First, known)
@@ -425,9 +804,19 @@ func (s *Scheduler) finalSave(r *schedReq, fin *FinishState) (*SaveSpec, error) 
 	if end < r.prompt {
 		return nil, fmt.Errorf("%w: finish of %q: %d tokens, fewer than its %d-token prompt", ErrBadMeta, r.id, end, r.prompt)
 	}
-	cb := s.chunk / s.cfg.BlockSize
-	full := min(min(fin.Computed, end)/s.chunk, len(fin.Blocks)/cb)
-	if full <= r.saved {
+	blocks, err := splitGroups(fin.Blocks, len(s.groups))
+	if err != nil {
+		return nil, err
+	}
+	full := min(fin.Computed, end) / s.chunk
+	if len(s.groups) == 1 {
+		full = min(full, len(fin.Blocks)/(s.chunk/s.cfg.BlockSize))
+	}
+	need := false
+	for i := range r.g {
+		need = need || full > r.g[i].saved
+	}
+	if !need {
 		return nil, nil
 	}
 	hashes := r.hashes
@@ -436,18 +825,17 @@ func (s *Scheduler) finalSave(r *schedReq, fin *FinishState) (*SaveSpec, error) 
 		// tokens before First are never read (they are in r.hashes).
 		toks := make([]uint32, full*s.chunk)
 		copy(toks[fin.First:], fin.Tokens)
-		var err error
 		if hashes, err = ExtendChunkHashes(s.ns, slices.Clip(r.hashes), toks, s.chunk, r.extras); err != nil {
 			return nil, err
 		}
 	}
-	sv := &SaveSpec{Req: r.id, First: uint32(r.saved), Blocks: make([]int64, 0, (full-r.saved)*cb)}
-	for c := r.saved; c < full; c++ {
-		sv.Hashes = append(sv.Hashes, Hash(hashes[c]))
-		sv.Blocks = append(sv.Blocks, fin.Blocks[c*cb:(c+1)*cb]...)
+	var out []SaveSpec
+	for i := range r.g {
+		if sv := s.groupSave(r, i, full, hashes, blocks[i]); sv != nil {
+			out = append(out, *sv)
+		}
 	}
-	r.saved = full
-	return sv, nil
+	return out, nil
 }
 
 // Requests reports how many requests have state (a leak check for tests).

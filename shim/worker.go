@@ -43,7 +43,9 @@ type Worker struct {
 	link   *link
 
 	mu       sync.Mutex
-	layout   *layout.Layout
+	layout   *layout.Layout   // KV-cache group 0's
+	layouts  []*layout.Layout // every group's, by group id
+	groupNS  []ipc.Namespace  // every group's namespace (groupNS[0] == ns)
 	engine   cuda.Engine
 	pins     *pinner         // GPU caches only
 	inflight map[string]int  // request -> copies not yet finished
@@ -78,22 +80,51 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	if err != nil {
 		return nil, err
 	}
+	_, specs, err := cfg.Namespace.GroupNamespaces()
+	if err != nil {
+		return nil, err
+	}
+	groupNS := make([]ipc.Namespace, len(specs))
+	for i, sp := range specs {
+		if groupNS[i], err = sp.Namespace(); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = 5 * time.Second
 	}
 	return &Worker{
-		cfg: cfg, ns: ns, kvRank: kvRank, writer: writer,
+		cfg: cfg, ns: ns, kvRank: kvRank, writer: writer, groupNS: groupNS,
 		link:     newLink(cfg.Socket, ipc.RoleWorker, cfg.Instance, cfg.Timeout),
 		inflight: map[string]int{}, finish: map[string]bool{},
 	}, nil
 }
 
 // Register validates the KV tensors vLLM registered and picks the copy
-// engine: the host engine for CPU tensors, CUDA for GPU tensors.
+// engine: the host engine for CPU tensors, CUDA for GPU tensors. With
+// several KV-cache groups (TensorDesc.Group) every group gets its own
+// layout; the groups must be those of the namespace (0, 1, ...), on one
+// device, with blocks of the same size and number (vLLM's hybrid
+// allocator: one block pool, block ids shared by the groups).
 func (w *Worker) Register(descs []layout.TensorDesc) error {
-	l, err := layout.New(descs, w.cfg.Namespace.ChunkSize)
+	ls, err := layout.NewGroups(descs, w.cfg.Namespace.ChunkSize)
 	if err != nil {
 		return err
+	}
+	if len(ls) != len(w.groupNS) {
+		return fmt.Errorf("%w: KV tensors of %d KV-cache groups, the namespace has %d", layout.ErrGeometry, len(ls), len(w.groupNS))
+	}
+	l := ls[0]
+	for i, g := range ls {
+		switch {
+		case g.Group() != i:
+			return fmt.Errorf("%w: KV-cache group %d registered, want groups 0..%d", layout.ErrGeometry, g.Group(), len(ls)-1)
+		case g.Device() != l.Device():
+			return fmt.Errorf("%w: KV-cache group %d on %v, group 0 on %v", layout.ErrGeometry, i, g.Device(), l.Device())
+		case g.ChunkBlocks() != l.ChunkBlocks() || g.NumBlocks() != l.NumBlocks():
+			return fmt.Errorf("%w: KV-cache group %d has %d blocks of %d tokens, group 0 %d of %d", layout.ErrGeometry,
+				i, g.NumBlocks(), g.BlockSize(), l.NumBlocks(), l.BlockSize())
+		}
 	}
 	var eng cuda.Engine
 	var pins *pinner
@@ -114,7 +145,7 @@ func (w *Worker) Register(descs []layout.TensorDesc) error {
 		eng.Close()
 		return fmt.Errorf("%w: KV caches registered twice", layout.ErrGeometry)
 	}
-	w.layout, w.engine, w.pins = l, eng, pins
+	w.layout, w.layouts, w.engine, w.pins = l, ls, eng, pins
 	if pins != nil {
 		// Register each session's L1 as soon as it is dialled, not on the
 		// first copy (the first copy would wait on cuMemHostRegister).
@@ -131,22 +162,56 @@ func (w *Worker) Layout() *layout.Layout {
 }
 
 func (w *Worker) ready() (*layout.Layout, cuda.Engine, error) {
+	l, _, eng, err := w.group(0)
+	return l, eng, err
+}
+
+// group is KV-cache group g's layout and namespace, and the copy engine.
+func (w *Worker) group(g uint32) (*layout.Layout, ipc.Namespace, cuda.Engine, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.layout == nil {
-		return nil, nil, fmt.Errorf("%w: no KV caches registered", ErrBadMeta)
+		return nil, ipc.Namespace{}, nil, fmt.Errorf("%w: no KV caches registered", ErrBadMeta)
 	}
-	return w.layout, w.engine, nil
+	if int(g) >= len(w.layouts) {
+		return nil, ipc.Namespace{}, nil, fmt.Errorf("%w: KV-cache group %d of %d", ErrBadMeta, g, len(w.layouts))
+	}
+	return w.layouts[g], w.groupNS[g], w.engine, nil
 }
 
 // StartLoads starts the loads of one step's metadata and returns at once
 // (start_load_kv is on the model runner's thread): retrieving, checking and
 // copying run in the background. Failures are not returned: they become
 // load errors reported by Poll, with the request reported as received.
+//
+// A request's loads (one per KV-cache group: disjoint blocks) run side by
+// side, and the request is reported received once, after the last.
 func (w *Worker) StartLoads(meta *StepMeta) {
+	var order []string
+	byReq := map[string][]*LoadSpec{}
 	for i := range meta.Loads {
 		ld := &meta.Loads[i]
-		w.background(ld.Req, func(func()) { w.load(ld) })
+		if _, ok := byReq[ld.Req]; !ok {
+			order = append(order, ld.Req)
+		}
+		byReq[ld.Req] = append(byReq[ld.Req], ld)
+	}
+	for _, req := range order {
+		lds := byReq[req]
+		left := new(atomic.Int32)
+		left.Store(int32(len(lds)))
+		for _, ld := range lds {
+			w.background(req, func(func()) {
+				defer func() {
+					if left.Add(-1) == 0 {
+						w.mu.Lock()
+						w.recving = append(w.recving, req)
+						w.mu.Unlock()
+					}
+				}()
+				w.load(ld)
+			})
+		}
 	}
 }
 
@@ -178,12 +243,7 @@ type loadJob struct {
 
 func (w *Worker) load(ld *LoadSpec) {
 	defer w.traceLoad(ld)()
-	defer func() {
-		w.mu.Lock()
-		w.recving = append(w.recving, ld.Req)
-		w.mu.Unlock()
-	}()
-	l, eng, err := w.ready()
+	l, ns, eng, err := w.group(ld.Group)
 	if err != nil {
 		w.loadFailed(ld, 0, 1, err)
 		return
@@ -229,7 +289,7 @@ func (w *Worker) load(ld *LoadSpec) {
 			failAt, why = k, err
 		}
 	}
-	chk := w.startChecks(l, client, resp, ld.Hashes, n)
+	chk := w.startChecks(l, ns, client, resp, ld.Hashes, n)
 	var jobs []loadJob
 	var spans []layout.Span // planned, not yet submitted: chunks [first, i)
 	first, batch := 0, 1
@@ -309,7 +369,7 @@ type checks struct {
 	n    int
 }
 
-func (w *Worker) startChecks(l *layout.Layout, c *ipc.Client, resp *ipc.RetrieveResp, hashes []Hash, n int) *checks {
+func (w *Worker) startChecks(l *layout.Layout, ns ipc.Namespace, c *ipc.Client, resp *ipc.RetrieveResp, hashes []Hash, n int) *checks {
 	ch := &checks{objs: make([][]byte, n), errs: make([]error, n), done: make([]chan struct{}, n), n: n}
 	for i := range ch.done {
 		ch.done[i] = make(chan struct{})
@@ -327,7 +387,7 @@ func (w *Worker) startChecks(l *layout.Layout, c *ipc.Client, resp *ipc.Retrieve
 				if i >= n {
 					return
 				}
-				ch.objs[i], ch.errs[i] = w.checkChunk(l, c, resp, hashes, i)
+				ch.objs[i], ch.errs[i] = w.checkChunk(l, ns, c, resp, hashes, i)
 				close(ch.done[i])
 			}
 		}()
@@ -341,7 +401,7 @@ var beforeCheck func(i int)
 var beforeCommit func()
 
 // checkChunk resolves chunk i of a RETRIEVE answer and checks it.
-func (w *Worker) checkChunk(l *layout.Layout, c *ipc.Client, resp *ipc.RetrieveResp, hashes []Hash, i int) ([]byte, error) {
+func (w *Worker) checkChunk(l *layout.Layout, ns ipc.Namespace, c *ipc.Client, resp *ipc.RetrieveResp, hashes []Hash, i int) ([]byte, error) {
 	if beforeCheck != nil {
 		beforeCheck(i)
 	}
@@ -353,7 +413,7 @@ func (w *Worker) checkChunk(l *layout.Layout, c *ipc.Client, resp *ipc.RetrieveR
 	}
 	obj, err := w.resolve(c, resp.Locs[i])
 	if err == nil {
-		err = w.verifyLoaded(l, obj, hashes, i)
+		err = w.verifyLoaded(l, ns, obj, hashes, i)
 	}
 	return obj, err
 }
@@ -451,14 +511,15 @@ func (w *Worker) StartSaves(meta *StepMeta, streamEvent uint64) {
 // keeps them until save returns, as before.
 func (w *Worker) save(sv *SaveSpec, free func()) {
 	defer w.traceSave(sv)()
-	l, eng, err := w.ready()
+	l, ns, eng, err := w.group(sv.Group)
 	if err != nil {
+		w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(sv.Hashes)) })
 		return
 	}
 	size, _ := l.ObjectSize(l.ChunkTokens())
 	cb := l.ChunkBlocks()
 	tag := ipc.Tag(w.cfg.Instance)
-	req := &ipc.AllocReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: make([]ipc.Hash, len(sv.Hashes)), Sizes: make([]uint64, len(sv.Hashes))}
+	req := &ipc.AllocReq{Tag: tag, Namespace: ns, Rank: w.kvRank, Hashes: make([]ipc.Hash, len(sv.Hashes)), Sizes: make([]uint64, len(sv.Hashes))}
 	for i, h := range sv.Hashes {
 		req.Hashes[i], req.Sizes[i] = ipc.Hash(h), size
 	}
@@ -499,7 +560,7 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 			spans, err = l.AppendPlan(spans, sv.Blocks[i*cb:(i+1)*cb], addrOf(obj), layout.Save)
 		}
 		if err != nil {
-			w.abort(client, tag, req.Hashes[i:i+1])
+			w.abort(client, tag, ns, req.Hashes[i:i+1])
 			continue
 		}
 		objs, hashes = append(objs, obj), append(hashes, req.Hashes[i])
@@ -512,7 +573,7 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 		free() // the copy has read the blocks (or stopped): they are vLLM's again
 	}
 	if err == nil {
-		err = w.seal(l, objs, hashes)
+		err = w.seal(l, ns, objs, hashes)
 	}
 	saved := 0
 	switch {
@@ -523,7 +584,7 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 		// COMMIT on the session that staged the objects: a later session
 		// of this writer tag may stage the same keys for another copy.
 		err = w.link.callOn(client, func(ctx context.Context, c *ipc.Client) error {
-			resp, err := c.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: hashes})
+			resp, err := c.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: ns, Rank: w.kvRank, Hashes: hashes})
 			if err == nil {
 				for _, st := range resp.Status {
 					if st == ipc.StatusOK {
@@ -536,7 +597,7 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 	case errors.Is(err, errCopyStuck):
 		stuck = true
 	default:
-		w.abort(client, tag, hashes)
+		w.abort(client, tag, ns, hashes)
 	}
 	w.traceSaved(sv, len(hashes), saved, size, err)
 	w.count(func(s *WorkerStats) {
@@ -550,23 +611,23 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 // it writes 128 bytes a chunk and reads no payload (the L2 store sets the
 // payload CRC later, off this path); under always it computes each
 // payload's CRC (a pass over every byte, in parallel over chunks).
-func (w *Worker) seal(l *layout.Layout, objs [][]byte, hashes []ipc.Hash) error {
+func (w *Worker) seal(l *layout.Layout, ns ipc.Namespace, objs [][]byte, hashes []ipc.Hash) error {
 	if w.cfg.Verify != objfmt.VerifyAlways {
 		for i, obj := range objs {
-			if err := l.SealHeader(obj, w.objectKey(Hash(hashes[i]))); err != nil {
+			if err := l.SealHeader(obj, w.objectKey(ns, Hash(hashes[i]))); err != nil {
 				return err
 			}
 		}
 		return nil
 	}
 	errs := make([]error, len(objs))
-	inParallel(len(objs), func(i int) { errs[i] = l.SealObject(objs[i], w.objectKey(Hash(hashes[i]))) })
+	inParallel(len(objs), func(i int) { errs[i] = l.SealObject(objs[i], w.objectKey(ns, Hash(hashes[i]))) })
 	return errors.Join(errs...)
 }
 
-func (w *Worker) abort(client *ipc.Client, tag ipc.Tag, hashes []ipc.Hash) {
+func (w *Worker) abort(client *ipc.Client, tag ipc.Tag, ns ipc.Namespace, hashes []ipc.Hash) {
 	_ = w.link.callOn(client, func(ctx context.Context, c *ipc.Client) error {
-		_, err := c.Abort(ctx, &ipc.CommitReq{Tag: tag, Namespace: w.ns, Rank: w.kvRank, Hashes: hashes})
+		_, err := c.Abort(ctx, &ipc.CommitReq{Tag: tag, Namespace: ns, Rank: w.kvRank, Hashes: hashes})
 		return err
 	})
 }
@@ -719,7 +780,7 @@ func (w *Worker) Close() error {
 	}
 	w.mu.Lock()
 	eng := w.engine
-	w.engine, w.layout = nil, nil
+	w.engine, w.layout, w.layouts = nil, nil, nil
 	w.mu.Unlock()
 	var errs []error
 	if eng != nil {

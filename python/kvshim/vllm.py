@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -210,15 +211,16 @@ class KVShimMetadata(KVConnectorMetadata):
     data: bytes
 
 
-META_VERSION = 1  # shim.MetaVersion
+META_VERSION = 2  # shim.MetaVersion
 
 
 def read_meta(data: bytes) -> dict[str, Any]:
     """A step's metadata bytes as the dict of its JSON text form (json.Marshal
-    of Go's shim.StepMeta): {"loads": [{"req", "owner", "lookup", "start",
-    "end", "hashes", "blocks"}], "saves": [{"req", "first", "hashes",
-    "blocks"}], "finished": [...], "preempted": [...]}, owner and hashes in
-    hex, empty lists left out as Go leaves them out.
+    of Go's shim.StepMeta): {"loads": [{"req", "group", "owner", "lookup",
+    "start", "end", "hashes", "blocks"}], "saves": [{"req", "group", "first",
+    "hashes", "blocks"}], "finished": [...], "preempted": [...]}, owner and
+    hashes in hex, empty lists left out as Go leaves them out ("group", the
+    KV-cache group, is left out when 0, as Go leaves it out).
 
     For tests and debugging only: the connector never reads its metadata in
     Python; the workers' Go decoder (shim.DecodeStepMeta) is the reference
@@ -262,9 +264,10 @@ def read_meta(data: bytes) -> dict[str, Any]:
 
     try:
         # (dict displays evaluate left to right: the fields in wire order)
-        loads = [{"req": text(), "owner": raw(16).hex(), "lookup": uv(), "start": uv(), "end": uv(),
+        loads = [{"req": text(), "group": uv(), "owner": raw(16).hex(), "lookup": uv(), "start": uv(), "end": uv(),
                   "hashes": hashes(), "blocks": blocks()} for _ in range(uv())]
-        saves = [{"req": text(), "first": uv(), "hashes": hashes(), "blocks": blocks()} for _ in range(uv())]
+        saves = [{"req": text(), "group": uv(), "first": uv(), "hashes": hashes(), "blocks": blocks()}
+                 for _ in range(uv())]
         finished = [text() for _ in range(uv())]
         preempted = [text() for _ in range(uv())]
     except IndexError:
@@ -274,6 +277,9 @@ def read_meta(data: bytes) -> dict[str, Any]:
     for ld in loads:
         if not ld["hashes"]:
             del ld["hashes"]
+    for x in loads + saves:
+        if not x["group"]:
+            del x["group"]
     m = {"loads": loads, "saves": saves, "finished": finished, "preempted": preempted}
     return {k: v for k, v in m.items() if v}
 
@@ -297,6 +303,13 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
         # connectors exist (resolve_kv_cache_layout, record_kv_cache_layout).
         "cache_layout": vllm_config.cache_config.kv_cache_layout or getattr(kv_cache_config, "kv_cache_layout", None),
     }
+    groups = _groups(kv_cache_config, model)
+    if len(groups) > 1:
+        # Several KV-cache groups (vLLM's hybrid allocator): the layout
+        # names them all, and Go (shim/groups.go) gives each its own
+        # namespace. One group adds nothing: its keys stay those of kvshim
+        # before groups.
+        layout["groups"] = groups
     return {
         "model": model,
         "dtype": dtype,
@@ -307,6 +320,77 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
         "kv_group": 0,
         "mla": bool(mc.use_mla),
     }
+
+
+def _groups(kv_cache_config: KVCacheConfig | None, model: str) -> list[dict[str, Any]]:
+    """The KV-cache groups as shim.GroupSpec reads them: {"kind": "full" |
+    "sliding_window" | "chunked_local", "window": tokens}, plus what else
+    makes a group's bytes differ (its spec, block size, heads, layers).
+
+    A window is what vLLM's managers free blocks by
+    (v1/core/single_type_kv_cache_manager.py, get_num_skipped_tokens):
+    SlidingWindowSpec's sliding_window plus its extra_retained_tokens,
+    ChunkedLocalAttentionSpec's attention_chunk_size. A FullAttentionSpec
+    with a sliding_window (the hybrid allocator turned off) keeps every
+    block: a full group. Mamba/SSM state and other kinds of group are
+    refused with an error naming the group and the model (see
+    tests/vllm/NOTES.md, "Hybrid models")."""
+    if kv_cache_config is None:
+        return []
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    def where(i: int, grp: Any) -> str:
+        names = list(grp.layer_names)
+        return (f"KV-cache group {i} ({type(grp.kv_cache_spec).__name__}, layers {names[:3]}"
+                f"{'...' if len(names) > 3 else ''}) of model {model}")
+
+    for i, grp in enumerate(kv_cache_config.kv_cache_groups):
+        if isinstance(grp.kv_cache_spec, MambaSpec):  # a hybrid or an attention-free model alike
+            raise ValueError(f"kvshim: {where(i, grp)} holds Mamba/SSM state, which kvshim does not save or restore: "
+                             "serve this model without kv_connector KVShimConnector")
+    if len(kv_cache_config.kv_cache_groups) <= 1:
+        return []
+    out = []
+    sizes = set()
+    for i, grp in enumerate(kv_cache_config.kv_cache_groups):
+        spec = grp.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            g = {"kind": "sliding_window", "window": int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))}
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            g = {"kind": "chunked_local", "window": int(spec.attention_chunk_size)}
+        elif isinstance(spec, FullAttentionSpec):
+            g = {"kind": "full"}
+        else:
+            raise ValueError(f"kvshim: {where(i, grp)}: kvshim restores full, sliding-window and chunked local "
+                             "attention groups only")
+        g |= {"spec": type(spec).__name__, "block_size": spec.block_size,
+              "kv_heads": getattr(spec, "num_kv_heads", None), "head_size": getattr(spec, "head_size", None),
+              "layers": len(grp.layer_names)}
+        sizes.add(spec.block_size)
+        out.append(g)
+    if len(sizes) > 1:
+        raise ValueError(f"kvshim: the KV-cache groups of model {model} have blocks of {sorted(sizes)} tokens; "
+                         "kvshim needs one block size for all groups")
+    return out
+
+
+def _flat_groups(block_ids: Any) -> list[int]:
+    """Per-group block ids (vLLM's tuple of lists) as Go reads them
+    (shim.splitGroups): one group as it is; several one after the other,
+    each padded with -1 to the longest."""
+    if len(block_ids) == 1:
+        return list(block_ids[0])
+    n = max(len(ids) for ids in block_ids)
+    out: list[int] = []
+    for ids in block_ids:
+        out.extend(ids)
+        out.extend([-1] * (n - len(ids)))
+    return out
 
 
 def _tensor_desc(name: str, t: torch.Tensor, group: int) -> dict[str, Any]:
@@ -339,6 +423,32 @@ def _tensor_desc(name: str, t: torch.Tensor, group: int) -> dict[str, Any]:
         "storage_ptr": storage.data_ptr(),
         "storage_bytes": storage.nbytes(),
     }
+
+
+def _kernel_split_desc(name: str, t: torch.Tensor, block_size: int, group: int) -> dict[str, Any]:
+    """The descriptor of a (blocks, heads, kernel block, content) view whose
+    blocks vLLM split into kernel blocks (v1/worker/utils.py
+    prepare_kernel_block_sizes and allocate_kv_cache: dim 0 counts kernel
+    blocks, k of them per block, in order), in the whole blocks the
+    scheduler's block ids index. When a kernel block's tokens continue where
+    the previous one's end (token-major per-layer pages: LBNHC), the same
+    memory is a (blocks, heads, block_size, content) view: one run of tokens
+    a block. Otherwise (heads outside the tokens: LBHNC, ...) a
+    kernel_blocks dimension says that a block is k kernel blocks
+    (layout.DimKernelBlocks)."""
+    kbs = t.shape[2]
+    if block_size % kbs or t.shape[0] % (block_size // kbs):
+        raise ValueError(f"KV tensor {name}: kernel blocks of {kbs} tokens do not divide vLLM's {block_size}-token blocks")
+    k = block_size // kbs
+    s0, s1, s2, s3 = t.stride()
+    if s0 == kbs * s2:
+        return _tensor_desc(name, t.as_strided((t.shape[0] // k, t.shape[1], block_size, t.shape[3]), (k * s0, s1, s2, s3)), group)
+    d = _tensor_desc(name, t, group)
+    esize = t.element_size()
+    d["shape"] = [t.shape[0] // k, k, t.shape[1], kbs, t.shape[3]]
+    d["stride_bytes"] = [x * esize for x in (k * s0, s0, s1, s2, s3)]
+    d["dims"] = ["blocks", "kernel_blocks", "heads", "block_size", "head"]
+    return d
 
 
 _U32_MAX = 0xFFFFFFFF
@@ -406,8 +516,13 @@ def _ptr(a: np.ndarray, ctype: type) -> Any:
     return a.ctypes.data_as(ctypes.POINTER(ctype))
 
 
-class KVShimConnector(KVConnectorBase_V1):
-    """vLLM's connector API on top of libkvshim.so (see the module doc)."""
+class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's connector API on top of libkvshim.so (see the module doc).
+
+    SupportsHMA: vLLM's hybrid KV-cache manager stays on (models with sliding
+    windows or chunked local attention keep their smaller KV caches); every
+    KV-cache group is saved and restored by its own protocol
+    (shim/groups.go)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -504,7 +619,7 @@ class KVShimConnector(KVConnectorBase_V1):
         if num_external_tokens > 0:
             self._hits["hit_tokens"] += num_external_tokens
             self._hits["hit_requests"] += 1
-        ids = _i64(blocks.get_block_ids()[0])
+        ids = _i64(_flat_groups(blocks.get_block_ids()))
         # -1: Go uses the local prefix-cache hit it was given in get_num_new_matched_tokens.
         self._h.check(self._lib.kvshim_sched_after_alloc(
             self._h.value, request.request_id.encode(), _ptr(ids, ctypes.c_int64), len(ids), -1, num_external_tokens))
@@ -513,7 +628,7 @@ class KVShimConnector(KVConnectorBase_V1):
         sched = scheduler_output.num_scheduled_tokens
         reqs = [
             {"req": r.req_id, "blocks": list(r.block_ids[0]), "computed": r.num_computed_tokens,
-             "scheduled": sched.get(r.req_id, 0)}
+             "scheduled": sched.get(r.req_id, 0), **_more_groups("group_blocks", r.block_ids)}
             for r in scheduler_output.scheduled_new_reqs
         ]
         cached = scheduler_output.scheduled_cached_reqs
@@ -523,6 +638,8 @@ class KVShimConnector(KVConnectorBase_V1):
             ids = list(new[0]) if new is not None else []
             entry = {"req": rid, "computed": cached.num_computed_tokens[i], "scheduled": sched.get(rid, 0)}
             entry["blocks" if rid in resumed else "new_blocks"] = ids
+            if new is not None:
+                entry |= _more_groups("group_blocks" if rid in resumed else "new_group_blocks", new)
             reqs.append(entry)
         step = {"requests": reqs, "preempted": sorted(scheduler_output.preempted_req_ids or ())}
         return KVShimMetadata(self._h.output("kvshim_sched_build_meta", json.dumps(step).encode()))
@@ -559,25 +676,36 @@ class KVShimConnector(KVConnectorBase_V1):
             logger.warning("kvshim: the computed chunks of request %s are not saved: %s", rid, e)
         return bool(delay.value), None
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # SupportsHMA: every KV-cache group's blocks (vLLM 0.33 calls this
+        # instead of request_finished, scheduler.py _connector_finished).
+        return self.request_finished(request, _flat_groups(block_ids))
+
     # ------------------------------------------------------------------- worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        group_of = {}
+        group_of, block_of = {}, {}
         if self._kv_cache_config is not None:
             for g, grp in enumerate(self._kv_cache_config.kv_cache_groups):
                 group_of |= {name: g for name in grp.layer_names}
-        block_size = self._vllm_config.cache_config.block_size
+                block_of |= {name: getattr(grp.kv_cache_spec, "block_size", None) for name in grp.layer_names}
         descs, seen = [], set()
-        for name, t in kv_caches.items():
-            if t.data_ptr() in seen:
+        # Layers of a group first: with several KV-cache groups, the i-th
+        # layers of all groups view one tensor (vLLM's hybrid allocator),
+        # and each group copies its blocks through its own layers. A layer
+        # in no group reads another's KV (KV sharing): copied once, with it.
+        for name, t in sorted(kv_caches.items(), key=lambda kv: kv[0] not in group_of):
+            g = group_of.get(name)
+            if (g, t.data_ptr()) in seen or g is None and any(p == t.data_ptr() for _, p in seen):
                 continue  # layers that share one KV tensor (KV sharing) are copied once
-            seen.add(t.data_ptr())
+            seen.add((g, t.data_ptr()))
+            block_size = block_of.get(name) or self._vllm_config.cache_config.block_size
             if t.dim() == 4 and t.shape[2] != block_size:
-                # vLLM split its blocks into kernel blocks (dim 0 counts those):
-                # block ids from the scheduler would not index this view.
-                raise ValueError(f"KV tensor {name}: kernel blocks of {t.shape[2]} tokens, not vLLM's {block_size}-token "
-                                 "blocks; kvshim copies whole blocks (use a block size the attention backend supports)")
-            descs.append(_tensor_desc(name, t, group_of.get(name, 0)))
+                descs.append(_kernel_split_desc(name, t, block_size, g or 0))
+            else:
+                descs.append(_tensor_desc(name, t, g or 0))
         self._h.check(self._lib.kvshim_worker_register(self._h.value, json.dumps(descs).encode()))
 
     def _bind(self, meta: KVConnectorMetadata) -> None:
@@ -675,6 +803,11 @@ _SAVED_AT_FINISH = frozenset(
     s for s in (getattr(RequestStatus, n, None) for n in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"))
     if s is not None
 )
+
+
+def _more_groups(key: str, block_ids: Any) -> dict[str, Any]:
+    """Groups 1, 2, ... of per-group block ids, for Go's StepRequest."""
+    return {key: [list(ids) for ids in block_ids[1:]]} if len(block_ids) > 1 else {}
 
 
 def _snake(name: str) -> str:

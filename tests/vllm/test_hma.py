@@ -1,0 +1,514 @@
+"""Hybrid models through vLLM's hybrid KV-cache manager (HMA): KVShimConnector
+implements SupportsHMA, so vLLM keeps the manager on, and every KV-cache
+group is saved and restored by its own protocol (shim/groups.go).
+
+The KV-cache configs are vLLM's own: per-layer specs as the model's
+attention layers declare them (a Gemma-3-style model: sliding-window layers
+and every third layer global; a Llama-4-style model: chunked local
+attention and every fourth layer global), grouped by vLLM's
+get_kv_cache_groups, laid out by get_kv_cache_config_from_groups and
+allocated by allocate_kv_cache (layers of different groups view one buffer,
+as on a GPU). The scheduler is vLLM's real one, one manager per group.
+No weights: the "model" writes, for every computed token and layer, KV
+bytes that are a function of the token prefix (harness.KVModel), so
+restored blocks are compared byte for byte.
+
+This machine has no GPU: vLLM's UnspecifiedPlatform does not support the
+hybrid manager (platforms/interface.py support_hybrid_kv_cache), so
+VllmConfig turns it off (config/vllm.py:2232-2234); the tests turn it back
+on after the config is built, as a GPU platform leaves it. Llama-4's chunked
+local attention keeps HMA only with
+VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 (config/vllm.py:2245);
+the test sets HMA on the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from harness import (
+    CHUNK,
+    collect_worker_output,
+    KVModel,
+    SchedulerHarness,
+    kvshim_config,
+    loads_of,
+    new_req_data,
+    prompt,
+    resolve_layout,
+    run_until_scheduled,
+    server_stats,
+    wait_jobs,
+)
+from kvshim.vllm import KVShimConnector, _namespace, read_config, read_meta
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
+from vllm.forward_context import get_forward_context, set_forward_context
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.worker.utils import allocate_kv_cache
+
+BLOCK = 16
+HEADS, HEAD = 2, 16
+NUM_BLOCKS = 160
+
+
+def layer(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def gemma3_specs(num_layers: int = 6, window: int = 40) -> dict[str, Any]:
+    """Gemma-3's attention: sliding-window layers, every sixth global
+    (Gemma3Config.sliding_window_pattern = 6; a window smaller than a chunk
+    here, so a window's first block lies inside the hit's last chunk)."""
+    kw = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)
+    return {
+        layer(i): FullAttentionSpec(**kw) if i % 6 == 5 else SlidingWindowSpec(sliding_window=window, **kw)
+        for i in range(num_layers)
+    }
+
+
+def llama4_specs(num_layers: int = 4, attention_chunk: int = 2 * CHUNK) -> dict[str, Any]:
+    """Llama-4's attention: chunked local attention, every fourth layer
+    global (no_rope_layers: the NoPE layers attend to everything)."""
+    kw = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)
+    return {
+        layer(i): FullAttentionSpec(**kw) if i % 4 == 3 else ChunkedLocalAttentionSpec(attention_chunk_size=attention_chunk, **kw)
+        for i in range(num_layers)
+    }
+
+
+def hma_config(model_dir, specs: dict[str, Any], layout: str = "LBNHC", *, prefix_caching: bool = False) -> tuple[Any, KVCacheConfig]:
+    """A VllmConfig with the hybrid manager on and vLLM's KVCacheConfig for
+    the specs (groups by get_kv_cache_groups, tensors by
+    get_kv_cache_config_from_groups)."""
+    cfg = kvshim_config(model_dir, enable_prefix_caching=prefix_caching)
+    # The factory's check: KVShimConnector no longer turns HMA off.
+    assert KVConnectorFactory.supports_hma_config(cfg.kv_transfer_config)
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on a GPU platform
+    cfg.cache_config.kv_cache_layout = layout
+    cfg.cache_config.num_gpu_blocks_override = NUM_BLOCKS
+    groups = get_kv_cache_groups(cfg, dict(specs))
+    assert len(groups) > 1, groups
+    kvc = get_kv_cache_config_from_groups(cfg, groups, 1 << 40)
+    assert kvc.num_blocks == NUM_BLOCKS
+    return cfg, kvc
+
+
+@dataclass
+class _Req:
+    tokens: list[int]
+    hashes: list[int]
+    blocks: list[list[int]]  # per group
+    first_check: tuple[int, dict[int, list[int]]] | None = None
+
+
+@dataclass
+class HybridRunner:
+    """One rank's model runner for a hybrid model, without a GPU: vLLM's
+    allocate_kv_cache on the CPU (optionally with kernel blocks of
+    kernel_block_size tokens), a WORKER-role KVShimConnector from vLLM's
+    factory, driven in the model runner's order (harness.ModelRunner);
+    every group's layers write the KV of the scheduled tokens into that
+    group's blocks."""
+
+    vllm_config: Any
+    kv_cache_config: KVCacheConfig
+    kernel_block_size: int | None = None
+    reqs: dict[str, _Req] = field(default_factory=dict)
+    load_errors: list[set[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        cfg, kvc = self.vllm_config, self.kv_cache_config
+        resolve_layout(cfg, kvc)
+        self.groups = [list(g.layer_names) for g in kvc.kv_cache_groups]
+        self.specs = [g.kv_cache_spec for g in kvc.kv_cache_groups]
+        names = sorted({n for g in self.groups for n in g}, key=lambda n: int(n.split(".")[2]))
+        self.index = {n: i for i, n in enumerate(names)}
+        self.model = KVModel(len(names), HEADS, HEAD)
+        kbs = None if self.kernel_block_size is None else [self.kernel_block_size] * len(self.groups)
+        self.kv_caches = allocate_kv_cache(kvc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(), kbs)
+        self.kbs = self.kernel_block_size or BLOCK
+        self.connector = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+        self.connector.register_kv_caches(self.kv_caches)
+
+    # -- KV access: (kernel) block coordinates, never the connector's view --
+    def scribble(self) -> None:
+        for t in self.kv_caches.values():
+            t.view(torch.int16).fill_(-21846)
+
+    def _where(self, block: int, slot: int) -> tuple[int, int]:
+        k = BLOCK // self.kbs
+        return block * k + slot // self.kbs, slot % self.kbs
+
+    def block_bytes(self, name: str, block: int) -> torch.Tensor:
+        t = self.kv_caches[name].view(torch.int16)
+        return torch.cat([t[self._where(block, s)[0], :, self._where(block, s)[1]].unsqueeze(1) for s in range(BLOCK)], 1)
+
+    def expected(self, name: str, tokens: list[int], index: int) -> torch.Tensor:
+        hs = KVModel.prefix_hashes(tokens[: (index + 1) * BLOCK])[index * BLOCK :]
+        kv = self.model.kv(hs, self.index[name])  # (2, tokens, heads, head)
+        return kv.permute(2, 1, 0, 3).reshape(HEADS, BLOCK, 2 * HEAD)
+
+    def wrong_blocks(self, group: int, tokens: list[int], blocks: list[int], indices: range) -> list[int]:
+        """Block indices in indices whose block does not hold the model's KV
+        for every layer of the group."""
+        return [
+            i for i in indices
+            if any(not torch.equal(self.block_bytes(n, blocks[i]), self.expected(n, tokens, i)) for n in self.groups[group])
+        ]
+
+    # -- one step --
+    def _track(self, so) -> list[tuple[str, int, int]]:
+        for rid in so.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            self.reqs.pop(rid, None)
+        work = []
+        for nr in so.scheduled_new_reqs:
+            toks = list(nr.prompt_token_ids or [])
+            r = self.reqs[nr.req_id] = _Req(toks, KVModel.prefix_hashes(toks), [list(b) for b in nr.block_ids])
+            self._check_prefix(nr.req_id, nr.num_computed_tokens)
+            work.append((nr.req_id, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id]))
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            new = c.new_block_ids[i]
+            r = self.reqs[rid]
+            if rid in c.resumed_req_ids:
+                r.blocks = [list(b) for b in new]
+            elif new is not None:
+                for g, b in enumerate(new):
+                    r.blocks[g].extend(b)
+            work.append((rid, c.num_computed_tokens[i], so.num_scheduled_tokens[rid]))
+        return work
+
+    def _check_prefix(self, rid: str, n: int) -> None:
+        """Before vLLM computes a request with n tokens it did not compute
+        (a load): every real block each group has for them must hold the
+        model's bytes. Records (n, {group: wrong block indices})."""
+        if n == 0:
+            return
+        r = self.reqs[rid]
+        wrong = {}
+        for g, blocks in enumerate(r.blocks):
+            real = [i for i in range(n // BLOCK) if blocks[i] != 0]
+            wrong[g] = self.wrong_blocks(g, r.tokens, blocks, range(real[0], n // BLOCK)) if real else []
+        r.first_check = (n, wrong)
+
+    def _forward(self, work) -> None:
+        for rid, start, n in work:
+            r = self.reqs[rid]
+            while len(r.tokens) < start + n:
+                r.tokens.append(7)
+                r.hashes = KVModel.prefix_hashes(r.tokens)
+            for g, names in enumerate(self.groups):
+                for p in range(start, start + n):
+                    b = r.blocks[g][p // BLOCK]
+                    assert b != 0, f"group {g}: token {p} scheduled into the null block"
+                    kb, slot = self._where(b, p % BLOCK)
+                    for name in names:
+                        kv = self.model.kv(r.hashes[p : p + 1], self.index[name])  # (2, 1, heads, head)
+                        self.kv_caches[name].view(torch.int16)[kb, :, slot] = kv.permute(1, 2, 0, 3).reshape(HEADS, 2 * HEAD)
+
+    def execute(self, so) -> KVConnectorOutput:
+        wc, out = self.connector, KVConnectorOutput()
+        meta = so.kv_connector_metadata
+        with set_forward_context(None, self.vllm_config):
+            wc.handle_preemptions(meta)
+            wc.bind_connector_metadata(meta)
+            if so.has_sync_kv_loads:
+                wc.start_load_kv(get_forward_context())
+            self._forward(self._track(so))
+            if not so.has_sync_kv_loads:
+                wc.start_load_kv(get_forward_context())
+            wc.wait_for_save()
+            collect_worker_output(wc, so.finished_req_ids, out)
+        self.load_errors.append(set(out.invalid_block_ids))
+        return out
+
+    def close(self) -> None:
+        self.connector.shutdown()
+
+
+@pytest.fixture
+def hybrid(tiny_model_dir):
+    made = []
+
+    def make(specs: dict[str, Any], kernel_block_size: int | None = None, layout: str = "LBNHC", **kw: Any):
+        cfg, kvc = hma_config(tiny_model_dir, specs, layout, **kw)
+        h = SchedulerHarness(cfg, kvc)
+        h.runners = [HybridRunner(cfg, kvc, kernel_block_size)]
+        made.append(h)
+        return h, h.runners[0]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def saves_of(h, req_id: str) -> list[dict]:
+    return [
+        sv
+        for s in h.steps
+        for sv in read_meta(s.scheduler_output.kv_connector_metadata.data).get("saves", [])
+        if sv["req"] == req_id
+    ]
+
+
+def assert_clean(h) -> None:
+    """No request, block, hold, staged object or lookup left anywhere."""
+    h.assert_no_leaks()
+    wait_jobs(h)
+    st = server_stats(h.connector)
+    assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0, st
+    staged = {k: v for k, v in st.items() if "stag" in k and not k.endswith("_total")}
+    assert staged and not any(staged.values()), staged
+    assert h.connector.stats()["requests"] == 0
+
+
+def skipped(spec: Any, n: int) -> int:
+    """vLLM's get_num_skipped_tokens for the spec (the managers' rule)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return max(0, n - spec.sliding_window + 1)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return n // spec.attention_chunk_size * spec.attention_chunk_size
+    return 0
+
+
+def store_and_restore(h, r, *, chunks: int = 3) -> None:
+    """Request A computes chunks full chunks and saves them, per group;
+    request B with the same prefix restores them into its own blocks,
+    byte for byte, while A still runs (so B's blocks are not A's)."""
+    sched = h.scheduler
+    ngroups = len(r.groups)
+    # vLLM's coordinator runs one manager per group (with prefix caching off:
+    # KVCacheCoordinatorNoPrefixCache; HybridKVCacheCoordinator with it on).
+    assert len(sched.kv_cache_manager.coordinator.single_type_managers) == ngroups > 1
+    p = prompt(31, chunks * CHUNK + 5)
+    a = h.add_request(h.make_request(p, max_tokens=60))
+    run_until_scheduled(h, a)
+    # A's prompt chunks are saved during its prefill, every group its own.
+    h.step()  # A decodes: its saves run
+    wait_jobs(h)
+    svs = saves_of(h, a.request_id)
+    assert sorted({sv.get("group", 0) for sv in svs}) == list(range(ngroups))
+    for sv in svs:
+        spec = r.specs[sv.get("group", 0)]
+        for c, first in zip(range(sv["first"], chunks), range(0, len(sv["blocks"]), CHUNK // BLOCK)):
+            ids = sv["blocks"][first : first + CHUNK // BLOCK]
+            # the object holds the blocks inside the window at the chunk's end
+            lo = max(c * CHUNK, skipped(spec, (c + 1) * CHUNK - 1)) // BLOCK - c * CHUNK // BLOCK
+            assert all(b == -1 for b in ids[:lo]) and all(b > 0 for b in ids[lo:]), (spec, c, ids)
+
+    r.scribble()  # only a load can bring the bytes back (A's too: it recomputes nothing)
+    q = p[: chunks * CHUNK] + prompt(32, 9)
+    b = h.add_request(h.make_request(q, max_tokens=1))
+    s = run_until_scheduled(h, b)
+    hit = chunks * CHUNK
+    assert new_req_data(s, b.request_id).num_computed_tokens == hit
+    loads = [ld for st in h.steps for ld in loads_of(st, b.request_id)]
+    assert sorted(ld.get("group", 0) for ld in loads) == list(range(ngroups))
+    rb = r.reqs[b.request_id]
+    # A's blocks now (vLLM freed the ones its windows moved past)
+    a_blocks = [set(ids) - {0} for ids in sched.kv_cache_manager.get_block_ids(a.request_id)]
+    n, wrong = rb.first_check
+    assert n == hit
+    assert wrong == {g: [] for g in range(ngroups)}, wrong
+    for g, spec in enumerate(r.specs):
+        first_real = skipped(spec, hit) // BLOCK
+        # vLLM gave null blocks below the window and real ones inside it...
+        assert all(x == 0 for x in rb.blocks[g][:first_real]) and all(x != 0 for x in rb.blocks[g][first_real : hit // BLOCK])
+        # ...into which the load restored the window: blocks of B's own
+        assert a_blocks[g] and set(rb.blocks[g][first_real : hit // BLOCK]).isdisjoint(a_blocks[g])
+    (ld_full,) = [ld for ld in loads if isinstance(r.specs[ld.get("group", 0)], FullAttentionSpec)
+                  and ld.get("group", 0) == min(i for i, sp in enumerate(r.specs) if type(sp) is FullAttentionSpec)]
+    assert (ld_full["start"], ld_full["end"]) == (0, chunks)
+    assert all(not e for e in r.load_errors)
+    h.abort(a.request_id)
+    h.settle()
+    assert_clean(h)
+
+
+def test_gemma3_sliding_window_restores_each_group(hybrid):
+    h, r = hybrid(gemma3_specs())
+    kinds = {type(s).__name__ for s in r.specs}
+    assert kinds == {"SlidingWindowSpec", "FullAttentionSpec"}, kinds
+    store_and_restore(h, r)
+    # The sliding-window groups loaded only the chunk that holds the window.
+    loads = [ld for st in h.steps for req in h.requests for ld in loads_of(st, req)]
+    for ld in loads:
+        if isinstance(r.specs[ld.get("group", 0)], SlidingWindowSpec):
+            assert (ld["start"], ld["end"]) == (2, 3), ld
+            assert ld["blocks"][0] == -1  # below the window: a null block, never written
+
+
+def test_llama4_chunked_local_restores_each_group(hybrid):
+    h, r = hybrid(llama4_specs())
+    assert {type(s).__name__ for s in r.specs} == {"ChunkedLocalAttentionSpec", "FullAttentionSpec"}
+    store_and_restore(h, r)
+    loads = [ld for st in h.steps for req in h.requests for ld in loads_of(st, req)]
+    for ld in loads:
+        if isinstance(r.specs[ld.get("group", 0)], ChunkedLocalAttentionSpec):
+            # the hit ends at 192 tokens: its attention chunk started at 128
+            assert (ld["start"], ld["end"]) == (2, 3), ld
+
+
+def test_multiturn_restores_the_answer_through_the_windows_it_kept(hybrid):
+    """Turn 1 finishes after a long answer: its sliding-window groups kept
+    only the last window in blocks, so only that window's chunk is saved for
+    them at the finish (the earlier answer chunks' windows are gone). Turn
+    2 (turn 1's prompt + answer + a question) still restores all 4 chunks:
+    the windowed groups are judged by their protocol (the window at the
+    full groups' boundary, looked up on its own), not by a contiguous run of
+    objects."""
+    h, r = hybrid(gemma3_specs())
+    p = prompt(41, 2 * CHUNK + 5)
+    a = h.add_request(h.make_request(p, max_tokens=2 * CHUNK))
+    h.settle()
+    wait_jobs(h)
+    turn1 = p + h.outputs[a.request_id]
+    # While A decoded, vLLM freed blocks behind its windows and handed some
+    # out again while saves that read them could still run: those steps made
+    # the workers wait for A's copies first (the fence; vLLM itself preempted
+    # nothing).
+    fenced = [st for st in h.steps if a.request_id in read_meta(st.scheduler_output.kv_connector_metadata.data).get("preempted", [])]
+    assert fenced and not any(st.scheduler_output.preempted_req_ids for st in h.steps)
+    assert len(turn1) == 4 * CHUNK + 5
+    saved = {}
+    for sv in saves_of(h, a.request_id):
+        saved.setdefault(sv.get("group", 0), []).extend(range(sv["first"], sv["first"] + len(sv["hashes"])))
+    for g, spec in enumerate(r.specs):
+        # full: every chunk; windows: the prompt's (saved during prefill) and
+        # the last one (its window was still in blocks at the finish)
+        assert sorted(set(saved[g])) == ([0, 1, 2, 3] if type(spec) is FullAttentionSpec else [0, 1, 3]), (g, saved[g])
+
+    r.scribble()
+    q = turn1 + prompt(42, 9)
+    b = h.add_request(h.make_request(q, max_tokens=1))
+    s = run_until_scheduled(h, b)
+    assert new_req_data(s, b.request_id).num_computed_tokens == 4 * CHUNK
+    n, wrong = r.reqs[b.request_id].first_check
+    assert n == 4 * CHUNK and wrong == {g: [] for g in range(len(r.specs))}, wrong
+    loads = [ld for st in h.steps for ld in loads_of(st, b.request_id)]
+    for ld in loads:
+        if isinstance(r.specs[ld.get("group", 0)], SlidingWindowSpec):
+            # a lookup of chunk 3 alone (the window at 256 starts at 217)
+            assert (ld["start"], ld["end"]) == (0, 1) and len(ld["hashes"]) == 1, ld
+        else:
+            assert (ld["start"], ld["end"]) == (0, 4), ld
+    assert all(not e for e in r.load_errors)
+    h.settle()
+    assert_clean(h)
+
+
+def test_with_vllms_prefix_cache_on(hybrid):
+    """vLLM's prefix cache on (HybridKVCacheCoordinator, as in production):
+    once vLLM evicted its own copy, kvshim restores every group."""
+    h, r = hybrid(gemma3_specs(), prefix_caching=True)
+    assert type(h.scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
+    p = prompt(51, 3 * CHUNK + 5)
+    h.add_request(h.make_request(p, max_tokens=1))
+    h.settle()
+    wait_jobs(h)
+    for i in range(4):  # other prompts fill the pool: vLLM's cached blocks of p are evicted
+        h.add_request(h.make_request(prompt(60 + i, 5 * CHUNK), max_tokens=1))
+        h.settle()
+        wait_jobs(h)
+    r.scribble()
+    b = h.add_request(h.make_request(p[: 3 * CHUNK] + prompt(52, 9), max_tokens=1))
+    s = run_until_scheduled(h, b)
+    assert new_req_data(s, b.request_id).num_computed_tokens == 3 * CHUNK
+    loads = [ld for st in h.steps for ld in loads_of(st, b.request_id)]
+    assert sorted(ld.get("group", 0) for ld in loads) == list(range(len(r.specs)))
+    n, wrong = r.reqs[b.request_id].first_check
+    assert n == 3 * CHUNK and wrong == {g: [] for g in range(len(r.specs))}, wrong
+    assert all(not e for e in r.load_errors)
+    h.settle()
+    assert_clean(h)
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_kernel_block_split_is_restored(hybrid, layout):
+    # vLLM splits 16-token blocks into kernel blocks of 8 (dim 0 counts
+    # those): kvshim copies whole blocks, token-major (one run a block) or
+    # head-major (a kernel_blocks dimension) alike.
+    h, r = hybrid(gemma3_specs(), kernel_block_size=8, layout=layout)
+    t = next(iter(r.kv_caches.values()))
+    assert t.shape[0] == 2 * NUM_BLOCKS and t.shape[2] == 8
+    assert (t.stride(1) > t.stride(2)) == (layout == "LBHNC")  # heads outside the tokens
+    store_and_restore(h, r)
+
+
+def test_groups_are_named_in_the_namespace(tiny_model_dir):
+    """The layout names every group by vLLM's order (Go gives each its own
+    namespace from it: shim/groups_test.go; a group's object read as
+    another's is a key mismatch, never copied: TestGroupsSaveAndRestore...)."""
+    import json
+
+    cfg, kvc = hma_config(tiny_model_dir, gemma3_specs())
+    ns = _namespace(cfg, kvc, read_config(cfg.kv_transfer_config.kv_connector_extra_config))
+    groups = json.loads(ns["layout"])["groups"]
+    assert [g["kind"] for g in groups] == [
+        "full" if type(g.kv_cache_spec) is FullAttentionSpec else "sliding_window" for g in kvc.kv_cache_groups
+    ]
+    assert all(g["window"] == 40 for g in groups if g["kind"] == "sliding_window")
+    assert ns["kv_group"] == 0  # the groups' own ids are added in Go
+
+
+# The namespace of the single-group tiny Llama before KV-cache groups
+# existed (kvshim's main at 78f1810): keys of stored objects must not move.
+SINGLE_GROUP_NAMESPACE = {
+    "dtype": "float16",
+    "kv_group": 0,
+    "layout": '{"block_size": 16, "cache_layout": "LBNHC", "head_size": 16, "kv_heads": 2, "layers": 2, "spec": "FullAttentionSpec"}',
+    "mla": False,
+    "tp_size": 1,
+    "world_size": 1,
+    "chunk_size": CHUNK,
+}
+
+
+def test_single_group_keys_are_unchanged(tiny_model_dir):
+    from harness import make_kv_cache_config
+
+    cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False)
+    cfg.cache_config.kv_cache_layout = "LBNHC"
+    ns = _namespace(cfg, make_kv_cache_config(), read_config(cfg.kv_transfer_config.kv_connector_extra_config))
+    ns.pop("model")
+    assert ns == SINGLE_GROUP_NAMESPACE
+
+
+def test_mamba_group_is_refused_naming_group_and_model(tiny_model_dir):
+    cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False)
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    kvc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([layer(0)], FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)),
+            KVCacheGroupSpec([layer(1)], MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float16,))),
+        ],
+    )
+    with pytest.raises(ValueError, match=r"KV-cache group 1 \(MambaSpec, layers \['model.layers.1.self_attn.attn'\]\) "
+                       r"of model .*tiny-llama.*@main holds Mamba/SSM state"):
+        KVShimConnector(cfg, KVConnectorRole.WORKER, kvc)
+    # an attention-free model (one Mamba group) too
+    kvc.kv_cache_groups = kvc.kv_cache_groups[1:]
+    with pytest.raises(ValueError, match=r"KV-cache group 0 \(MambaSpec"):
+        KVShimConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
+
+
+def test_connector_supports_hma():
+    assert supports_hma(KVShimConnector)
