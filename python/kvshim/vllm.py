@@ -297,6 +297,17 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
         # connectors exist (resolve_kv_cache_layout, record_kv_cache_layout).
         "cache_layout": vllm_config.cache_config.kv_cache_layout or getattr(kv_cache_config, "kv_cache_layout", None),
     }
+    if pc.pipeline_parallel_size > 1:
+        # Pipeline stages hold different layers, and the scheduler sees only
+        # stage 0's (vLLM builds its KV cache config from rank 0's:
+        # generate_scheduler_kv_cache_config): one namespace for every role
+        # names the model's layers and their split into stages; a stage's
+        # objects are apart from the others' by their rank in the key.
+        from vllm.distributed.utils import get_pp_indices
+
+        total, pp = mc.get_total_num_hidden_layers(), pc.pipeline_parallel_size
+        layout["layers"] = total
+        layout["pp_stages"] = [list(get_pp_indices(total, s, pp)) for s in range(pp)]
     return {
         "model": model,
         "dtype": dtype,
