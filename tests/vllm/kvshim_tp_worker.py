@@ -55,3 +55,117 @@ def main(conn: Any, model_dir: str, engine_id: str, rank: int, tp: int, num_bloc
             conn.send(("ok", res))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             conn.send(("error", f"{e!r}\n{traceback.format_exc()}"))
+
+
+# ---- several ranks in one process (test_tp_large.py) --------------------------
+#
+# TP=8 as eight spawned processes would import torch and vLLM eight times
+# (about 8 s of CPU each): too much for a 2-core machine. A process here
+# hosts several ranks instead, each with everything a rank has in vLLM: its
+# own VllmConfig (parallel_config.rank = its global rank), its own
+# KVCacheConfig (a pipeline stage lists only its own layers, as
+# get_kv_cache_configs makes them), its own KV tensors from vLLM's
+# allocate_kv_cache and its own WORKER-role KVShimConnector (its own server
+# session and writer). Only the interpreter is shared.
+
+
+def stage_layers(total_layers: int, rank: int, tp: int, pp: int) -> list[str]:
+    """The attention layers of rank's pipeline stage, as vLLM splits them
+    (vllm.distributed.utils.get_pp_indices; the stage is rank // TP, as in
+    ModelConfig.get_layers_start_end_indices)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(total_layers, (rank // tp) % pp, pp)
+    return [f"model.layers.{i}.self_attn.attn" for i in range(start, end)]
+
+
+def stage_kv_cache_config(num_blocks: int, names: list[str], num_kv_heads: int, block_size: int = 16) -> Any:
+    """One full-attention group over one stage's layers."""
+    import torch
+
+    from harness import HEAD_SIZE
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=HEAD_SIZE, dtype=torch.float16)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+
+
+def make_rank_runner(model_dir: str, engine_id: str, rank: int, par: dict, num_blocks: int, cfg_kw: dict) -> Any:
+    """One rank's ModelRunner (harness.ModelRunner, or harness-compatible
+    ``runner_cls`` named by "module:Class" in par)."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    from harness import NUM_KV_HEADS, ModelRunner, kvshim_config
+
+    tp, pp, dcp = par.get("tp", 1), par.get("pp", 1), par.get("dcp", 1)
+    cfg = kvshim_config(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                        decode_context_parallel_size=dcp, rank=rank, engine_id=engine_id, **cfg_kw)
+    assert cfg.parallel_config.rank == rank and cfg.parallel_config.world_size == tp * pp
+    total = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+    heads = par.get("kv_heads") or max(1, NUM_KV_HEADS // tp)
+    kvc = stage_kv_cache_config(num_blocks, stage_layers(total, rank, tp, pp), heads)
+    cls = ModelRunner
+    if par.get("runner_cls"):
+        mod, name = par["runner_cls"].split(":")
+        cls = getattr(importlib.import_module(mod), name)
+    return cls(cfg, kvc, rank=rank)
+
+
+def serve(conn: Any) -> None:
+    """Commands: ("setup", (model_dir, engine_id, ranks, par, num_blocks,
+    cfg_kw)) makes one runner per rank; ("execute", (scheduler_output,))
+    returns their KVConnectorOutputs in rank order; ("rank", (rank, cmd,
+    *args)) runs a per-rank command (check_blocks, blocks, scribble,
+    skip_save_in, stats); ("teardown", ()) closes the runners; ("close",
+    ()) exits."""
+    runners: dict[int, Any] = {}
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except EOFError:
+            break
+        try:
+            if cmd == "setup":
+                model_dir, engine_id, ranks, par, num_blocks, cfg_kw = args
+                for rk in ranks:
+                    runners[rk] = make_rank_runner(model_dir, engine_id, rk, par, num_blocks, cfg_kw)
+                res: Any = sorted(runners)
+            elif cmd == "execute":
+                res = [runners[rk].execute(*args) for rk in sorted(runners)]
+            elif cmd == "rank":
+                rk, sub, *rest = args
+                r = runners[rk]
+                if sub == "check_blocks":
+                    res = r.check_blocks(*rest)
+                elif sub == "blocks":
+                    res = list(r.reqs[rest[0]].blocks)
+                elif sub == "scribble":
+                    res = r.scribble()
+                elif sub == "skip_save_in":
+                    r.skip_save_steps.add(r.step_no + rest[0])
+                    res = None
+                elif sub == "stats":
+                    res = r.connector.stats()
+                elif sub == "attr":
+                    res = getattr(r, rest[0])
+                else:
+                    raise ValueError(f"unknown rank command {sub!r}")
+            elif cmd == "teardown":
+                for r in runners.values():
+                    r.close()
+                runners.clear()
+                res = None
+            elif cmd == "close":
+                for r in runners.values():
+                    r.close()
+                conn.send(("ok", None))
+                conn.close()
+                os._exit(0)
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+            conn.send(("ok", res))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            conn.send(("error", f"{e!r}\n{traceback.format_exc()}"))

@@ -1,0 +1,250 @@
+"""TP=4, TP=8 and TP=4 x PP=2 (8 ranks): the fold across ranks and each
+rank's own objects, as test_tp.py does for TP=2.
+
+One scheduler process (this one: vLLM's real Scheduler, the SCHEDULER-role
+KVShimConnector and its embedded server) and two spawned worker processes
+(kvshim_tp_worker.serve), each hosting half of the ranks: per rank its own
+VllmConfig (parallel_config.rank = vLLM's global rank, pp_rank * TP +
+tp_rank), its own KVCacheConfig (a pipeline stage lists only its own layers,
+split by vLLM's get_pp_indices), its own CPU KV tensors from vLLM's
+allocate_kv_cache, its own WORKER-role KVShimConnector (own server session).
+Two processes, not eight: eight interpreters importing torch and vLLM are
+more than this 2-core machine runs in well under a minute (see
+kvshim_tp_worker.py). Scheduler outputs go to the processes pickled, as
+vLLM's multiproc executor sends them; the ranks' connector outputs are
+combined by vLLM's KVOutputAggregator over the whole world (with PP, vLLM
+aggregates every rank's KV connector output, not only the last stage's).
+Each rank writes rank-specific bytes, so a rank that got another rank's
+chunk fails the byte check.
+
+The model has 3 layers, so PP=2 splits them 2 + 1 (vLLM's split): the
+stages' KV differs in size, and the scheduler (built, as in vLLM's
+EngineCore, from rank 0's KV cache config: generate_scheduler_kv_cache_config)
+sees only stage 0's layers.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import uuid
+
+import pytest
+
+from harness import (
+    CHUNK,
+    TINY_LLAMA_CONFIG,
+    HEAD_SIZE,
+    SchedulerHarness,
+    kvshim_config,
+    loads_of,
+    new_req_data,
+    prompt,
+    run_until_scheduled,
+    server_stats,
+    wait_stat,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+NUM_BLOCKS = 64
+LAYERS = 3
+CFG_KW = {"enable_prefix_caching": False, "max_num_batched_tokens": 2 * CHUNK}
+
+
+@pytest.fixture(scope="module")
+def model8(tmp_path_factory):
+    """A tiny Llama with 8 attention heads (TP=8 needs them) over 2 KV heads
+    (vLLM replicates them: 1 per rank at TP 4 and 8) and 3 layers."""
+    d = tmp_path_factory.mktemp("tiny-llama-8h")
+    cfg = dict(TINY_LLAMA_CONFIG, num_attention_heads=8, hidden_size=8 * HEAD_SIZE, num_hidden_layers=LAYERS)
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    return d
+
+
+class Proc:
+    """A spawned process hosting several ranks (kvshim_tp_worker.serve)."""
+
+    def __init__(self, ctx, i):
+        import kvshim_tp_worker
+
+        self.i = i
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=kvshim_tp_worker.serve, args=(child,), name=f"kvshim-ranks-{i}", daemon=True)
+        self.proc.start()
+        child.close()
+
+    def recv(self, timeout=60):
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"process {self.i}: no answer in {timeout}s")
+        status, res = self.conn.recv()
+        if status not in ("ok", "ready"):
+            raise AssertionError(f"process {self.i}: {res}")
+        return res
+
+    def call(self, cmd, *args, timeout=60):
+        self.conn.send((cmd, args))
+        return self.recv(timeout)
+
+    def close(self):
+        if self.proc.is_alive():
+            try:
+                self.call("close", timeout=15)
+            except Exception:  # noqa: BLE001 - killed below
+                pass
+        self.proc.join(timeout=15)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def procs():
+    ctx = multiprocessing.get_context("spawn")
+    ps = [Proc(ctx, i) for i in range(2)]
+    try:
+        for p in ps:
+            p.recv(timeout=180)
+        yield ps
+    finally:
+        for p in ps:
+            p.close()
+
+
+class Ranks:
+    """The scheduler's handle on every rank: execute fans the scheduler
+    output out to both processes at once and gathers their outputs."""
+
+    def __init__(self, procs, world):
+        self.procs = procs
+        self.world = world
+        self.owner = {rk: procs[rk * len(procs) // world] for rk in range(world)}
+
+    def execute_all(self, so):
+        for p in self.procs:
+            p.conn.send(("execute", (so,)))
+        outs = []
+        for p in self.procs:
+            outs += p.recv()
+        return outs
+
+    def call(self, rank, sub, *args):
+        return self.owner[rank].call("rank", rank, sub, *args)
+
+
+class WorldHarness(SchedulerHarness):
+    """SchedulerHarness whose runners are the remote ranks."""
+
+    def __init__(self, cfg, kvc, ranks: Ranks):
+        super().__init__(cfg, kvc)
+        self.ranks = ranks
+        self.runners = [ranks]  # non-empty: execute() goes to runners_step
+        self._aggregator = KVOutputAggregator(ranks.world)
+
+    def runners_step(self, so):
+        outs = self.ranks.execute_all(so)
+        mros = [self.model_runner_output(so, kv_connector_output=o) for o in outs]
+        agg = self._aggregator.aggregate(mros)
+        return agg.kv_connector_output
+
+    def close(self):
+        self.runners = []
+        super().close()
+
+
+PARALLEL = {
+    "tp4": {"tp": 4, "pp": 1},
+    "tp8": {"tp": 8, "pp": 1},
+    "tp4pp2": {"tp": 4, "pp": 2},
+}
+
+
+@pytest.fixture(params=list(PARALLEL))
+def world(request, procs, model8):
+    par = PARALLEL[request.param]
+    tp, pp = par["tp"], par["pp"]
+    w = tp * pp
+    engine_id = f"tpl-{uuid.uuid4().hex[:12]}"
+    ranks = Ranks(procs, w)
+    for i, p in enumerate(procs):
+        mine = [rk for rk in range(w) if ranks.owner[rk] is p]
+        p.conn.send(("setup", (str(model8), engine_id, mine, par, NUM_BLOCKS, CFG_KW)))
+    for p in procs:
+        p.recv(timeout=120)
+    h = None
+    try:
+        from kvshim_tp_worker import stage_kv_cache_config, stage_layers
+
+        cfg = kvshim_config(model8, tensor_parallel_size=tp, pipeline_parallel_size=pp, rank=0,
+                            engine_id=engine_id, **CFG_KW)
+        assert cfg.parallel_config.world_size == w
+        # the scheduler's KV cache config is rank 0's (stage 0's layers)
+        kvc = stage_kv_cache_config(NUM_BLOCKS, stage_layers(LAYERS, 0, tp, pp), 1)
+        h = WorldHarness(cfg, kvc, ranks)
+        yield h, ranks, par
+    finally:
+        if h is not None:
+            h.close()
+        for p in procs:
+            p.call("teardown")
+
+
+def _store(h, ranks, tokens, skip_last_rank_save_in_step=None):
+    """Chunked prefill, 128 tokens a step: chunks 0-1 saved after step 1,
+    chunk 2 after step 2."""
+    if skip_last_rank_save_in_step is not None:
+        ranks.call(ranks.world - 1, "skip_save_in", skip_last_rank_save_in_step)
+    req = h.add_request(h.make_request(tokens, max_tokens=1))
+    s1 = h.step()
+    assert s1.num_scheduled_tokens[req.request_id] == 2 * CHUNK
+    s2 = h.step()
+    assert s2.num_scheduled_tokens[req.request_id] == len(tokens) - 2 * CHUNK
+    h.settle()
+    return req
+
+
+def _restore(h, ranks, tokens, hit_chunks):
+    b = h.add_request(h.make_request(tokens, max_tokens=1))
+    s = h.step()
+    (ld,) = loads_of(s, b.request_id)
+    assert (ld["start"], ld["end"]) == (0, hit_chunks)
+    s = run_until_scheduled(h, b)
+    assert new_req_data(s, b.request_id).num_computed_tokens == hit_chunks * CHUNK
+    assert s.num_scheduled_tokens[b.request_id] == len(tokens) - hit_chunks * CHUNK
+    nb = len(tokens) // 16
+    for rk in range(ranks.world):
+        blocks = ranks.call(rk, "blocks", b.request_id)
+        assert blocks[: hit_chunks * CHUNK // 16] == ld["blocks"]
+        assert ranks.call(rk, "check_blocks", tokens, blocks[:nb]) == [], f"rank {rk}"
+    h.settle()
+
+
+def test_each_rank_restores_its_own_bytes_and_hits_fold(world):
+    h, ranks, par = world
+    w = ranks.world
+    p1, p2 = prompt(61, 200), prompt(62, 200)  # 3 full chunks each
+    _store(h, ranks, p1)
+    wait_stat(h, "kvshim_l1_commits_total", 3 * w)
+    # p2: the last rank (a stage-1 rank under PP) loses its save of chunk 2:
+    # every other rank has 3 chunks, it has 2.
+    _store(h, ranks, p2, skip_last_rank_save_in_step=2)
+    wait_stat(h, "kvshim_l1_commits_total", 3 * w + 3 * w - 1)
+    saved = [ranks.call(rk, "stats")["worker"]["SavedChunks"] for rk in range(w)]
+    assert saved == [6] * (w - 1) + [5]
+    h.assert_no_leaks()
+    for rk in range(w):
+        ranks.call(rk, "scribble")
+    _restore(h, ranks, p1 + prompt(63, 30), hit_chunks=3)
+    # every rank skips 2 chunks of p2: the fold over all 8 (or 4) ranks
+    _restore(h, ranks, p2 + prompt(64, 30), hit_chunks=2)
+    h.assert_no_leaks()
+    st = server_stats(h.connector)
+    assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0
+    staged = {k: v for k, v in st.items() if "stag" in k and not k.endswith("_total")}
+    assert staged and not any(staged.values()), staged
+    assert st["kvshim_lookup_hit_chunks_total"] == 3 + 2
+    assert h.connector.stats()["requests"] == 0
+    loaded = [ranks.call(rk, "stats")["worker"]["LoadedChunks"] for rk in range(w)]
+    assert loaded == [5] * w
+    if par["pp"] > 1:
+        # the stages hold different layers: 2 and 1 of the 3
+        assert [len(ranks.call(rk, "attr", "layer_names")) for rk in (0, w - 1)] == [2, 1]
