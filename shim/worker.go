@@ -91,7 +91,7 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 // Register validates the KV tensors vLLM registered and picks the copy
 // engine: the host engine for CPU tensors, CUDA for GPU tensors.
 func (w *Worker) Register(descs []layout.TensorDesc) error {
-	l, err := layout.New(descs, w.cfg.Namespace.ChunkSize)
+	l, err := layout.New(descs, w.cfg.Namespace.RankChunkTokens()) // DCP: a rank holds a slice of each chunk
 	if err != nil {
 		return err
 	}
@@ -191,7 +191,9 @@ func (w *Worker) load(ld *LoadSpec) {
 	cb := l.ChunkBlocks()
 	var resp *ipc.RetrieveResp
 	var client *ipc.Client
-	rr := &ipc.RetrieveReq{Owner: ipc.Tag(ld.Owner), LookupID: ld.Lookup, Rank: w.kvRank, Start: ld.Start, End: ld.End}
+	// The reader's own row of holds: its global rank (a shared MLA object
+	// is one key, rank 0, held once for every reader).
+	rr := &ipc.RetrieveReq{Owner: ipc.Tag(ld.Owner), LookupID: ld.Lookup, Rank: uint32(w.cfg.Rank), Start: ld.Start, End: ld.End}
 	err = w.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
 		client = c
 		resp, err = c.Retrieve(ctx, rr)
