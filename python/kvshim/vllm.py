@@ -317,7 +317,21 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
         "chunk_size": int(cfg["kvshim.chunk_size"]),
         "kv_group": 0,
         "mla": bool(mc.use_mla),
+        # decode context parallel: each rank of a DCP group holds a slice
+        # of every block's tokens (1: none)
+        "dcp_size": _dcp_size(vllm_config, spec),
     }
+
+
+def _dcp_size(vllm_config: VllmConfig, spec: Any) -> int:
+    """vLLM's decode context parallel size for this KV cache spec: the
+    factor between the scheduler's blocks and the ranks' blocks
+    (kv_cache_utils.resolve_dcp_kv_block_size; specs that are not
+    dcp_sharded keep whole blocks per rank)."""
+    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    if dcp > 1 and spec is not None and not getattr(spec, "dcp_sharded", True):
+        return 1
+    return dcp
 
 
 def _tensor_desc(name: str, t: torch.Tensor, group: int) -> dict[str, Any]:
@@ -436,7 +450,8 @@ class KVShimConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             open_cfg |= {
                 "role": "scheduler",
-                "block_size": vllm_config.cache_config.block_size,
+                # The scheduler's block: DCP ranks each hold a slice of it.
+                "block_size": vllm_config.cache_config.block_size * open_cfg["namespace"]["dcp_size"],
                 "l1_size_gb": float(self._cfg["kvshim.l1_size_gb"]),
                 **({} if self._cfg["kvshim.l1_prefault_gb"] is None else {"l1_prefault_gb": self._cfg["kvshim.l1_prefault_gb"]}),
                 "hold_ttl_s": float(self._cfg["kvshim.hold_ttl_s"]),
