@@ -169,3 +169,73 @@ def serve(conn: Any) -> None:
             conn.send(("ok", res))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             conn.send(("error", f"{e!r}\n{traceback.format_exc()}"))
+
+
+def _dcp_runner_cls() -> Any:
+    """harness.ModelRunner for a rank under decode context parallelism:
+    vLLM's scheduler blocks are DCP times this rank's blocks, and this rank
+    holds the tokens whose slot vLLM maps to it. The mapping is vLLM's
+    (v1/worker/block_table.py, the slot-mapping kernel of BlockTable):
+    position p of scheduler block p // (B*D), offset o = p % (B*D), is on
+    DCP rank (o // I) % D at slot (o // (D*I)) * I + o % I of the rank's
+    block (B: the rank's block size, D: DCP size, I:
+    cp_kv_cache_interleave_size). The DCP rank is tp_rank % D (vLLM's DCP
+    groups are consecutive TP ranks: parallel_state.py, "DCP spans PCP
+    first, then TP")."""
+    import torch
+
+    from harness import KVModel, ModelRunner
+
+    class DCPRunner(ModelRunner):
+        def __init__(self, vllm_config: Any, kv_cache_config: Any, **kw: Any) -> None:
+            super().__init__(vllm_config, kv_cache_config, **kw)
+            pc = vllm_config.parallel_config
+            self.dcp = pc.decode_context_parallel_size
+            self.dcp_rank = (self.rank % pc.tensor_parallel_size) % self.dcp
+            self.interleave = pc.cp_kv_cache_interleave_size
+            self.vblock = self.block_size * self.dcp
+
+        def _local(self, p: int) -> int | None:
+            """This rank's slot of position p in its scheduler block, or None."""
+            o, d, i = p % self.vblock, self.dcp, self.interleave
+            if (o // i) % d != self.dcp_rank:
+                return None
+            return (o // (d * i)) * i + o % i
+
+        def _forward(self, work: list) -> None:
+            for rid, start, n in work:
+                r = self.reqs[rid]
+                end = start + n
+                while len(r.tokens) < end:
+                    r.tokens.append(self.sampled_token)
+                    r.hashes = KVModel.prefix_hashes(r.tokens)
+                pos = [p for p in range(start, end) if self._local(p) is not None]
+                if not pos:
+                    continue
+                blocks = torch.tensor([r.blocks[p // self.vblock] for p in pos], dtype=torch.long)
+                slots = torch.tensor([self._local(p) for p in pos], dtype=torch.long)
+                for li, name in enumerate(self.layer_names):
+                    kv = self._content(self.model.kv([r.hashes[p] for p in pos], li))
+                    self.kv_caches[name].view(torch.int16)[blocks, :, slots] = kv
+
+        def expected_block(self, tokens: Any, block_index: int) -> torch.Tensor:
+            base = block_index * self.vblock
+            pos = [base + p for p in range(self.vblock) if self._local(base + p) is not None]
+            assert len(pos) == self.block_size and pos[-1] < len(tokens), "block beyond the tokens"
+            hs = KVModel.prefix_hashes(tokens[: pos[-1] + 1])
+            hs = [hs[p] for p in sorted(pos, key=self._local)]  # slot order
+            return torch.stack([self._content(self.model.kv(hs, i)).transpose(0, 1) for i in range(len(self.layer_names))])
+
+        def _check_prefix(self, rid: str, num_computed: int) -> None:
+            n = num_computed // self.vblock
+            if n:
+                r = self.reqs[rid]
+                self.prefix_checks[rid] = (num_computed, self.check_blocks(r.tokens, r.blocks[:n]))
+
+    return DCPRunner
+
+
+def __getattr__(name: str) -> Any:  # DCPRunner, made on first use (imports torch and vLLM)
+    if name == "DCPRunner":
+        return _dcp_runner_cls()
+    raise AttributeError(name)

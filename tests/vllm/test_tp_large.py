@@ -155,6 +155,9 @@ PARALLEL = {
     "tp4": {"tp": 4, "pp": 1},
     "tp8": {"tp": 8, "pp": 1},
     "tp4pp2": {"tp": 4, "pp": 2},
+    # decode context parallel: DCP groups {0,1} {2,3}, each rank a token
+    # slice of every 32-token scheduler block (vLLM needs TP > KV heads)
+    "tp4dcp2": {"tp": 4, "pp": 1, "dcp": 2, "runner_cls": "kvshim_tp_worker:DCPRunner"},
 }
 
 
@@ -174,8 +177,8 @@ def world(request, procs, model8):
     try:
         from kvshim_tp_worker import stage_kv_cache_config, stage_layers
 
-        cfg = kvshim_config(model8, tensor_parallel_size=tp, pipeline_parallel_size=pp, rank=0,
-                            engine_id=engine_id, **CFG_KW)
+        cfg = kvshim_config(model8, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                            decode_context_parallel_size=par.get("dcp", 1), rank=0, engine_id=engine_id, **CFG_KW)
         assert cfg.parallel_config.world_size == w
         # the scheduler's KV cache config is rank 0's (stage 0's layers)
         kvc = stage_kv_cache_config(NUM_BLOCKS, stage_layers(LAYERS, 0, tp, pp), 1)
@@ -202,7 +205,7 @@ def _store(h, ranks, tokens, skip_last_rank_save_in_step=None):
     return req
 
 
-def _restore(h, ranks, tokens, hit_chunks):
+def _restore(h, ranks, tokens, hit_chunks, vblock=16):
     b = h.add_request(h.make_request(tokens, max_tokens=1))
     s = h.step()
     (ld,) = loads_of(s, b.request_id)
@@ -210,10 +213,10 @@ def _restore(h, ranks, tokens, hit_chunks):
     s = run_until_scheduled(h, b)
     assert new_req_data(s, b.request_id).num_computed_tokens == hit_chunks * CHUNK
     assert s.num_scheduled_tokens[b.request_id] == len(tokens) - hit_chunks * CHUNK
-    nb = len(tokens) // 16
+    nb = len(tokens) // vblock  # the scheduler's blocks (DCP: vblock tokens)
     for rk in range(ranks.world):
         blocks = ranks.call(rk, "blocks", b.request_id)
-        assert blocks[: hit_chunks * CHUNK // 16] == ld["blocks"]
+        assert blocks[: hit_chunks * CHUNK // vblock] == ld["blocks"]
         assert ranks.call(rk, "check_blocks", tokens, blocks[:nb]) == [], f"rank {rk}"
     h.settle()
 
@@ -233,9 +236,10 @@ def test_each_rank_restores_its_own_bytes_and_hits_fold(world):
     h.assert_no_leaks()
     for rk in range(w):
         ranks.call(rk, "scribble")
-    _restore(h, ranks, p1 + prompt(63, 30), hit_chunks=3)
+    vb = 16 * par.get("dcp", 1)
+    _restore(h, ranks, p1 + prompt(63, 30), hit_chunks=3, vblock=vb)
     # every rank skips 2 chunks of p2: the fold over all 8 (or 4) ranks
-    _restore(h, ranks, p2 + prompt(64, 30), hit_chunks=2)
+    _restore(h, ranks, p2 + prompt(64, 30), hit_chunks=2, vblock=vb)
     h.assert_no_leaks()
     st = server_stats(h.connector)
     assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0
@@ -245,6 +249,9 @@ def test_each_rank_restores_its_own_bytes_and_hits_fold(world):
     assert h.connector.stats()["requests"] == 0
     loaded = [ranks.call(rk, "stats")["worker"]["LoadedChunks"] for rk in range(w)]
     assert loaded == [5] * w
+    if par.get("dcp", 1) > 1:
+        # a scheduler block is 2 ranks' blocks, a rank holds half its tokens
+        assert h.scheduler.block_size == 32
     if par["pp"] > 1:
         # the stages hold different layers: 2 and 1 of the 3
         assert [len(ranks.call(rk, "attr", "layer_names")) for rk in (0, w - 1)] == [2, 1]
