@@ -79,14 +79,19 @@ def stage_layers(total_layers: int, rank: int, tp: int, pp: int) -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(start, end)]
 
 
-def stage_kv_cache_config(num_blocks: int, names: list[str], num_kv_heads: int, block_size: int = 16) -> Any:
-    """One full-attention group over one stage's layers."""
+def stage_kv_cache_config(num_blocks: int, names: list[str], num_kv_heads: int, block_size: int = 16,
+                          mla_head_size: int = 0) -> Any:
+    """One full-attention group over one stage's layers (MLA: one latent
+    of mla_head_size elements a token, vLLM's MLAAttentionSpec)."""
     import torch
 
     from harness import HEAD_SIZE
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
 
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=HEAD_SIZE, dtype=torch.float16)
+    if mla_head_size:
+        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=mla_head_size, dtype=torch.float16)
+    else:
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=HEAD_SIZE, dtype=torch.float16)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
 
 
@@ -105,12 +110,21 @@ def make_rank_runner(model_dir: str, engine_id: str, rank: int, par: dict, num_b
     assert cfg.parallel_config.rank == rank and cfg.parallel_config.world_size == tp * pp
     total = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
     heads = par.get("kv_heads") or max(1, NUM_KV_HEADS // tp)
-    kvc = stage_kv_cache_config(num_blocks, stage_layers(total, rank, tp, pp), heads)
+    mla = cfg.model_config.use_mla
+    kvc = stage_kv_cache_config(num_blocks, stage_layers(total, rank, tp, pp), heads,
+                                mla_head_size=cfg.model_config.get_head_size() if mla else 0)
     cls = ModelRunner
     if par.get("runner_cls"):
         mod, name = par["runner_cls"].split(":")
         cls = getattr(importlib.import_module(mod), name)
-    return cls(cfg, kvc, rank=rank)
+    runner = cls(cfg, kvc, rank=rank)
+    if mla:
+        # MLA's latent KV is the same on every TP rank: a rank-independent
+        # "model" whose (K|V) content is the latent's elements.
+        from harness import KVModel
+
+        runner.model = KVModel(len(runner.layer_names), 1, cfg.model_config.get_head_size() // 2, 0)
+    return runner
 
 
 def serve(conn: Any) -> None:

@@ -98,6 +98,23 @@ class Proc:
 
 
 @pytest.fixture(scope="module")
+def mla_model(tmp_path_factory):
+    """A tiny DeepSeek-V2 config (vLLM's use_mla: a 48-element latent a
+    token, 32 kv_lora_rank + 16 rope) with 3 layers; no weights."""
+    d = tmp_path_factory.mktemp("tiny-deepseek")
+    cfg = {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 128,
+        "intermediate_size": 128, "moe_intermediate_size": 64, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "num_hidden_layers": LAYERS, "vocab_size": 1024, "max_position_embeddings": 8192, "kv_lora_rank": 32,
+        "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": LAYERS, "rms_norm_eps": 1e-6,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16", "rope_theta": 10000,
+    }
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    return d
+
+
+@pytest.fixture(scope="module")
 def procs():
     ctx = multiprocessing.get_context("spawn")
     ps = [Proc(ctx, i) for i in range(2)]
@@ -158,30 +175,38 @@ PARALLEL = {
     # decode context parallel: DCP groups {0,1} {2,3}, each rank a token
     # slice of every 32-token scheduler block (vLLM needs TP > KV heads)
     "tp4dcp2": {"tp": 4, "pp": 1, "dcp": 2, "runner_cls": "kvshim_tp_worker:DCPRunner"},
+    # MLA: one object per chunk written by rank 0 and read by both ranks
+    "mla_tp2": {"tp": 2, "pp": 1, "mla": True},
+    # MLA under DCP: each rank a token slice, so each rank its own objects
+    "mla_tp4dcp2": {"tp": 4, "pp": 1, "dcp": 2, "mla": True, "runner_cls": "kvshim_tp_worker:DCPRunner"},
 }
 
 
 @pytest.fixture(params=list(PARALLEL))
-def world(request, procs, model8):
+def world(request, procs, model8, mla_model):
     par = PARALLEL[request.param]
+    model = mla_model if par.get("mla") else model8
     tp, pp = par["tp"], par["pp"]
     w = tp * pp
     engine_id = f"tpl-{uuid.uuid4().hex[:12]}"
     ranks = Ranks(procs, w)
     for i, p in enumerate(procs):
         mine = [rk for rk in range(w) if ranks.owner[rk] is p]
-        p.conn.send(("setup", (str(model8), engine_id, mine, par, NUM_BLOCKS, CFG_KW)))
+        p.conn.send(("setup", (str(model), engine_id, mine, par, NUM_BLOCKS, CFG_KW)))
     for p in procs:
         p.recv(timeout=120)
     h = None
     try:
         from kvshim_tp_worker import stage_kv_cache_config, stage_layers
 
-        cfg = kvshim_config(model8, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        cfg = kvshim_config(model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                             decode_context_parallel_size=par.get("dcp", 1), rank=0, engine_id=engine_id, **CFG_KW)
         assert cfg.parallel_config.world_size == w
         # the scheduler's KV cache config is rank 0's (stage 0's layers)
-        kvc = stage_kv_cache_config(NUM_BLOCKS, stage_layers(LAYERS, 0, tp, pp), 1)
+        mla = cfg.model_config.use_mla
+        assert mla == bool(par.get("mla"))
+        kvc = stage_kv_cache_config(NUM_BLOCKS, stage_layers(LAYERS, 0, tp, pp), 1,
+                                    mla_head_size=cfg.model_config.get_head_size() if mla else 0)
         h = WorldHarness(cfg, kvc, ranks)
         yield h, ranks, par
     finally:
@@ -191,11 +216,12 @@ def world(request, procs, model8):
             p.call("teardown")
 
 
-def _store(h, ranks, tokens, skip_last_rank_save_in_step=None):
+def _store(h, ranks, tokens, skip_save=None):
     """Chunked prefill, 128 tokens a step: chunks 0-1 saved after step 1,
-    chunk 2 after step 2."""
-    if skip_last_rank_save_in_step is not None:
-        ranks.call(ranks.world - 1, "skip_save_in", skip_last_rank_save_in_step)
+    chunk 2 after step 2. skip_save=(rank, step): that rank drops its
+    saves of that step."""
+    if skip_save is not None:
+        ranks.call(skip_save[0], "skip_save_in", skip_save[1])
     req = h.add_request(h.make_request(tokens, max_tokens=1))
     s1 = h.step()
     assert s1.num_scheduled_tokens[req.request_id] == 2 * CHUNK
@@ -224,15 +250,19 @@ def _restore(h, ranks, tokens, hit_chunks, vblock=16):
 def test_each_rank_restores_its_own_bytes_and_hits_fold(world):
     h, ranks, par = world
     w = ranks.world
+    # the ranks that write: all, or rank 0 alone for MLA shared by every
+    # rank (one stage, no DCP)
+    shared = par.get("mla") and w == par["tp"] and par.get("dcp", 1) == 1
+    writers = [0] if shared else list(range(w))
     p1, p2 = prompt(61, 200), prompt(62, 200)  # 3 full chunks each
     _store(h, ranks, p1)
-    wait_stat(h, "kvshim_l1_commits_total", 3 * w)
-    # p2: the last rank (a stage-1 rank under PP) loses its save of chunk 2:
-    # every other rank has 3 chunks, it has 2.
-    _store(h, ranks, p2, skip_last_rank_save_in_step=2)
-    wait_stat(h, "kvshim_l1_commits_total", 3 * w + 3 * w - 1)
+    wait_stat(h, "kvshim_l1_commits_total", 3 * len(writers))
+    # p2: the last writer (a stage-1 rank under PP) loses its save of
+    # chunk 2: every other rank has 3 chunks, it has 2.
+    _store(h, ranks, p2, skip_save=(writers[-1], 2))
+    wait_stat(h, "kvshim_l1_commits_total", 6 * len(writers) - 1)
     saved = [ranks.call(rk, "stats")["worker"]["SavedChunks"] for rk in range(w)]
-    assert saved == [6] * (w - 1) + [5]
+    assert saved == [6 if rk in writers[:-1] else 5 if rk == writers[-1] else 0 for rk in range(w)]
     h.assert_no_leaks()
     for rk in range(w):
         ranks.call(rk, "scribble")
