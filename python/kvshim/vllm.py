@@ -480,6 +480,7 @@ class KVShimConnector(KVConnectorBase_V1):
         self._hits = {"hit_tokens": 0, "hit_requests": 0}  # scheduler: since the last stats report
         self._match_errors = 0
         self._chunk = int(self._cfg["kvshim.chunk_size"])
+        self._delay_freed: set[str] = set()  # scheduler: finished, blocks kept until finished_sending
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -553,7 +554,22 @@ class KVShimConnector(KVConnectorBase_V1):
         step = {"requests": reqs, "preempted": sorted(scheduler_output.preempted_req_ids or ())}
         return KVShimMetadata(self._h.output("kvshim_sched_build_meta", json.dumps(step).encode()))
 
+    def has_pending_block_frees(self) -> bool:
+        # Blocks of finished requests come back once their saves have read
+        # them (finished_sending): vLLM waits for those instead of
+        # preempting a running request (Scheduler.schedule).
+        return bool(self._delay_freed)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._delay_freed.difference_update(connector_output.finished_sending or ())
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = self._request_finished(request, block_ids)
+        if delay:
+            self._delay_freed.add(request.request_id)
+        return delay, params
+
+    def _request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         prompt = self._tokens.pop(rid, None)
         delay = ctypes.c_int()
