@@ -251,3 +251,38 @@ def test_finished_request_keeps_its_blocks_while_its_save_is_in_flight(pressure)
     assert st["kvshim_l1_commits_total"] == 2
     turn2(h, r, pa + prompt(56, 10), hit_chunks=2)
     assert_clean(h)
+
+
+def test_running_request_waits_for_delay_freed_blocks_instead_of_preemption(pressure):
+    # 12 blocks: B (40 tokens, decoding) has 3 and needs a 4th at token 48;
+    # A (128 tokens, 8 blocks) finishes while its save waits on the stopped
+    # server, so its blocks are delay-freed: none is free. kvshim says
+    # has_pending_block_frees, so vLLM lets B wait for A's blocks instead of
+    # preempting it (and recomputing it).
+    h, r, srv = pressure(num_blocks=12)
+    b = h.add_request(h.make_request(prompt(57, 40), max_tokens=20))
+    h.step()
+    pa = prompt(58, 2 * CHUNK)
+    a = h.add_request(h.make_request(pa, max_tokens=1))
+    so = step_until(h, lambda so: a.request_id in so.num_scheduled_tokens, "A's prefill")
+    assert b.num_tokens < 48
+    srv.stop()
+    h.finish(so, h.execute(so))
+    assert a.request_id in h.scheduler.requests and h.num_free_blocks == 0
+    assert h.connector.has_pending_block_frees()
+    waited = 0
+    for _ in range(20):  # B decodes up to token 48, then has to wait
+        s = h.step()
+        assert not s.scheduler_output.preempted_req_ids
+        if b.request_id not in s.num_scheduled_tokens:
+            waited += 1
+            if waited == 3:
+                break
+    assert waited == 3 and b.num_computed_tokens == 48 and b.num_preemptions == 0
+    assert srv.resume()
+    h.settle()
+    wait_jobs(h)
+    assert not h.connector.has_pending_block_frees()
+    assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.num_preemptions == 0
+    turn2(h, r, pa + prompt(59, 10), hit_chunks=2)
+    assert_clean(h)
