@@ -34,7 +34,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def run(num_blocks: int, n_req: int, prompt_len: int, max_tokens: int) -> None:
-    from harness import CHUNK, ModelRunner, SchedulerHarness, kvshim_config, make_kv_cache_config, prompt, write_tiny_model_dir
+    from harness import (
+        CHUNK,
+        ModelRunner,
+        SchedulerHarness,
+        kvshim_config,
+        make_kv_cache_config,
+        prompt,
+        write_tiny_model_dir,
+    )
 
     d = write_tiny_model_dir(tempfile.mkdtemp(prefix="kvshim-decode-"))
     cfg = kvshim_config(d, enable_prefix_caching=False, async_scheduling=False)

@@ -45,7 +45,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
 
-    from harness import TINY_LLAMA_CONFIG, HEAD_SIZE, ModelRunner, SchedulerHarness, make_vllm_config, prompt
+    from harness import (
+        HEAD_SIZE,
+        TINY_LLAMA_CONFIG,
+        ModelRunner,
+        SchedulerHarness,
+        make_vllm_config,
+        prompt,
+    )
     from kvshim_tp_worker import stage_kv_cache_config, stage_layers
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 

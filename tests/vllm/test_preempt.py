@@ -33,7 +33,6 @@ import threading
 import time
 
 import pytest
-
 from harness import (
     CHUNK,
     ModelRunner,
@@ -45,7 +44,7 @@ from harness import (
     server_stats,
     wait_jobs,
 )
-from test_multiturn import BLOCK, assert_clean, saves_of, turn2
+from test_multiturn import assert_clean, saves_of, turn2
 from vllm.v1.request import RequestStatus
 
 TIMEOUT_MS = 5000

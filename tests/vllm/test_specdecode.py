@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import (
     CHUNK,
+    KVModel,
     ModelRunner,
     SchedulerHarness,
     VllmConfig,
-    KVModel,
     kvshim_config,
     make_kv_cache_config,
     prompt,

@@ -30,11 +30,10 @@ import multiprocessing
 import uuid
 
 import pytest
-
 from harness import (
     CHUNK,
-    TINY_LLAMA_CONFIG,
     HEAD_SIZE,
+    TINY_LLAMA_CONFIG,
     SchedulerHarness,
     kvshim_config,
     loads_of,
