@@ -71,10 +71,16 @@ class Stoppable:
             return True
 
 
+# The worker connector's calls in which vLLM's model runner hands it the
+# step's metadata before the forward pass (kvshim waits there).
+BIND_CALLS = {"handle_preemptions", "bind_connector_metadata"}
+
+
 class ResumeWhenBlockedInBind(threading.Thread):
     """Resumes the server once the main thread is seen inside the worker
-    connector's _bind (the native bind, which waits for the copies of
-    preempted requests) on two polls 20 ms apart."""
+    connector's handle_preemptions / bind_connector_metadata (where the
+    native bind waits for the copies of preempted requests) on two polls
+    20 ms apart."""
 
     def __init__(self, srv: Stoppable, timeout_s: float = 10.0) -> None:
         super().__init__(daemon=True)
@@ -85,7 +91,11 @@ class ResumeWhenBlockedInBind(threading.Thread):
 
     def in_bind(self) -> bool:
         f = sys._current_frames().get(self.main)
-        return f is not None and f.f_code.co_name == "_bind"
+        while f is not None:
+            if f.f_code.co_name in BIND_CALLS and "kvshim" in f.f_code.co_filename:
+                return True
+            f = f.f_back
+        return False
 
     def run(self) -> None:
         deadline = time.monotonic() + self.timeout_s
