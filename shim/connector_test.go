@@ -78,14 +78,20 @@ type rig struct {
 }
 
 func newRig(t *testing.T, world int) *rig {
+	return newRigNS(t, NamespaceSpec{Model: "m", DType: "bfloat16", LayoutFingerprint: "test", ObjectFormat: 1, WorldSize: world, ChunkSize: tChunk})
+}
+
+// newRigNS is newRig for any namespace spec (world size ns.WorldSize; the
+// scheduler's blocks hold ns.DCPSize ranks' blocks).
+func newRigNS(t *testing.T, ns NamespaceSpec) *rig {
+	world := ns.WorldSize
 	sock := filepath.Join(t.TempDir(), "kvshim.sock")
 	cfg := server.DefaultConfig()
 	cfg.Socket, cfg.L1SizeGB, cfg.SegmentSize = sock, 0.0625, 16<<20
 	srv, err := server.Start(cfg, nil, server.Options{})
 	assert.NilError(t, err)
 	t.Cleanup(func() { srv.Close() })
-	ns := NamespaceSpec{Model: "m", DType: "bfloat16", LayoutFingerprint: "test", ObjectFormat: 1, WorldSize: world, ChunkSize: tChunk}
-	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS, Timeout: 2 * time.Second, Instance: uuid.New()})
+	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS * ns.dcp(), Timeout: 2 * time.Second, Instance: uuid.New()})
 	assert.NilError(t, err)
 	t.Cleanup(func() { s.Close() })
 	r := &rig{cfg: cfg, srv: srv, sched: s}

@@ -13,9 +13,9 @@
 // The namespace (namespace.go) is the first 16 bytes of SHA-256 over a
 // versioned, length-prefixed encoding of everything that makes KV bytes
 // incompatible: model, KV dtype, layout fingerprint, object format version,
-// the KV world (world size and TP size; for MLA only the pipeline dimension,
-// since every TP rank holds the same latent KV), chunk size and KV-cache
-// group. Deployments that differ in any of these miss; they never read
+// the KV world (world size and TP size; for MLA with one pipeline stage and
+// no decode context parallelism none, since every rank holds the same
+// latent KV), the DCP size, chunk size and KV-cache group. Deployments that differ in any of these miss; they never read
 // each other's bytes.
 //
 // Chunk hashes (keys.go) chain SHA-256 over full chunks of chunk_size tokens;

@@ -55,6 +55,13 @@ type NamespaceSpec struct {
 	// MLA: the model uses multi-head latent attention, whose KV cache is
 	// identical on every TP rank.
 	MLA bool
+	// DCPSize is vLLM's decode context parallel size (0 or 1: none). The
+	// TP ranks of a stage form groups of DCPSize consecutive ranks; within
+	// a group each rank holds a slice of every block's tokens (vLLM's
+	// scheduler blocks are DCPSize times the ranks' blocks), so a chunk is
+	// ChunkSize/DCPSize tokens on each rank. It must divide TPSize and
+	// ChunkSize.
+	DCPSize int
 }
 
 // Validate reports the first missing or out-of-range field.
@@ -82,8 +89,33 @@ func (s NamespaceSpec) Validate() error {
 		return bad("chunk size %d (want 1..%d)", s.ChunkSize, MaxChunkSize)
 	case s.KVGroup < 0 || s.KVGroup >= maxKVGroup:
 		return bad("KV group %d (want 0..%d)", s.KVGroup, maxKVGroup-1)
+	case s.DCPSize < 0 || tp%s.dcp() != 0 || s.ChunkSize%s.dcp() != 0:
+		return bad("DCP size %d does not divide TP size %d and chunk size %d", s.DCPSize, tp, s.ChunkSize)
 	}
 	return nil
+}
+
+func (s NamespaceSpec) dcp() int {
+	if s.DCPSize < 1 {
+		return 1
+	}
+	return s.DCPSize
+}
+
+// RankChunkTokens is how many tokens of a chunk one rank holds: ChunkSize,
+// or ChunkSize/DCPSize under decode context parallelism.
+func (s NamespaceSpec) RankChunkTokens() int { return s.ChunkSize / s.dcp() }
+
+// SharedMLA reports whether every rank holds the same KV bytes, so that
+// they are stored once and read by all: MLA (the latent KV is not split
+// across TP ranks) with one pipeline stage and no decode context
+// parallelism. Across stages (different layers) or DCP ranks (different
+// tokens) MLA's KV differs per rank and every rank stores its own objects:
+// the server's MLA lookup serves the rank-0 objects to every reader
+// (server/lookup.go, lookup.ranks), so it cannot serve a second stage or
+// token slice.
+func (s NamespaceSpec) SharedMLA() bool {
+	return s.MLA && s.WorldSize == s.tpSize() && s.dcp() == 1
 }
 
 func (s NamespaceSpec) tpSize() int {
@@ -93,20 +125,19 @@ func (s NamespaceSpec) tpSize() int {
 	return s.TPSize
 }
 
-// kvWorld is the (world, TP) shape of the distinct KV shards. Without MLA
-// every rank holds a distinct shard: (WorldSize, TPSize). With MLA the TP
-// ranks of one pipeline stage hold identical KV, so only the stages are
-// distinct: (WorldSize/TPSize, 1) — LMCache's world_size // tp_size. MLA at
-// TP=2 and TP=8 (same PP) therefore share one namespace and one copy.
+// kvWorld is the (world, TP) shape of the distinct KV shards. Every rank
+// holds a distinct shard, (WorldSize, TPSize), except under SharedMLA,
+// where all ranks hold the same KV: (1, 1). MLA at TP=2 and TP=8 (one
+// stage, no DCP) therefore share one namespace and one copy.
 func (s NamespaceSpec) kvWorld() (world, tp int) {
-	if s.MLA {
-		return s.WorldSize / s.tpSize(), 1
+	if s.SharedMLA() {
+		return 1, 1
 	}
 	return s.WorldSize, s.tpSize()
 }
 
 // KVWorldSize is the number of distinct KV ranks under this spec: WorldSize,
-// or the number of pipeline stages for MLA. A chunk is fully stored when all
+// or 1 under SharedMLA. A chunk is fully stored when all
 // KV ranks 0..KVWorldSize-1 hold it. It assumes a valid spec.
 func (s NamespaceSpec) KVWorldSize() int {
 	w, _ := s.kvWorld()
@@ -114,9 +145,9 @@ func (s NamespaceSpec) KVWorldSize() int {
 }
 
 // KVRank maps a vLLM global rank (pp_rank × TPSize + tp_rank) to the rank in
-// its objects' keys, and reports whether this rank writes them. Without MLA
-// every rank writes its own: (rank, true). With MLA the TP ranks of a stage
-// share one object: (rank / TPSize, tp_rank == 0); every rank reads it.
+// its objects' keys, and reports whether this rank writes them. Every rank
+// writes its own, (rank, true), except under SharedMLA: all ranks share one
+// object, (0, rank == 0), and every rank reads it.
 func (s NamespaceSpec) KVRank(rank int) (kvRank uint32, writer bool, err error) {
 	if err := s.Validate(); err != nil {
 		return 0, false, err
@@ -124,11 +155,10 @@ func (s NamespaceSpec) KVRank(rank int) (kvRank uint32, writer bool, err error) 
 	if rank < 0 || rank >= s.WorldSize {
 		return 0, false, fmt.Errorf("%w: rank %d outside world size %d", ErrBadNamespaceSpec, rank, s.WorldSize)
 	}
-	if !s.MLA {
+	if !s.SharedMLA() {
 		return uint32(rank), true, nil
 	}
-	tp := s.tpSize()
-	return uint32(rank / tp), rank%tp == 0, nil
+	return 0, rank == 0, nil
 }
 
 // Namespace validates s and returns its fingerprint: the first 16 bytes of
@@ -136,7 +166,7 @@ func (s NamespaceSpec) KVRank(rank int) (kvRank uint32, writer bool, err error) 
 //
 //	"kvshim.namespace" ‖ u32 version ‖ lp(model) ‖ lp(dtype) ‖ lp(layout) ‖
 //	u32 object format ‖ u32 kv world ‖ u32 kv tp ‖ u32 chunk size ‖
-//	u32 kv group ‖ u8 mla
+//	u32 kv group ‖ u8 mla [‖ u32 dcp size, only when > 1]
 //
 // (little-endian; lp(x) = u32 length ‖ x; kv world/tp as in KVWorldSize).
 func (s NamespaceSpec) Namespace() (ipc.Namespace, error) {
@@ -160,6 +190,11 @@ func (s NamespaceSpec) Namespace() (ipc.Namespace, error) {
 		mla = 1
 	}
 	b = append(b, mla)
+	if s.dcp() > 1 {
+		// Each rank holds a token slice of every block: other bytes than
+		// the same TP shape without DCP.
+		b = binary.LittleEndian.AppendUint32(b, uint32(s.dcp()))
+	}
 	sum := sha256.Sum256(b)
 	var ns ipc.Namespace
 	copy(ns[:], sum[:])

@@ -69,12 +69,14 @@ func TestNamespaceMLA(t *testing.T) {
 		s.MLA, s.WorldSize, s.TPSize = true, world, tp
 		return s
 	}
-	// TP does not split MLA's latent KV: any TP size with the same pipeline
-	// shape shares one namespace (stored once, read by all ranks) ...
+	// TP does not split MLA's latent KV: any TP size of one stage shares
+	// one namespace (stored once, read by all ranks) ...
 	assert.Equal(t, mustNS(t, mla(2, 2)), mustNS(t, mla(8, 8)))
 	assert.Equal(t, mustNS(t, mla(1, 0)), mustNS(t, mla(4, 0)))
-	assert.Equal(t, mustNS(t, mla(4, 2)), mustNS(t, mla(16, 8)))
-	// ... but pipeline stages hold different layers.
+	// ... but pipeline stages hold different layers: every rank its own
+	// objects (the server's MLA lookup serves only rank-0 objects), so the
+	// whole (world, TP) shape is in the namespace.
+	assert.Check(t, mustNS(t, mla(4, 2)) != mustNS(t, mla(16, 8)))
 	assert.Check(t, mustNS(t, mla(4, 4)) != mustNS(t, mla(4, 2)))
 	// Without MLA every TP size is its own namespace.
 	a, b := baseSpec(), baseSpec()
@@ -84,7 +86,8 @@ func TestNamespaceMLA(t *testing.T) {
 	c := baseSpec()
 	c.WorldSize, c.TPSize = 8, 0
 	assert.Check(t, is.Equal(mustNS(t, c), mustNS(t, b)))
-	assert.Check(t, is.Equal(mla(8, 4).KVWorldSize(), 2))
+	assert.Check(t, is.Equal(mla(8, 4).KVWorldSize(), 8))
+	assert.Check(t, is.Equal(mla(8, 8).KVWorldSize(), 1))
 	assert.Check(t, is.Equal(c.KVWorldSize(), 8))
 }
 
@@ -104,8 +107,11 @@ func TestKVRank(t *testing.T) {
 	}
 	s := baseSpec() // world 4, tp 2
 	assert.DeepEqual(t, collect(s), []rank{{0, true}, {1, true}, {2, true}, {3, true}})
-	s.MLA = true // 2 stages × 2 TP ranks: one writer per stage
-	assert.DeepEqual(t, collect(s), []rank{{0, true}, {0, false}, {1, true}, {1, false}})
+	s.MLA = true // 2 stages × 2 TP ranks: the stages differ, every rank writes its own
+	assert.DeepEqual(t, collect(s), []rank{{0, true}, {1, true}, {2, true}, {3, true}})
+	s.TPSize = 4 // one stage: one object, written by rank 0, read by all
+	assert.DeepEqual(t, collect(s), []rank{{0, true}, {0, false}, {0, false}, {0, false}})
+	s.TPSize = 2
 
 	for _, r := range []int{-1, 4} {
 		_, _, err := s.KVRank(r)

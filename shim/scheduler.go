@@ -193,9 +193,9 @@ func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, e
 	}
 	for i := range r.g {
 		lk := &ipc.LookupReq{LookupID: r.g[i].lookupID, Namespace: s.gns[i], WorldSize: uint32(s.cfg.Namespace.KVWorldSize()),
-			MLA: s.cfg.Namespace.MLA, Hashes: hashes}
-		if s.cfg.Namespace.MLA {
-			// MLA objects are stored once and read by every TP rank.
+			MLA: s.cfg.Namespace.SharedMLA(), Hashes: hashes}
+		if lk.MLA {
+			// MLA objects are stored once and read by every rank.
 			lk.WorldSize = uint32(s.cfg.Namespace.WorldSize)
 		}
 		err = s.link.call(func(ctx context.Context, c *ipc.Client) error { return c.Lookup(ctx, lk) })

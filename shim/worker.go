@@ -107,7 +107,7 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 // device, with blocks of the same size and number (vLLM's hybrid
 // allocator: one block pool, block ids shared by the groups).
 func (w *Worker) Register(descs []layout.TensorDesc) error {
-	ls, err := layout.NewGroups(descs, w.cfg.Namespace.ChunkSize)
+	ls, err := layout.NewGroups(descs, w.cfg.Namespace.RankChunkTokens()) // DCP: a rank holds a slice of each chunk
 	if err != nil {
 		return err
 	}
@@ -251,7 +251,9 @@ func (w *Worker) load(ld *LoadSpec) {
 	cb := l.ChunkBlocks()
 	var resp *ipc.RetrieveResp
 	var client *ipc.Client
-	rr := &ipc.RetrieveReq{Owner: ipc.Tag(ld.Owner), LookupID: ld.Lookup, Rank: w.kvRank, Start: ld.Start, End: ld.End}
+	// The reader's own row of holds: its global rank (a shared MLA object
+	// is one key, rank 0, held once for every reader).
+	rr := &ipc.RetrieveReq{Owner: ipc.Tag(ld.Owner), LookupID: ld.Lookup, Rank: uint32(w.cfg.Rank), Start: ld.Start, End: ld.End}
 	err = w.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
 		client = c
 		resp, err = c.Retrieve(ctx, rr)

@@ -77,6 +77,7 @@ type Namespace struct {
 	ChunkSize int    `json:"chunk_size"`
 	KVGroup   int    `json:"kv_group"`
 	MLA       bool   `json:"mla"`
+	DCPSize   int    `json:"dcp_size"` // optional: vLLM's decode context parallel size
 }
 
 // Spec is the namespace spec. The object format is the one this build
@@ -88,7 +89,7 @@ func (n Namespace) Spec() (shim.NamespaceSpec, error) {
 			n.Format, layout.FormatVersion, ErrConfig)
 	}
 	return shim.NamespaceSpec{Model: n.Model, DType: n.DType, LayoutFingerprint: n.Layout, ObjectFormat: layout.FormatVersion,
-		WorldSize: n.WorldSize, TPSize: n.TPSize, ChunkSize: n.ChunkSize, KVGroup: n.KVGroup, MLA: n.MLA}, nil
+		WorldSize: n.WorldSize, TPSize: n.TPSize, ChunkSize: n.ChunkSize, KVGroup: n.KVGroup, MLA: n.MLA, DCPSize: n.DCPSize}, nil
 }
 
 // Resolved is what a Config resolves to before anything is opened.

@@ -310,6 +310,17 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
         # namespace. One group adds nothing: its keys stay those of kvshim
         # before groups.
         layout["groups"] = groups
+    if pc.pipeline_parallel_size > 1:
+        # Pipeline stages hold different layers, and the scheduler sees only
+        # stage 0's (vLLM builds its KV cache config from rank 0's:
+        # generate_scheduler_kv_cache_config): one namespace for every role
+        # names the model's layers and their split into stages; a stage's
+        # objects are apart from the others' by their rank in the key.
+        from vllm.distributed.utils import get_pp_indices
+
+        total, pp = mc.get_total_num_hidden_layers(), pc.pipeline_parallel_size
+        layout["layers"] = total
+        layout["pp_stages"] = [list(get_pp_indices(total, s, pp)) for s in range(pp)]
     return {
         "model": model,
         "dtype": dtype,
@@ -319,6 +330,9 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
         "chunk_size": int(cfg["kvshim.chunk_size"]),
         "kv_group": 0,
         "mla": bool(mc.use_mla),
+        # decode context parallel: each rank of a DCP group holds a slice
+        # of every block's tokens (1: none)
+        "dcp_size": _dcp_size(vllm_config, spec),
     }
 
 
@@ -391,6 +405,15 @@ def _flat_groups(block_ids: Any) -> list[int]:
         out.extend(ids)
         out.extend([-1] * (n - len(ids)))
     return out
+def _dcp_size(vllm_config: VllmConfig, spec: Any) -> int:
+    """vLLM's decode context parallel size for this KV cache spec: the
+    factor between the scheduler's blocks and the ranks' blocks
+    (kv_cache_utils.resolve_dcp_kv_block_size; specs that are not
+    dcp_sharded keep whole blocks per rank)."""
+    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    if dcp > 1 and spec is not None and not getattr(spec, "dcp_sharded", True):
+        return 1
+    return dcp
 
 
 def _tensor_desc(name: str, t: torch.Tensor, group: int) -> dict[str, Any]:
@@ -540,7 +563,8 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             open_cfg |= {
                 "role": "scheduler",
-                "block_size": vllm_config.cache_config.block_size,
+                # The scheduler's block: DCP ranks each hold a slice of it.
+                "block_size": vllm_config.cache_config.block_size * open_cfg["namespace"]["dcp_size"],
                 "l1_size_gb": float(self._cfg["kvshim.l1_size_gb"]),
                 **({} if self._cfg["kvshim.l1_prefault_gb"] is None else {"l1_prefault_gb": self._cfg["kvshim.l1_prefault_gb"]}),
                 "hold_ttl_s": float(self._cfg["kvshim.hold_ttl_s"]),
@@ -569,6 +593,7 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         self._hits = {"hit_tokens": 0, "hit_requests": 0}  # scheduler: since the last stats report
         self._match_errors = 0
         self._chunk = int(self._cfg["kvshim.chunk_size"])
+        self._delay_freed: set[str] = set()  # scheduler: finished, blocks kept until finished_sending
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -644,7 +669,22 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         step = {"requests": reqs, "preempted": sorted(scheduler_output.preempted_req_ids or ())}
         return KVShimMetadata(self._h.output("kvshim_sched_build_meta", json.dumps(step).encode()))
 
+    def has_pending_block_frees(self) -> bool:
+        # Blocks of finished requests come back once their saves have read
+        # them (finished_sending): vLLM waits for those instead of
+        # preempting a running request (Scheduler.schedule).
+        return bool(self._delay_freed)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._delay_freed.difference_update(connector_output.finished_sending or ())
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = self._request_finished(request, block_ids)
+        if delay:
+            self._delay_freed.add(request.request_id)
+        return delay, params
+
+    def _request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         prompt = self._tokens.pop(rid, None)
         delay = ctypes.c_int()

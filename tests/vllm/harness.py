@@ -138,6 +138,8 @@ def make_vllm_config(
     disable_hybrid_kv_cache_manager: bool | None = None,
     async_scheduling: bool | None = None,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    decode_context_parallel_size: int = 1,
     rank: int = 0,
     engine_id: str | None = None,
 ) -> VllmConfig:
@@ -147,8 +149,10 @@ def make_vllm_config(
     "uni" executor it turns it on, so the harness gets vLLM's AsyncScheduler
     (max_concurrent_batches == 2); ``False`` gives the plain Scheduler.
 
-    ``tensor_parallel_size``/``rank`` build the ParallelConfig of one TP rank
-    (vLLM picks the "mp" executor for TP > 1); ``engine_id`` fixes
+    ``tensor_parallel_size``/``pipeline_parallel_size``/
+    ``decode_context_parallel_size``/``rank`` build the ParallelConfig of one
+    rank (``rank`` is vLLM's global rank, pp_rank * TP + tp_rank; vLLM picks
+    the "mp" executor for a world size > 1); ``engine_id`` fixes
     KVTransferConfig.engine_id (else vLLM makes a uuid4), so processes that
     build their own config agree on it as vLLM's broadcast makes them do."""
     model_config = ModelConfig(
@@ -180,7 +184,12 @@ def make_vllm_config(
         **({"engine_id": engine_id} if engine_id else {}),
     )
     return VllmConfig(
-        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size, rank=rank),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            decode_context_parallel_size=decode_context_parallel_size,
+            rank=rank,
+        ),
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
