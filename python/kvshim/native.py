@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvshim.errors import EBADH, ERANGE, error_for
 
-ABI_VERSION = 1  # kvshim.h's KVSHIM_ABI_VERSION
+ABI_VERSION = 2  # kvshim.h's KVSHIM_ABI_VERSION
 
 _c_handle = ctypes.c_int64
 _u64p = ctypes.POINTER(ctypes.c_uint64)
