@@ -88,7 +88,11 @@ func TestFakeCUDAPinsAnnouncedSegmentsAhead(t *testing.T) {
 		assert.Equal(t, saved, 2)
 	}
 	assert.Assert(t, segs() >= 7, "L1 did not grow: %d segments", segs())
-	waitFor(t, "the last announced segments registered", func() bool { return d.Stats().Registrations == segs() })
+	// The pinner counts a registration just after the driver records it:
+	// wait for both, or the counters can lag the driver by one.
+	waitFor(t, "the last announced segments registered and counted", func() bool {
+		return d.Stats().Registrations == segs() && w.pins.bgPins.Load()+w.pins.copyPins.Load() == segs()
+	})
 	t.Logf("%d segments: %d registered in the background, %d by a copy", segs(), w.pins.bgPins.Load(), w.pins.copyPins.Load())
 	assert.Assert(t, w.pins.copyPins.Load() <= 1, "copy-path registrations: %d", w.pins.copyPins.Load())
 	assert.Assert(t, w.pins.bgPins.Load() >= segs()-1)
