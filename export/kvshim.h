@@ -132,6 +132,16 @@ int kvshim_sched_match(kvshim_handle h, const char *req_id, const uint32_t *toke
                        size_t n_tokens, const char *extras_json, int64_t num_computed,
                        int64_t *out);
 
+/* For a Python caller only (ctypes.PyDLL: called with the GIL held, list a
+ * py_object): writes the ids of the Python list of ints `list` into
+ * out[0:cap] as uint32 in one C loop (the Python C API is found with
+ * dlsym(RTLD_DEFAULT) on first use) and the list's length into *out_len.
+ * KVSHIM_ERANGE: *out_len > cap, nothing written; KVSHIM_EINVAL: item
+ * *out_len is no int in [0, 2^32) (no exception is left set: convert with
+ * Python to get the error); KVSHIM_ENOTSUP: list is no list, or the process
+ * has no Python C API. Never records a last error. */
+int kvshim_tokens_from_list(void *list, uint32_t *out, size_t cap, size_t *out_len);
+
 /* Answers update_state_after_alloc: blocks are all block ids of the
  * request in token order (group 0); num_computed the tokens vLLM has;
  * num_external the tokens to load. Plans the load; releases other holds. */

@@ -483,11 +483,14 @@ def _u32(tokens: Any) -> np.ndarray:
     """Token ids as a contiguous uint32 array: what Go reads (a pointer and a
     length, no copy on its side).
 
-    A list (vLLM's Request.prompt_token_ids) or any other plain sequence is
-    packed by ``array('I', ...)``, one C loop that checks every id's range:
-    about 4x faster than ``np.asarray(tokens, dtype=np.uint32)`` at 16K and
-    128K tokens (``make bench-match`` measures the candidates). vLLM 0.33's
-    Request holds no array of its ids to borrow: prompt_token_ids and
+    A list (vLLM's Request.prompt_token_ids) is read by the library in one
+    C loop over the list's items (native.tokens_from_list: 31 µs for 16K
+    ids where array('I', ...) takes 111 µs, 0.27 ms for 128K where it takes
+    0.85 ms); any other plain sequence, or a list the library cannot read
+    (an id out of range: the error below), is packed by ``array('I', ...)``,
+    itself about 4x faster than ``np.asarray(tokens, dtype=np.uint32)``
+    (``make bench-match`` measures the candidates). vLLM 0.33's Request
+    holds no array of its ids to borrow: prompt_token_ids and
     _all_token_ids are lists (EngineCoreRequest's too).
 
     A uint32 array, memoryview or tensor is used as it is; any other integer
@@ -496,6 +499,10 @@ def _u32(tokens: Any) -> np.ndarray:
     never a silent wrap."""
     if isinstance(tokens, (str, bytes, bytearray)):
         raise TypeError(f"token ids must be a sequence or array of integers, not {type(tokens).__name__}")
+    if type(tokens) is list:
+        out = np.empty(len(tokens), dtype=np.uint32)
+        if native.tokens_from_list(tokens, out.ctypes.data, out.size):
+            return out
     if not isinstance(tokens, (np.ndarray, array.array, memoryview)) and not hasattr(tokens, "__array__"):
         try:
             packed = array.array("I", tokens)

@@ -1,7 +1,8 @@
 """The connector's Python hot path (issue 12, item 5).
 
 Token ids reach Go as one contiguous uint32 buffer: a Python list (what
-vLLM's Request holds) is packed by array('I'), an array or tensor is used as
+vLLM's Request holds) is read by the library's C loop (array('I') where it
+cannot), an array or tensor is used as
 it is or range-checked, and an id that is no uint32 is a clear error, never
 a silent wrap (np.asarray(int64 array, dtype=uint32) wraps -1 to
 4294967295). In the connector such a request is a miss, not an exception out
@@ -40,6 +41,31 @@ def test_list_is_packed_as_uint32():
         assert a.dtype == np.uint32 and a.flags.c_contiguous
         assert a.tolist() == list(src)
     assert _u32([]).size == 0
+
+
+def test_list_is_read_by_the_library():
+    """A list takes the library's C loop (native.tokens_from_list), which
+    agrees with array('I') on every id and refuses what it refuses, leaving
+    no Python exception set; a list subclass, bools and ints at the edges of
+    one and two CPython digits take it too."""
+    from kvshim import native
+
+    class Sub(list):
+        pass
+
+    ids = [0, 1, True, 2**30 - 1, 2**30, 2**32 - 1, 151_935]
+    for src in (ids, Sub(ids), list(range(70_000))):
+        out = np.empty(len(src), dtype=np.uint32)
+        assert native.tokens_from_list(src, out.ctypes.data, out.size)
+        assert out.tolist() == list(array.array("I", src))
+        assert _u32(src).tolist() == out.tolist()
+    out = np.zeros(4, dtype=np.uint32)
+    for bad in ([1, -1], [1, 2**32], [1, 2**64], [1, 1.5], [1, "2"], [1, np.int64(2)], [1, 2, 3, 4, 5]):
+        assert not native.tokens_from_list(bad, out.ctypes.data, out.size)
+    assert out[2:].tolist() == [0, 0]  # a list longer than the buffer: nothing written past it
+    assert not native.tokens_from_list((1, 2), out.ctypes.data, out.size)  # no list
+    assert native.tokens_from_list([], out.ctypes.data, 0)
+    assert _u32([1, np.int64(2)]).tolist() == [1, 2]  # array('I') takes what the C loop leaves
 
 
 def test_uint32_buffers_are_not_copied():
