@@ -205,6 +205,12 @@ int kvshim_worker_start_saves(kvshim_handle h, uint64_t stream_event);
  * (variable-length output). */
 int kvshim_worker_poll(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
+/* Blocks until kvshim_worker_poll has something to report (a load ended, a
+ * delay-freed request's copies ended) or timeout_ms passes
+ * (KVSHIM_ETIMEDOUT): a caller waiting for completion blocks here instead
+ * of calling kvshim_worker_poll in a loop. Reports nothing itself. */
+int kvshim_worker_wait(kvshim_handle h, int64_t timeout_ms);
+
 /* The copy engine alone, for benchmarks and the demo: copies the chunks of
  * block_ids[0:n_blocks] (token order, a positive multiple of a chunk's
  * blocks; loads accept -1 to skip a block) between h's registered KV cache

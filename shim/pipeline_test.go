@@ -301,7 +301,9 @@ func TestConnectorLoadOverlapsChecksAndReportsLast(t *testing.T) {
 		assert.Equal(t, len(recv), 0, "load reported before its last copy completed")
 		time.Sleep(5 * time.Millisecond)
 	}
+	assert.Assert(t, !w.WaitReport(10*time.Millisecond), "WaitReport returned before the last copy completed")
 	close(last)
+	assert.Assert(t, w.WaitReport(10*time.Second), "WaitReport timed out after the last copy completed")
 	w.wg.Wait()
 	_, recv, errBlocks := w.Poll()
 	assert.DeepEqual(t, recv, []string{"load"})

@@ -55,6 +55,9 @@ type Worker struct {
 	stats    WorkerStats
 	wg       sync.WaitGroup
 	jobs     atomic.Int64 // background jobs running (Jobs)
+	// reported gets a token when a load ends or a request's copies end
+	// (WaitReport); capacity 1, never blocks a sender.
+	reported chan struct{}
 }
 
 // WorkerStats are cumulative counters of one worker.
@@ -97,6 +100,7 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 		cfg: cfg, ns: ns, kvRank: kvRank, writer: writer, groupNS: groupNS,
 		link:     newLink(cfg.Socket, ipc.RoleWorker, cfg.Instance, cfg.Timeout),
 		inflight: map[string]int{}, finish: map[string]bool{},
+		reported: make(chan struct{}, 1),
 	}, nil
 }
 
@@ -201,16 +205,17 @@ func (w *Worker) StartLoads(meta *StepMeta) {
 		left := new(atomic.Int32)
 		left.Store(int32(len(lds)))
 		for _, ld := range lds {
-			w.background(req, func(func()) {
-				defer func() {
-					if left.Add(-1) == 0 {
-						w.mu.Lock()
-						w.recving = append(w.recving, req)
-						w.mu.Unlock()
-					}
-				}()
-				w.load(ld)
-			})
+			// The request is reported received when its last group's
+			// load has ended (the RELEASEs may follow).
+			ended := func() {
+				if left.Add(-1) == 0 {
+					w.mu.Lock()
+					w.recving = append(w.recving, req)
+					w.mu.Unlock()
+					w.signalReport()
+				}
+			}
+			w.background(req, func(func()) { w.load(ld, ended) })
 		}
 	}
 }
@@ -241,8 +246,13 @@ type loadJob struct {
 	bytes      uint64
 }
 
-func (w *Worker) load(ld *LoadSpec) {
+func (w *Worker) load(ld *LoadSpec, done func()) {
 	defer w.traceLoad(ld)()
+	// This load counts as ended once its copies have ended (or it failed),
+	// before the RELEASE of its holds: that round trip is not on the
+	// request's path. done runs once, on every return.
+	report := sync.OnceFunc(done)
+	defer report()
 	l, ns, eng, err := w.group(ld.Group)
 	if err != nil {
 		w.loadFailed(ld, 0, 1, err)
@@ -356,6 +366,7 @@ func (w *Worker) load(ld *LoadSpec) {
 		s.LoadedChunks += uint64(failAt)
 		s.LoadedBytes += loaded
 	})
+	report() // then the deferred RELEASE
 }
 
 // checks resolves and checks a load's chunks ahead of the planner, in
@@ -650,10 +661,15 @@ func (w *Worker) background(req string, f func(free func())) {
 	free := func() {
 		once.Do(func() {
 			w.mu.Lock()
+			idle := false
 			if w.inflight[req]--; w.inflight[req] <= 0 {
 				delete(w.inflight, req)
+				idle = true
 			}
 			w.mu.Unlock()
+			if idle {
+				w.signalReport()
+			}
 		})
 	}
 	w.wg.Add(1)
@@ -738,6 +754,44 @@ func (w *Worker) Poll() (sending, recving []string, errBlocks []int64) {
 	recving, errBlocks = w.recving, w.errBlock
 	w.recving, w.errBlock = nil, nil
 	return sending, recving, errBlocks
+}
+
+func (w *Worker) signalReport() {
+	select {
+	case w.reported <- struct{}{}:
+	default:
+	}
+}
+
+// WaitReport blocks until Poll has something to report (a load ended, or a
+// delay-freed request's copies ended) or timeout passes, and says whether
+// it has. A caller that waits for a request's completion blocks here
+// instead of polling (each Poll enters Go and takes a P from the copies).
+func (w *Worker) WaitReport(timeout time.Duration) bool {
+	var t *time.Timer
+	for {
+		w.mu.Lock()
+		ready := len(w.recving) > 0 || len(w.errBlock) > 0
+		for r := range w.finish {
+			if ready {
+				break
+			}
+			ready = w.inflight[r] == 0
+		}
+		w.mu.Unlock()
+		if ready {
+			return true
+		}
+		if t == nil {
+			t = time.NewTimer(timeout)
+			defer t.Stop()
+		}
+		select {
+		case <-w.reported:
+		case <-t.C:
+			return false
+		}
+	}
 }
 
 // WaitFor blocks until the copies of reqs end or the timeout passes

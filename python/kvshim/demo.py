@@ -344,8 +344,12 @@ class Engine:
                 raise TimeoutError(f"request {req}: copies not done after {self.timeout_s}s")
             if steps:
                 self.step([], saves=False)
+            elif self.lib.kvshim_worker_wait(self.worker.value, 100) != 0:
+                # Blocks until the worker has something to report (a load
+                # polled every 50 µs took a P from the copies each time).
+                continue
             self.poll()
-            if req not in done:
+            if steps and req not in done:
                 time.sleep(50e-6)
         done.discard(req)
 

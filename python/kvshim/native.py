@@ -48,6 +48,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_worker_start_loads": [_c_handle],
     "kvshim_worker_start_saves": [_c_handle, ctypes.c_uint64],
     "kvshim_worker_poll": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
+    "kvshim_worker_wait": [_c_handle, ctypes.c_int64],
     "kvshim_worker_engine_copy": [_c_handle, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t,
                                   ctypes.c_int64, _u64p],
 }

@@ -1,0 +1,25 @@
+package main
+
+/*
+#include <stdint.h>
+*/
+import "C"
+
+import (
+	"fmt"
+	"os"
+	"time"
+)
+
+//export kvshim_worker_wait
+func kvshim_worker_wait(h C.int64_t, timeoutMS C.int64_t) C.int {
+	return call(h, func(in *instance, ws *workerState) error {
+		if timeoutMS < 0 {
+			return fmt.Errorf("timeout_ms %d is negative: %w", timeoutMS, errInvalid)
+		}
+		if !ws.w.WaitReport(time.Duration(timeoutMS) * time.Millisecond) {
+			return fmt.Errorf("nothing to report after %d ms: %w", timeoutMS, os.ErrDeadlineExceeded)
+		}
+		return nil
+	})
+}
