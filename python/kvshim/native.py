@@ -9,8 +9,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from kvshim.errors import EBADH, ERANGE, error_for
 
