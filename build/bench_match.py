@@ -14,7 +14,8 @@ prompt_token_ids a plain Python list, as vLLM holds it:
 - ``miss``: a prompt never stored (the answer is 0).
 
 Two token conversions run interleaved in the same run: ``new`` (the
-connector's own, kvshim.vllm._u32: array('I', list)) and ``old`` (what it
+connector's own, kvshim.vllm._u32: the library's C loop over the list,
+native.tokens_from_list) and ``old`` (what it
 did before: np.asarray(tokens, dtype=np.uint32)). The conversions alone are
 measured too, with the other candidates that were considered. The last
 line is one JSON object with every figure (milliseconds, medians unless
@@ -41,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 
 import kvshim.vllm as kv  # noqa: E402
+from kvshim import native  # noqa: E402
 from harness import (  # noqa: E402
     TINY_LLAMA_CONFIG,
     ModelRunner,
@@ -70,7 +72,8 @@ def conversions(tokens: list[int]) -> dict[str, float]:
         "np.array(int64)+range check+astype": lambda: _i64_checked(np.array(tokens, dtype=np.int64)),
         "np.fromiter(uint32, count)": lambda: np.fromiter(tokens, dtype=np.uint32, count=n),
         "struct.pack(n I)": lambda: struct.pack(f"{n}I", *tokens),
-        "array('I', list) [new]": lambda: array.array("I", tokens),
+        "array('I', list) [before the C loop]": lambda: array.array("I", tokens),
+        "C loop in the library (native.tokens_from_list) [new]": lambda: _c_loop(tokens),
         "array('q', list)+range check": lambda: _i64_checked(np.frombuffer(array.array("q", tokens), dtype=np.int64)),
         "kvshim.vllm._u32(list)": lambda: kv._u32(tokens),
     }
@@ -79,6 +82,12 @@ def conversions(tokens: list[int]) -> dict[str, float]:
     for name, fn in cands.items():
         t = timeit.repeat(fn, number=number, repeat=9)
         out[name] = statistics.median(t) / number * 1e3
+    return out
+
+
+def _c_loop(tokens: list[int]) -> np.ndarray:
+    out = np.empty(len(tokens), dtype=np.uint32)
+    assert native.tokens_from_list(tokens, out.ctypes.data, out.size)
     return out
 
 
