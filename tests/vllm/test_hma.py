@@ -477,6 +477,9 @@ SINGLE_GROUP_NAMESPACE = {
     "tp_size": 1,
     "world_size": 1,
     "chunk_size": CHUNK,
+    # Added since 78f1810; a DCP size of 0 or 1 is "none" and leaves the
+    # namespace's hash as it was (shim TestNamespaceDCP).
+    "dcp_size": 1,
 }
 
 
