@@ -127,7 +127,7 @@ var codeTable = []sentinel{
 	{"server.ErrClosed", server.ErrClosed, codeClosed},
 	{"server.ErrFill", server.ErrFill, codeInternal}, // the server's own fill bookkeeping: only a bug
 	{"stdlib syscall.ENOSPC", syscall.ENOSPC, codeNoSpace},
-	{"l1.ErrSegment", l1.ErrSegment, codeIO}, // also server.ErrSegment (the same value)
+	{"l1.ErrSegment", l1.ErrSegment, codeIO},             // also server.ErrSegment (the same value)
 	{"l1.ErrTransition", l1.ErrTransition, codeInternal}, // an object state change the L1 state machine refuses: only a bug
 
 	// L2 adapters (the embedded server's --l2-adapter configs); a full
