@@ -92,7 +92,7 @@ func TestVersionAndDoctor(t *testing.T) {
 	out, err := exec.Command(bin, "--version").Output()
 	assert.NilError(t, err)
 	if os.Getenv("KVSHIM_BINARY") == "" {
-		assert.Check(t, is.Equal(string(out), "kvshim 9.9.9-test (C ABI 1, protocol "+strconv.Itoa(int(ipc.ProtocolVersion))+")\n"))
+		assert.Check(t, is.Equal(string(out), "kvshim 9.9.9-test (C ABI "+strconv.Itoa(abiVersion)+", protocol "+strconv.Itoa(int(ipc.ProtocolVersion))+")\n"))
 	}
 	assert.Check(t, is.Regexp(`^kvshim \S+ \(C ABI \d+, protocol \d+\)\n$`, string(out)))
 
