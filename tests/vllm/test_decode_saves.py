@@ -14,6 +14,7 @@ load (ModelRunner.prefix_checks).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from harness import CHUNK, loads_of, prompt, server_stats, wait_jobs
 from test_multiturn import BLOCK, assert_clean, saves_of, turn2
@@ -25,52 +26,48 @@ def chunks_saved(h, req_id: str) -> list[int]:
     return [x["first"] + i for x in saves_of(h, req_id) for i in range(len(x["hashes"]))]
 
 
-def test_a_preempted_long_decode_resumes_from_its_decode_saves(kv):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_preempted_long_decode_resumes_from_its_decode_saves(kv, pipelined):
     # 2 requests of 150 prompt tokens (2 full chunks + 22) decoding 300
     # tokens each, in 35 usable blocks (both need 29 at the end): vLLM
     # preempts B (the last running) in the middle of its decode, with
-    # generated chunks whose KV it computed.
-    h, r = kv(num_blocks=36, async_scheduling=False)
+    # generated chunks whose KV it computed. pipelined: vLLM's
+    # AsyncScheduler with overlapped batches (a step's tokens are in flight
+    # while the next is scheduled: never saved before they are processed).
+    h, r = kv(num_blocks=36, async_scheduling=pipelined)
     a = h.add_request(h.make_request(prompt(61, 150), max_tokens=300))
     b = h.add_request(h.make_request(prompt(62, 150), max_tokens=300))
-    b_blocks: list[int] = []
-    done = 0
-    for _ in range(1000):
-        if b.request_id in r.reqs:
-            b_blocks, done = list(r.reqs[b.request_id].blocks), b.num_computed_tokens
-        s = h.step()
-        if b.request_id in (s.scheduler_output.preempted_req_ids or ()):
-            break
-    else:
-        raise AssertionError("B was never preempted")
+    h.settle(pipelined=pipelined, until=lambda s: b.request_id in (s.scheduler_output.preempted_req_ids or ()))
     assert b.status == RequestStatus.PREEMPTED and b.num_preemptions == 1
-    k = done // CHUNK  # full chunks B's KV held when it was preempted
-    assert k >= 4, (done, k)  # the decode completed at least 2 chunks
     # Saved: the prompt's 2 chunks after its prefill, then each generated
-    # chunk during the decode (the last one possibly in the very step B was
-    # preempted: its blocks are kept until the save read them).
+    # chunk during the decode, once.
+    k = len(chunks_saved(h, b.request_id))
     assert chunks_saved(h, b.request_id) == list(range(k))
-    assert [(x["first"], len(x["hashes"])) for x in saves_of(h, b.request_id)][0] == (0, 2)
+    assert saves_of(h, b.request_id)[0]["first"] == 0 and len(saves_of(h, b.request_id)[0]["hashes"]) == 2
+    assert k >= 4, k  # the decode completed at least 2 chunks
+    assert len(b.all_token_ids) > k * CHUNK
     wait_jobs(h)
-    # B's old blocks that no request holds now are overwritten: only a load
-    # brings their bytes back.
+    # The blocks those chunks were saved from that no request holds now are
+    # overwritten: only a load brings their bytes back.
+    b_blocks = [x for sv in saves_of(h, b.request_id) for x in sv["blocks"]]
     held = {x for q in r.reqs.values() for x in q.blocks}
     for t in r.kv_caches.values():
         t.view(torch.int16)[[x for x in b_blocks if x not in held]] = -21846
 
     # B resumes (when A is done): its lookup over all its tokens hits every
     # saved chunk, the generated ones included, loaded byte-exact into the
-    # blocks vLLM gives it now; it recomputes only the rest.
-    steps = h.settle(until=lambda s: b.request_id in s.num_scheduled_tokens)
+    # blocks vLLM gives it now (checked before the forward pass that
+    # follows); it recomputes only the rest.
+    steps = h.settle(pipelined=pipelined, until=lambda s: b.request_id in s.num_scheduled_tokens)
     (ld,) = [x for s in steps for x in loads_of(s, b.request_id)]
     assert (ld["start"], ld["end"]) == (0, k)
     n, bad = r.prefix_checks[b.request_id]
     assert n == k * CHUNK and bad == [], (n, bad)
-    assert r.reqs[b.request_id].blocks[: k * CHUNK // BLOCK] != b_blocks[: k * CHUNK // BLOCK]
+    assert ld["blocks"] != b_blocks
     st = server_stats(h.connector)
     assert st["kvshim_lookup_hit_chunks_total"] == k  # A's and B's first lookups missed
     assert r.connector.stats()["worker"]["LoadedChunks"] == k
-    h.settle()
+    h.settle(pipelined=pipelined)
     wait_jobs(h)
     assert a.status == b.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert h.outputs[b.request_id] == [7] * 300
