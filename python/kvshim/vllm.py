@@ -627,7 +627,7 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
             # request is looked up over all its tokens, prompt and generated:
             # the chunks saved during its decode are loads, not recompute.
             embeds = getattr(request, "prompt_embeds", None) is not None
-            ids = request.all_token_ids if request.num_preemptions and not embeds else request.prompt_token_ids
+            ids = request.prompt_token_ids if embeds else self._lookup_ids(request)
             try:
                 tokens = _u32(ids if ids is not None else ())
             except (ValueError, TypeError) as e:  # an id that is no uint32
@@ -645,6 +645,12 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         if out.value < 0:
             return None, False  # pending: vLLM asks again next step
         return out.value, out.value > 0
+
+    @staticmethod
+    def _lookup_ids(request: Request) -> Any:
+        """The token ids a request is looked up over: its prompt, or all its
+        tokens once it was preempted (it recomputes its answer too)."""
+        return request.all_token_ids if request.num_preemptions else request.prompt_token_ids
 
     def _miss(self, rid: str, why: Exception) -> tuple[int, bool]:
         """A request kvshim cannot key (a token id outside uint32, a LoRA
