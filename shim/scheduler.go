@@ -607,6 +607,16 @@ type StepRequest struct {
 	NewGroupBlocks [][]int64 `json:"new_group_blocks"` // NewBlocks of groups 1, 2, ...
 	Computed       int       `json:"computed"`         // num_computed_tokens before this step
 	Scheduled      int       `json:"scheduled"`        // tokens scheduled this step
+	// Tokens (from token TokensFrom on, a chunk boundary at most the
+	// request's keyed chunks) are a running request's token ids up to the
+	// last chunk boundary its KV has reached: positions whose KV was
+	// computed in earlier steps, accepted and processed (vLLM's
+	// num_computed_tokens less the tokens in flight: never a draft or
+	// rejected token, never the last sampled one). Python sends them only
+	// when the decode crosses a chunk boundary; BuildMeta keys the new
+	// chunks (chained on, as the finish does) and saves them.
+	Tokens     []uint32 `json:"tokens,omitempty"`
+	TokensFrom int      `json:"tokens_from,omitempty"`
 }
 
 // Step is one engine step: the scheduled requests, those that finished
@@ -686,6 +696,10 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 		if len(s.groups) == 1 {
 			full = min(full, len(r.g[0].blocks)/cb)
 		}
+		if sr.Tokens != nil {
+			// Decode: the chunks completed by generated tokens.
+			full = max(full, s.decodedChunks(r, &sr))
+		}
 		for i := range r.g {
 			if sv := s.groupSave(r, i, full, r.hashes, r.g[i].blocks); sv != nil {
 				m.Saves = append(m.Saves, *sv)
@@ -694,6 +708,31 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 		}
 	}
 	return m.Encode()
+}
+
+// decodedChunks keys the full chunks of a running request's tokens
+// (sr.Tokens, token sr.TokensFrom on) past those r keyed already, chained
+// on from its last key (the keys its finish and a lookup of its whole
+// token list make), and returns how many chunks of r are keyed and
+// computed: the boundary a decode-time save reaches. Tokens that do not
+// fit r (from past its keyed chunks, or fewer than it keyed) add nothing.
+func (s *Scheduler) decodedChunks(r *schedReq, sr *StepRequest) int {
+	end := sr.TokensFrom + len(sr.Tokens)
+	full := end / s.chunk
+	if sr.TokensFrom < 0 || sr.TokensFrom > len(r.hashes)*s.chunk || end < r.prompt {
+		return 0
+	}
+	if full > len(r.hashes) {
+		// The tokens before TokensFrom are never read (their keys are in r.hashes).
+		toks := make([]uint32, full*s.chunk)
+		copy(toks[sr.TokensFrom:], sr.Tokens)
+		hashes, err := ExtendChunkHashes(s.ns, r.hashes, toks, s.chunk, r.extras)
+		if err != nil {
+			return 0
+		}
+		r.hashes = hashes
+	}
+	return full
 }
 
 // fenceStep adds to m's preempted list the requests whose windowed saves

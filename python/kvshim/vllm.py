@@ -594,6 +594,8 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
             f" rank={open_cfg.get('rank')}",
         )
         self._tokens: dict[str, np.ndarray] = {}
+        # scheduler: rid -> [request, tokens Go keyed (a chunk boundary), num_preemptions when keyed]
+        self._decoding: dict[str, list[Any]] = {}
         self._bound: KVShimMetadata | None = None
         self._load_errors: set[int] = set()
         self._reported: dict[str, int] = {}  # worker counters already in a stats report
@@ -618,14 +620,21 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         tokens = self._tokens.get(rid)
-        if tokens is None:
-            # Once per request: vLLM asks again while a lookup is pending.
-            ids = request.prompt_token_ids
+        dec = self._decoding.get(rid)
+        if tokens is None or dec is not None and dec[2] != request.num_preemptions:
+            # Once per request, and once more each time it is resumed after a
+            # preemption: vLLM asks again while a lookup is pending. A resumed
+            # request is looked up over all its tokens, prompt and generated:
+            # the chunks saved during its decode are loads, not recompute.
+            embeds = getattr(request, "prompt_embeds", None) is not None
+            ids = request.prompt_token_ids if embeds else self._lookup_ids(request)
             try:
                 tokens = _u32(ids if ids is not None else ())
             except (ValueError, TypeError) as e:  # an id that is no uint32
                 return self._miss(rid, e)
             self._tokens[rid] = tokens
+            if not embeds:
+                self._decoding[rid] = [request, len(tokens) // self._chunk * self._chunk, request.num_preemptions]
         out = ctypes.c_int64()
         try:
             self._h.check(self._lib.kvshim_sched_match(
@@ -636,6 +645,12 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         if out.value < 0:
             return None, False  # pending: vLLM asks again next step
         return out.value, out.value > 0
+
+    @staticmethod
+    def _lookup_ids(request: Request) -> Any:
+        """The token ids a request is looked up over: its prompt, or all its
+        tokens once it was preempted (it recomputes its answer too)."""
+        return request.all_token_ids if request.num_preemptions else request.prompt_token_ids
 
     def _miss(self, rid: str, why: Exception) -> tuple[int, bool]:
         """A request kvshim cannot key (a token id outside uint32, a LoRA
@@ -670,11 +685,34 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
             ids = list(new[0]) if new is not None else []
             entry = {"req": rid, "computed": cached.num_computed_tokens[i], "scheduled": sched.get(rid, 0)}
             entry["blocks" if rid in resumed else "new_blocks"] = ids
+            if rid not in resumed and rid in self._decoding:
+                self._decoded_chunks(rid, entry)
             if new is not None:
                 entry |= _more_groups("group_blocks" if rid in resumed else "new_group_blocks", new)
             reqs.append(entry)
         step = {"requests": reqs, "preempted": sorted(scheduler_output.preempted_req_ids or ())}
         return KVShimMetadata(self._h.output("kvshim_sched_build_meta", json.dumps(step).encode()))
+
+    def _decoded_chunks(self, rid: str, entry: dict[str, Any]) -> None:
+        """A running request whose KV crossed a chunk boundary since Go
+        keyed its tokens: its token ids up to the last boundary go with its
+        step entry (Go keys and saves the new full chunks). Only tokens
+        whose KV is computed, accepted and processed count: vLLM's
+        num_computed_tokens less the tokens in flight (rejected draft tokens
+        are already rolled back; the last sampled token has no KV yet)."""
+        dec = self._decoding[rid]
+        request, keyed = dec[0], dec[1]
+        done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        if done < keyed + self._chunk:
+            return
+        end = done // self._chunk * self._chunk
+        try:
+            tokens = _u32(request.all_token_ids[keyed:end]).tolist()
+        except (ValueError, TypeError):  # an id that is no uint32: not saved
+            return
+        if len(tokens) == end - keyed:
+            entry["tokens"], entry["tokens_from"] = tokens, keyed
+            dec[1] = end
 
     def has_pending_block_frees(self) -> bool:
         # Blocks of finished requests come back once their saves have read
@@ -694,6 +732,7 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
     def _request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         prompt = self._tokens.pop(rid, None)
+        self._decoding.pop(rid, None)
         delay = ctypes.c_int()
         if prompt is None or request.status not in _SAVED_AT_FINISH or getattr(request, "prompt_embeds", None) is not None:
             # Never looked up, aborted (or failed), or a prompt of embeddings

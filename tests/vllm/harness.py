@@ -762,7 +762,9 @@ class ModelRunner:
             self.reqs.pop(rid, None)
         work = []
         for nr in so.scheduled_new_reqs:
-            toks = list(nr.prompt_token_ids or [])
+            # A request resumed after a preemption comes back as a new one
+            # (vLLM's V2 model runner) with all its tokens, generated ones too.
+            toks = list(nr.prefill_token_ids or nr.prompt_token_ids or [])
             self.reqs[nr.req_id] = _RunnerReq(toks, KVModel.prefix_hashes(toks), list(nr.block_ids[0]))
             self._check_prefix(nr.req_id, nr.num_computed_tokens)
             work.append((nr.req_id, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id]))

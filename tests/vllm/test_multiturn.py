@@ -88,10 +88,12 @@ def test_turn_two_restores_the_prompt_and_the_answer(kv, pipelined):
     # 4 full chunks, 2 of the prompt and 2 with the answer, all restored.
     q = p + answer + prompt(22, 20)  # turn 2: 281 tokens
     turn2(h, r, q, hit_chunks=4)
-    # The prompt's chunks were saved after the prefill, the answer's at the
-    # finish (delay-free: the blocks came back after finished_sending).
+    # The prompt's chunks were saved after the prefill, the answer's during
+    # the decode, each once its KV was computed and processed: nothing is
+    # left for the finish, which still delays the free until the decode's
+    # saves have read the blocks (finished_sending).
     sv = saves_of(h, a.request_id)
-    assert [(x["first"], len(x["hashes"])) for x in sv] == [(0, 2), (2, 2)]
+    assert [(x["first"], len(x["hashes"])) for x in sv] == [(0, 2), (2, 1), (3, 1)]
     assert any(a.request_id in (s.kv_connector_output.finished_sending or ()) for s in h.steps)
     st = server_stats(h.connector)
     assert st["kvshim_lookup_hit_chunks_total"] == 4
@@ -132,18 +134,22 @@ def test_the_last_sampled_token_is_not_saved(kv, pipelined):
     assert_clean(h)
 
 
-def test_an_aborted_request_saves_only_its_prompt(kv):
+def test_an_aborted_request_saves_nothing_at_the_abort(kv):
+    # Its prompt's chunks were saved after the prefill and chunk 2 during
+    # the decode (its KV computed); the abort adds nothing (chunk 3 is one
+    # token short).
     h, r = kv()
     p = prompt(25, 2 * CHUNK + 5)
     a = h.add_request(h.make_request(p, max_tokens=4 * CHUNK))
-    while len(h.outputs[a.request_id]) < 2 * CHUNK:  # 2 more full chunks computed
+    while len(h.outputs[a.request_id]) < 2 * CHUNK - 5:  # KV up to 4 chunks - 1 token
         h.step()
     h.abort(a.request_id)
     h.settle()
     wait_jobs(h)
-    assert [(x["first"], len(x["hashes"])) for x in saves_of(h, a.request_id)] == [(0, 2)]
-    wait_stat(h, "kvshim_l1_commits_total", 2)
-    turn2(h, r, p + h.outputs[a.request_id] + prompt(26, 10), hit_chunks=2)
+    assert a.num_computed_tokens == 4 * CHUNK - 1
+    assert [(x["first"], len(x["hashes"])) for x in saves_of(h, a.request_id)] == [(0, 2), (2, 1)]
+    wait_stat(h, "kvshim_l1_commits_total", 3)
+    turn2(h, r, p + h.outputs[a.request_id] + prompt(26, 10), hit_chunks=3)
     assert_clean(h)
 
 

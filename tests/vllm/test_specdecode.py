@@ -33,6 +33,7 @@ from harness import (
     prompt,
     server_stats,
 )
+from kvshim.vllm import read_meta
 from test_multiturn import BLOCK, assert_clean, saves_of, turn2
 from vllm.config import SpeculativeConfig
 from vllm.v1.outputs import DraftTokenIds
@@ -219,9 +220,13 @@ def test_rejected_drafts_are_never_saved_or_counted(spec, method, lookahead):
     assert bad == [4 * CHUNK // BLOCK - 1], bad
     assert s.finished.get(a.request_id) is not None
     h.settle()
-    # Saved: the prompt's 2 chunks after the prefill and chunk 2 at the
-    # finish; chunk 3 (whose last slot is a draft's KV) never.
+    # Saved: the prompt's 2 chunks after the prefill and chunk 2 during the
+    # decode (once its positions were accepted); chunk 3 (whose last slot is
+    # a draft's KV) never.
     assert [(x["first"], len(x["hashes"])) for x in saves_of(h, a.request_id)] == [(0, 2), (2, 1)]
+    (decoding,) = [st for st in h.steps if any(sv["req"] == a.request_id and sv["first"] == 2 for sv in
+                                               read_meta(st.scheduler_output.kv_connector_metadata.data).get("saves", []))]
+    assert a.request_id in decoding.num_scheduled_tokens  # a step A ran in: not its finish
 
     # Turn 2 restores 3 chunks byte-exact into other blocks and computes the
     # rest itself; hits count only real tokens (drafts are never in a key).
