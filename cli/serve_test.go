@@ -22,6 +22,7 @@ import (
 	is "gotest.tools/v3/assert/cmp"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 )
 
 var (
@@ -82,7 +83,7 @@ func storeOne(t *testing.T, sock string, size uint64) {
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	tag, ns, hs := ipc.Tag(uuid.New()), ipc.Namespace{7}, []ipc.Hash{{1, 2, 3}}
+	tag, ns, hs := kv.Tag(uuid.New()), kv.Namespace{7}, []kv.Hash{{1, 2, 3}}
 	ar, err := c.Alloc(ctx, &ipc.AllocReq{Tag: tag, Namespace: ns, Hashes: hs, Sizes: []uint64{size}})
 	assert.NilError(t, err)
 	assert.Equal(t, ar.Status[0], ipc.StatusOK)

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 )
@@ -217,7 +218,7 @@ func TestStatL2Adapters(t *testing.T) {
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	assert.NilError(t, c.Lookup(ctx, &ipc.LookupReq{LookupID: 1, Namespace: ipc.Namespace{7}, WorldSize: 1, Hashes: []ipc.Hash{{9}}}))
+	assert.NilError(t, c.Lookup(ctx, &ipc.LookupReq{LookupID: 1, Namespace: kv.Namespace{7}, WorldSize: 1, Hashes: []kv.Hash{{9}}}))
 	waitFor(t, 5*time.Second, "the lookup's answer", func() bool {
 		lr, err := c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: 1})
 		assert.NilError(t, err)

@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"time"
 	"unsafe"
+
+	"github.com/kvshim/kvshim/kv"
 )
 
 // maxBatch bounds the descriptors of one cuMemcpyBatchAsync call.
@@ -27,7 +29,7 @@ type DeviceEngine struct {
 	ordinal int
 	dev     C.int
 	ctx     uint64
-	streams [3]uint64 // by Direction
+	streams [3]uint64 // by kv.Direction
 	batch   atomic.Int32
 
 	reqs      chan func()
@@ -90,7 +92,7 @@ func (e *DeviceEngine) serve(ready chan<- error) {
 	}
 	e.ctx, e.dev = uint64(ctx), dev
 	err := e.drv.check("cuCtxSetCurrent", C.kvs_ctx_set_current(d, ctx))
-	for _, dir := range []Direction{Save, Load} {
+	for _, dir := range []kv.Direction{kv.Save, kv.Load} {
 		if err == nil {
 			var s C.uint64_t
 			err = e.drv.check("cuStreamCreate", C.kvs_stream_create(d, &s))
@@ -221,8 +223,8 @@ func (e *DeviceEngine) UnregisterHost(addr uint64) error {
 // submitted in that direction afterwards start only once event, as
 // recorded when WaitEvent runs, has completed. event may be destroyed as
 // soon as WaitEvent returns (CUDA captures the event's state at the call).
-func (e *DeviceEngine) WaitEvent(dir Direction, event uint64) error {
-	if dir != Save && dir != Load {
+func (e *DeviceEngine) WaitEvent(dir kv.Direction, event uint64) error {
+	if dir != kv.Save && dir != kv.Load {
 		return errorf(ErrBadSpan, "direction %d", dir)
 	}
 	if event == 0 {
@@ -241,7 +243,7 @@ func (e *DeviceEngine) WaitEvent(dir Direction, event uint64) error {
 // error part-way through the spans fails the job instead, and the job is
 // done only when the copies already queued have finished: until then they
 // may still read or write the memory, so the caller must not reuse it.
-func (e *DeviceEngine) Submit(spans []Span, dir Direction) (Job, error) {
+func (e *DeviceEngine) Submit(spans []kv.Span, dir kv.Direction) (Job, error) {
 	if _, err := checkSpans(spans, dir); err != nil {
 		return nil, err
 	}
@@ -272,7 +274,7 @@ func (e *DeviceEngine) Submit(spans []Span, dir Direction) (Job, error) {
 }
 
 // enqueue issues the copies (driver thread).
-func (e *DeviceEngine) enqueue(spans []Span, dir Direction, s C.uint64_t) error {
+func (e *DeviceEngine) enqueue(spans []kv.Span, dir kv.Direction, s C.uint64_t) error {
 	e.spans.Add(uint64(len(spans)))
 	e.dsts, e.srcs, e.lens = e.dsts[:0], e.srcs[:0], e.lens[:0]
 	for _, sp := range spans {
@@ -281,7 +283,7 @@ func (e *DeviceEngine) enqueue(spans []Span, dir Direction, s C.uint64_t) error 
 		e.lens = append(e.lens, sp.Len)
 	}
 	order := C.int(C.KVS_SRC_ACCESS_ORDER_STREAM) // D2H: vLLM's writes are stream-ordered
-	if dir == Load {
+	if dir == kv.Load {
 		order = C.KVS_SRC_ACCESS_ORDER_ANY // H2D: the object is held stable by the server
 	}
 	for off := 0; off < len(spans); {
@@ -306,7 +308,7 @@ func (e *DeviceEngine) enqueue(spans []Span, dir Direction, s C.uint64_t) error 
 		e.calls.Add(uint64(n))
 		h2d := C.int(0)
 		op := "cuMemcpyDtoHAsync"
-		if dir == Load {
+		if dir == kv.Load {
 			h2d, op = 1, "cuMemcpyHtoDAsync"
 		}
 		if r := C.kvs_copy_spans(e.drv.d, h2d, dp, sp, lp, C.size_t(n), s, &failed); r != cudaSuccess {

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 	"gotest.tools/v3/assert"
 )
@@ -41,7 +42,7 @@ func pinnedTB(t *testing.T, e *DeviceEngine, n int) ([]byte, uint64) {
 	return b, a
 }
 
-func run(t *testing.T, e Engine, spans []Span, dir Direction) {
+func run(t *testing.T, e Engine, spans []kv.Span, dir kv.Direction) {
 	t.Helper()
 	j, err := e.Submit(spans, dir)
 	assert.NilError(t, err)
@@ -81,15 +82,15 @@ func TestDeviceRoundTrip(t *testing.T) {
 			src, sa := pinnedTB(t, e, n)
 			dst, da := pinnedTB(t, e, n)
 			fill(src, 4)
-			run(t, e, []Span{{Src: sa, Dst: dev, Len: n}}, Load)
+			run(t, e, []kv.Span{{Src: sa, Dst: dev, Len: n}}, kv.Load)
 			// Scattered spans of odd sizes, out of order, device -> host.
 			perm := rand.New(rand.NewSource(2)).Perm(n / 65536)
-			var spans []Span
+			var spans []kv.Span
 			for i, p := range perm {
 				l := uint64(4096 + 17*i%60000)
-				spans = append(spans, Span{Src: dev + uint64(p)*65536, Dst: da + uint64(p)*65536, Len: l})
+				spans = append(spans, kv.Span{Src: dev + uint64(p)*65536, Dst: da + uint64(p)*65536, Len: l})
 			}
-			run(t, e, spans, Save)
+			run(t, e, spans, kv.Save)
 			want := make([]byte, n)
 			for _, s := range spans {
 				copy(want[s.Dst-da:s.Dst-da+s.Len], src[s.Src-dev:s.Src-dev+s.Len])
@@ -112,12 +113,12 @@ func TestDeviceWaitEvent(t *testing.T) {
 	out, oa := pinnedTB(t, e, n)
 	fill(a, 5)
 	fill(b, 6)
-	run(t, e, []Span{{Src: aa, Dst: dev, Len: n}}, Load) // device holds a
-	ev, destroy, err := e.foreignEvent(dev, ba, n)       // "vLLM" writes b, records ev
+	run(t, e, []kv.Span{{Src: aa, Dst: dev, Len: n}}, kv.Load) // device holds a
+	ev, destroy, err := e.foreignEvent(dev, ba, n)             // "vLLM" writes b, records ev
 	assert.NilError(t, err)
-	assert.NilError(t, e.WaitEvent(Save, ev))
+	assert.NilError(t, e.WaitEvent(kv.Save, ev))
 	destroy() // as torch may, once WaitEvent returned
-	run(t, e, []Span{{Src: dev, Dst: oa, Len: n}}, Save)
+	run(t, e, []kv.Span{{Src: dev, Dst: oa, Len: n}}, kv.Save)
 	assert.Assert(t, bytes.Equal(out, b), "save did not wait for the event")
 }
 
@@ -133,7 +134,7 @@ func TestDevicePlans(t *testing.T) {
 			dev := deviceBuffer(t, e, uint64(g.bytes))
 			host, ha := pinnedTB(t, e, g.bytes)
 			fill(host, 7)
-			run(t, e, []Span{{Src: ha, Dst: dev, Len: uint64(g.bytes)}}, Load)
+			run(t, e, []kv.Span{{Src: ha, Dst: dev, Len: uint64(g.bytes)}}, kv.Load)
 			ld, err := layout.New(g.descs(dev), 4*gBS)
 			assert.NilError(t, err)
 			hostDescs := g.descs(ha)
@@ -147,25 +148,25 @@ func TestDevicePlans(t *testing.T) {
 			ref, ra := mmapTB(t, int(size)*2, rw())
 			chunks := [][]int64{{4, 5, 6, 7}, {9, 2, 15, 0}}
 			for c, ids := range chunks {
-				sd, err := ld.Plan(ids, oa+uint64(c)*size, layout.Save)
+				sd, err := ld.Plan(ids, oa+uint64(c)*size, kv.Save)
 				assert.NilError(t, err)
-				run(t, e, sd, Save)
-				sh, err := lh.Plan(ids, ra+uint64(c)*size, layout.Save)
+				run(t, e, sd, kv.Save)
+				sh, err := lh.Plan(ids, ra+uint64(c)*size, kv.Save)
 				assert.NilError(t, err)
-				run(t, h, sh, Save)
+				run(t, h, sh, kv.Save)
 				o := objs[uint64(c)*size : uint64(c+1)*size]
-				assert.NilError(t, ld.SealObject(o, layout.ObjectKey{}))
-				assert.NilError(t, ld.VerifyObject(o, layout.ObjectKey{}))
+				assert.NilError(t, ld.SealObject(o, kv.Key{}))
+				assert.NilError(t, ld.VerifyObject(o, kv.Key{}))
 				assert.Assert(t, bytes.Equal(o[layout.HeaderSize:], ref[uint64(c)*size+layout.HeaderSize:uint64(c+1)*size]))
 			}
 			zero, za := pinnedTB(t, e, g.bytes)
-			run(t, e, []Span{{Src: za, Dst: dev, Len: uint64(g.bytes)}}, Load)
+			run(t, e, []kv.Span{{Src: za, Dst: dev, Len: uint64(g.bytes)}}, kv.Load)
 			for c, ids := range chunks {
-				sd, err := ld.Plan(ids, oa+uint64(c)*size, layout.Load)
+				sd, err := ld.Plan(ids, oa+uint64(c)*size, kv.Load)
 				assert.NilError(t, err)
-				run(t, e, sd, Load)
+				run(t, e, sd, kv.Load)
 			}
-			run(t, e, []Span{{Src: dev, Dst: za, Len: uint64(g.bytes)}}, Save)
+			run(t, e, []kv.Span{{Src: dev, Dst: za, Len: uint64(g.bytes)}}, kv.Save)
 			want := make([]byte, g.bytes)
 			blocks := map[int64]bool{}
 			for _, c := range chunks {

@@ -6,30 +6,17 @@ import (
 	"github.com/kvshim/kvshim/kv"
 )
 
-// Span, Direction, Save and Load are kv's (transitional names: references
-// move to kv.*). Save is device to host (D2H) on a CUDA engine, Load host to
-// device (H2D).
-type (
-	Span      = kv.Span
-	Direction = kv.Direction
-)
-
-const (
-	Save = kv.Save
-	Load = kv.Load
-)
-
 // Engine executes copy plans. Both implementations (HostEngine for CPU KV
 // caches, DeviceEngine for CUDA) are safe for concurrent use.
 type Engine interface {
 	// Submit starts copying spans. It does not keep spans after it returns.
-	Submit(spans []Span, dir Direction) (Job, error)
+	Submit(spans []kv.Span, dir kv.Direction) (Job, error)
 	// WaitEvent makes the copies submitted in direction dir after it
 	// returns wait for event: a CUevent recorded on another stream, e.g.
 	// vLLM's after the forward pass (torch.cuda.Event.cuda_event). The
 	// wait is enqueued before WaitEvent returns, so the caller may destroy
 	// the event then. The host engine accepts only 0 (no event).
-	WaitEvent(dir Direction, event uint64) error
+	WaitEvent(dir kv.Direction, event uint64) error
 	// Close waits (bounded) for submitted copies and releases resources.
 	Close() error
 }
@@ -47,8 +34,8 @@ type Job interface {
 }
 
 // checkSpans refuses spans that are empty or wrap the address space.
-func checkSpans(spans []Span, dir Direction) (total uint64, err error) {
-	if dir != Save && dir != Load {
+func checkSpans(spans []kv.Span, dir kv.Direction) (total uint64, err error) {
+	if dir != kv.Save && dir != kv.Load {
 		return 0, errorf(ErrBadSpan, "direction %d", dir)
 	}
 	for i, s := range spans {

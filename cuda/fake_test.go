@@ -12,6 +12,7 @@ import (
 	is "gotest.tools/v3/assert/cmp"
 
 	"github.com/kvshim/kvshim/internal/fakecuda"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // The device tests (TestDevice*) need a CUDA driver. Without a GPU,
@@ -63,10 +64,10 @@ func fakeDriver(t *testing.T) *fakecuda.Driver {
 }
 
 // scattered returns n spans of 4 KiB, every other page of src to dst.
-func scattered(src, dst uint64, n int) []Span {
-	spans := make([]Span, n)
+func scattered(src, dst uint64, n int) []kv.Span {
+	spans := make([]kv.Span, n)
 	for i := range spans {
-		spans[i] = Span{Src: src + uint64(2*i)*4096, Dst: dst + uint64(2*i)*4096, Len: 4096}
+		spans[i] = kv.Span{Src: src + uint64(2*i)*4096, Dst: dst + uint64(2*i)*4096, Len: 4096}
 	}
 	return spans
 }
@@ -80,7 +81,7 @@ func TestFakeCUDAAsynchronous(t *testing.T) {
 	src, sa := pinnedTB(t, e, 1<<20)
 	fill(src, 9)
 	d.Reset(20 * time.Millisecond)
-	j, err := e.Submit([]Span{{Src: sa, Dst: dev, Len: 1 << 20}}, Load)
+	j, err := e.Submit([]kv.Span{{Src: sa, Dst: dev, Len: 1 << 20}}, kv.Load)
 	assert.NilError(t, err)
 	assert.Assert(t, !j.Done(), "a delayed copy finished inside Submit")
 	assert.NilError(t, j.Wait(5*time.Second))
@@ -100,7 +101,7 @@ func TestFakeCUDABatch(t *testing.T) {
 	src, sa := pinnedTB(t, e, n)
 	fill(src, 3)
 	before := d.Stats()
-	run(t, e, scattered(sa, dev, 64), Load)
+	run(t, e, scattered(sa, dev, 64), kv.Load)
 	after := d.Stats()
 	if e.BatchAPI() == "" {
 		assert.Equal(t, after.SpanCalls-before.SpanCalls, uint64(64))
@@ -109,7 +110,7 @@ func TestFakeCUDABatch(t *testing.T) {
 	assert.Equal(t, after.BatchCalls-before.BatchCalls, uint64(1))
 	d.Inject(e.BatchAPI(), 1, cudaErrorNotSupported, false)
 	out, oa := pinnedTB(t, e, n)
-	run(t, e, scattered(dev, oa, 64), Save)
+	run(t, e, scattered(dev, oa, 64), kv.Save)
 	assert.Equal(t, e.BatchAPI(), "")
 	assert.Equal(t, d.Stats().SpanCalls-after.SpanCalls, uint64(64))
 	for i := 0; i < 64*8192; i += 8192 {
@@ -154,7 +155,7 @@ func TestFakeCUDACopyErrors(t *testing.T) {
 			dev := deviceBuffer(t, e, n)
 			src, sa := pinnedTB(t, e, n)
 			fill(src, 11)
-			run(t, e, []Span{{Src: sa, Dst: dev, Len: n}}, Load)
+			run(t, e, []kv.Span{{Src: sa, Dst: dev, Len: n}}, kv.Load)
 			dst, da := pinnedTB(t, e, n)
 			spans := scattered(dev, da, 8)
 			if e.BatchAPI() == "" {
@@ -162,7 +163,7 @@ func TestFakeCUDACopyErrors(t *testing.T) {
 			}
 			d.Reset(10 * time.Millisecond)
 			tc.inject(e)
-			j, err := e.Submit(spans, Save)
+			j, err := e.Submit(spans, kv.Save)
 			if tc.submitErr != "" {
 				assert.ErrorContains(t, err, tc.submitErr)
 				// Submit returned only after the queued copies ended.
@@ -197,7 +198,7 @@ func TestFakeCUDAUnregisterWaitsForCopies(t *testing.T) {
 	_, ha := mmapTB(t, n, rw())
 	assert.NilError(t, e.RegisterHost(ha, n))
 	d.Reset(30 * time.Millisecond)
-	j, err := e.Submit([]Span{{Src: dev, Dst: ha, Len: n}}, Save)
+	j, err := e.Submit([]kv.Span{{Src: dev, Dst: ha, Len: n}}, kv.Save)
 	assert.NilError(t, err)
 	assert.NilError(t, e.UnregisterHost(ha))
 	assert.Assert(t, j.Done(), "host memory unregistered while a copy into it ran")
@@ -217,7 +218,7 @@ func TestFakeCUDACloseWaitsForCopies(t *testing.T) {
 	fill(src, 12)
 	assert.NilError(t, e.RegisterHost(sa, n))
 	d.Reset(30 * time.Millisecond)
-	j, err := e.Submit(scattered(sa, dev, 4), Load)
+	j, err := e.Submit(scattered(sa, dev, 4), kv.Load)
 	assert.NilError(t, err)
 	// FreeDevice is queued on the driver thread behind nothing: free only
 	// after Close has drained the copies, as vLLM frees its cache last.
@@ -228,6 +229,6 @@ func TestFakeCUDACloseWaitsForCopies(t *testing.T) {
 	// The engine is gone; release the allocation through a new one.
 	e2 := newDeviceEngine(t)
 	assert.NilError(t, e2.FreeDevice(dev))
-	_, err = e.Submit(scattered(sa, dev, 1), Load)
+	_, err = e.Submit(scattered(sa, dev, 1), kv.Load)
 	assert.ErrorIs(t, err, ErrClosed)
 }

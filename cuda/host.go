@@ -7,6 +7,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvshim/kvshim/kv"
 )
 
 // HostEngine executes plans with memmove on a pool of goroutines, for CPU KV
@@ -48,7 +50,7 @@ func NewHostEngine(workers int, opts ...HostOption) *HostEngine {
 func (e *HostEngine) Workers() int { return e.workers }
 
 type hostJob struct {
-	pieces []Span
+	pieces []kv.Span
 	next   atomic.Int64
 	left   atomic.Int64
 	done   chan struct{}
@@ -57,17 +59,17 @@ type hostJob struct {
 }
 
 // Submit splits spans into pieces and queues them; it returns at once.
-func (e *HostEngine) Submit(spans []Span, dir Direction) (Job, error) {
+func (e *HostEngine) Submit(spans []kv.Span, dir kv.Direction) (Job, error) {
 	total, err := checkSpans(spans, dir)
 	if err != nil {
 		return nil, err
 	}
 	piece := max(e.minPiece, total/uint64(4*e.workers))
 	j := &hostJob{done: make(chan struct{})}
-	j.pieces = make([]Span, 0, len(spans)+int(total/piece))
+	j.pieces = make([]kv.Span, 0, len(spans)+int(total/piece))
 	for _, s := range spans {
 		for s.Len > piece+piece/2 {
-			j.pieces = append(j.pieces, Span{Src: s.Src, Dst: s.Dst, Len: piece})
+			j.pieces = append(j.pieces, kv.Span{Src: s.Src, Dst: s.Dst, Len: piece})
 			s.Src, s.Dst, s.Len = s.Src+piece, s.Dst+piece, s.Len-piece
 		}
 		j.pieces = append(j.pieces, s)
@@ -89,7 +91,7 @@ func (e *HostEngine) Submit(spans []Span, dir Direction) (Job, error) {
 }
 
 // WaitEvent accepts only 0: a CPU KV cache has no CUDA stream to order by.
-func (e *HostEngine) WaitEvent(dir Direction, event uint64) error {
+func (e *HostEngine) WaitEvent(dir kv.Direction, event uint64) error {
 	if event != 0 {
 		return errorf(ErrBadSpan, "host engine cannot wait on CUDA event %#x", event)
 	}

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 )
@@ -18,15 +19,15 @@ func TestHostEngineCopies(t *testing.T) {
 	fill(src, 1)
 	// One large span (split into pieces), many small scattered ones, and a
 	// span that ends exactly at the end of the mapping.
-	spans := []Span{{Src: sa, Dst: da + 4<<20, Len: 3 << 20}}
+	spans := []kv.Span{{Src: sa, Dst: da + 4<<20, Len: 3 << 20}}
 	for i := uint64(0); i < 200; i++ {
-		spans = append(spans, Span{Src: sa + 3<<20 + i*8192, Dst: da + i*12288, Len: 4096 + i})
+		spans = append(spans, kv.Span{Src: sa + 3<<20 + i*8192, Dst: da + i*12288, Len: 4096 + i})
 	}
-	spans = append(spans, Span{Src: sa + n - 1000, Dst: da + n - 1000, Len: 1000})
+	spans = append(spans, kv.Span{Src: sa + n - 1000, Dst: da + n - 1000, Len: 1000})
 	for _, workers := range []int{1, 2, 5} {
 		clear(dst)
 		e := NewHostEngine(workers, WithMinPiece(64<<10))
-		j, err := e.Submit(spans, Save)
+		j, err := e.Submit(spans, kv.Save)
 		assert.NilError(t, err)
 		assert.NilError(t, j.Wait(10*time.Second))
 		assert.Assert(t, j.Done())
@@ -55,7 +56,7 @@ func TestHostEngineConcurrent(t *testing.T) {
 			defer wg.Done()
 			part := uint64(n / 8)
 			for r := 0; r < 20; r++ {
-				j, err := e.Submit([]Span{{Src: sa + g*part, Dst: da + g*part, Len: part}}, Load)
+				j, err := e.Submit([]kv.Span{{Src: sa + g*part, Dst: da + g*part, Len: part}}, kv.Load)
 				assert.Check(t, err)
 				assert.Check(t, j.Wait(10*time.Second))
 			}
@@ -70,25 +71,25 @@ func TestHostEngineRefuses(t *testing.T) {
 	e := NewHostEngine(2)
 	tests := []struct {
 		name  string
-		spans []Span
-		dir   Direction
+		spans []kv.Span
+		dir   kv.Direction
 	}{
-		{"empty span", []Span{{Src: a, Dst: a + 2048, Len: 0}}, Save},
-		{"null", []Span{{Src: 0, Dst: a, Len: 8}}, Save},
-		{"wraps", []Span{{Src: ^uint64(0) - 4, Dst: a, Len: 8}}, Save},
-		{"direction", []Span{{Src: a, Dst: a + 2048, Len: 8}}, 9},
+		{"empty span", []kv.Span{{Src: a, Dst: a + 2048, Len: 0}}, kv.Save},
+		{"null", []kv.Span{{Src: 0, Dst: a, Len: 8}}, kv.Save},
+		{"wraps", []kv.Span{{Src: ^uint64(0) - 4, Dst: a, Len: 8}}, kv.Save},
+		{"direction", []kv.Span{{Src: a, Dst: a + 2048, Len: 8}}, 9},
 	}
 	for _, tc := range tests {
 		_, err := e.Submit(tc.spans, tc.dir)
 		assert.ErrorIs(t, err, ErrBadSpan, tc.name)
 	}
-	assert.ErrorIs(t, e.WaitEvent(Save, 0x1234), ErrBadSpan, "a CUDA event")
-	assert.NilError(t, e.WaitEvent(Save, 0))
-	j, err := e.Submit(nil, Save) // nothing to copy: done at once
+	assert.ErrorIs(t, e.WaitEvent(kv.Save, 0x1234), ErrBadSpan, "a CUDA event")
+	assert.NilError(t, e.WaitEvent(kv.Save, 0))
+	j, err := e.Submit(nil, kv.Save) // nothing to copy: done at once
 	assert.NilError(t, err)
 	assert.Assert(t, j.Done())
 	assert.NilError(t, e.Close())
-	_, err = e.Submit([]Span{{Src: a, Dst: a + 2048, Len: 8}}, Save)
+	_, err = e.Submit([]kv.Span{{Src: a, Dst: a + 2048, Len: 8}}, kv.Save)
 	assert.ErrorIs(t, err, ErrClosed)
 }
 
@@ -97,14 +98,14 @@ func TestHostEngineFaultIsAnError(t *testing.T) {
 	_, bad := mmapTB(t, 1<<20, syscall.PROT_NONE)
 	e := NewHostEngine(2, WithMinPiece(4096))
 	defer e.Close()
-	spans := []Span{{Src: good, Dst: good + 512<<10, Len: 256 << 10}, {Src: bad, Dst: good, Len: 256 << 10}}
-	j, err := e.Submit(spans, Save)
+	spans := []kv.Span{{Src: good, Dst: good + 512<<10, Len: 256 << 10}, {Src: bad, Dst: good, Len: 256 << 10}}
+	j, err := e.Submit(spans, kv.Save)
 	assert.NilError(t, err)
 	err = j.Wait(10 * time.Second)
 	assert.ErrorIs(t, err, ErrBadSpan)
 	assert.Check(t, is.ErrorContains(err, "faulted"))
 	// The engine keeps working.
-	j, err = e.Submit(spans[:1], Save)
+	j, err = e.Submit(spans[:1], kv.Save)
 	assert.NilError(t, err)
 	assert.NilError(t, j.Wait(10*time.Second))
 }
@@ -115,7 +116,7 @@ func TestHostEngineWaitTimeout(t *testing.T) {
 	_, da := mmapTB(t, n, rw())
 	e := NewHostEngine(1, WithMinPiece(n))
 	defer e.Close()
-	j, err := e.Submit([]Span{{Src: sa, Dst: da, Len: n}}, Save)
+	j, err := e.Submit([]kv.Span{{Src: sa, Dst: da, Len: n}}, kv.Save)
 	assert.NilError(t, err)
 	err = j.Wait(time.Microsecond)
 	assert.ErrorIs(t, err, ErrTimeout)

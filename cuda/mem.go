@@ -5,6 +5,7 @@ import (
 	"unsafe"
 
 	"github.com/kvshim/kvshim/internal/ntcopy"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // Raw addresses. Spans name memory by address (uint64) because it is never
@@ -34,7 +35,7 @@ func bytesAt(addr, n uint64) []byte {
 // memmove copies one span on the CPU. Spans are tens of KiB (one block of
 // one layer) and a job's spans far outgrow the caches: ntcopy stores around
 // the cache instead of first reading every destination line.
-func memmove(s Span) {
+func memmove(s kv.Span) {
 	ntcopy.Copy(uintptr(s.Dst), uintptr(s.Src), uintptr(s.Len))
 }
 

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 	"gotest.tools/v3/assert"
 )
@@ -69,20 +70,20 @@ func TestHostPlansRoundTrip(t *testing.T) {
 			ids := rand.New(rand.NewSource(1)).Perm(gNB)
 			chunks := [][]int64{{0, 1, 2, 3}, toI64(ids[:4]), toI64(ids[4:8])}
 			for c, blocks := range chunks {
-				spans, err := l.Plan(blocks, objA+uint64(c)*size, layout.Save)
+				spans, err := l.Plan(blocks, objA+uint64(c)*size, kv.Save)
 				assert.NilError(t, err)
-				j, err := e.Submit(spans, Direction(layout.Save))
+				j, err := e.Submit(spans, kv.Save)
 				assert.NilError(t, err)
 				assert.NilError(t, j.Wait(10*time.Second))
 				o := objs[uint64(c)*size : uint64(c+1)*size]
-				assert.NilError(t, l.SealObject(o, layout.ObjectKey{}))
-				assert.NilError(t, l.VerifyObject(o, layout.ObjectKey{}))
+				assert.NilError(t, l.SealObject(o, kv.Key{}))
+				assert.NilError(t, l.VerifyObject(o, kv.Key{}))
 			}
 			clear(cache)
 			for c, blocks := range chunks {
-				spans, err := l.Plan(blocks, objA+uint64(c)*size, layout.Load)
+				spans, err := l.Plan(blocks, objA+uint64(c)*size, kv.Load)
 				assert.NilError(t, err)
-				j, err := e.Submit(spans, Load)
+				j, err := e.Submit(spans, kv.Load)
 				assert.NilError(t, err)
 				assert.NilError(t, j.Wait(10*time.Second))
 			}

@@ -15,6 +15,7 @@ import (
 	"unsafe"
 
 	"github.com/kvshim/kvshim/cuda"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 )
 
@@ -78,10 +79,10 @@ func engineCopy(in *instance, ws *workerState, direction int, objects unsafe.Poi
 	if l == nil {
 		return 0, fmt.Errorf("engine copy before kvshim_worker_register: %w", errInvalid)
 	}
-	if direction != int(layout.Save) && direction != int(layout.Load) {
+	if direction != int(kv.Save) && direction != int(kv.Load) {
 		return 0, fmt.Errorf("direction %d: want 1 (save: KV cache to objects) or 2 (load: objects to KV cache): %w", direction, errInvalid)
 	}
-	dir := layout.Direction(direction)
+	dir := kv.Direction(direction)
 	if objects == nil {
 		return 0, fmt.Errorf("objects is NULL: %w", errInvalid)
 	}
@@ -104,14 +105,14 @@ func engineCopy(in *instance, ws *workerState, direction int, objects unsafe.Poi
 		return 0, err
 	}
 	base := uint64(uintptr(objects))
-	spans := make([]layout.Span, 0, 64*len(blockIDs))
+	spans := make([]kv.Span, 0, 64*len(blockIDs))
 	start := time.Now()
 	for i := 0; i < len(blockIDs)/cb; i++ {
 		if spans, err = l.AppendPlan(spans, blockIDs[i*cb:(i+1)*cb], base+uint64(i)*stride, dir); err != nil {
 			return 0, fmt.Errorf("chunk %d: %v: %w", i, err, errInvalid)
 		}
 	}
-	job, err := eng.Submit(spans, cuda.Direction(dir))
+	job, err := eng.Submit(spans, kv.Direction(dir))
 	if err != nil {
 		return 0, err
 	}

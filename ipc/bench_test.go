@@ -4,6 +4,8 @@ import (
 	"context"
 	"testing"
 	"time"
+
+	"github.com/kvshim/kvshim/kv"
 )
 
 // In-process round trip of an ALLOC with 64 keys (both sides spinning).
@@ -16,7 +18,7 @@ func BenchmarkCallAlloc64(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer c.Close()
-	req := &AllocReq{Hashes: make([]Hash, 64), Sizes: make([]uint64, 64)}
+	req := &AllocReq{Hashes: make([]kv.Hash, 64), Sizes: make([]uint64, 64)}
 	for i := range req.Sizes {
 		req.Sizes[i] = 16
 	}
@@ -30,7 +32,7 @@ func BenchmarkCallAlloc64(b *testing.B) {
 }
 
 func BenchmarkCodecAlloc64(b *testing.B) {
-	req := &AllocReq{Hashes: make([]Hash, 64), Sizes: make([]uint64, 64)}
+	req := &AllocReq{Hashes: make([]kv.Hash, 64), Sizes: make([]uint64, 64)}
 	var buf []byte
 	b.ReportAllocs()
 	for b.Loop() {

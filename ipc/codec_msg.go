@@ -1,6 +1,10 @@
 package ipc
 
-import "slices"
+import (
+	"slices"
+
+	"github.com/kvshim/kvshim/kv"
+)
 
 // Bodies of every request and response in msg.go. Layouts (little-endian):
 //
@@ -31,8 +35,8 @@ func appendLoc(b []byte, l Loc) []byte {
 	return putU64(b, l.Size)
 }
 
-func appendHashes(b []byte, hs []Hash) []byte {
-	b = slices.Grow(b, 4+len(hs)*HashSize)
+func appendHashes(b []byte, hs []kv.Hash) []byte {
+	b = slices.Grow(b, 4+len(hs)*kv.HashSize)
 	b = putU32(b, uint32(len(hs)))
 	for i := range hs {
 		b = append(b, hs[i][:]...)
@@ -40,8 +44,8 @@ func appendHashes(b []byte, hs []Hash) []byte {
 	return b
 }
 
-func (d *dec) hashes() []Hash {
-	n := d.count(HashSize)
+func (d *dec) hashes() []kv.Hash {
+	n := d.count(kv.HashSize)
 	if d.err != nil {
 		return nil
 	}
@@ -49,14 +53,14 @@ func (d *dec) hashes() []Hash {
 }
 
 // hashArray reads n hashes (n already checked against the remaining bytes).
-func (d *dec) hashArray(n int) []Hash {
-	raw := d.take(n * HashSize)
+func (d *dec) hashArray(n int) []kv.Hash {
+	raw := d.take(n * kv.HashSize)
 	if raw == nil {
 		return nil
 	}
-	hs := make([]Hash, n)
+	hs := make([]kv.Hash, n)
 	for i := range hs {
-		copy(hs[i][:], raw[i*HashSize:])
+		copy(hs[i][:], raw[i*kv.HashSize:])
 	}
 	return hs
 }
@@ -109,7 +113,7 @@ func AppendAllocReq(b []byte, r *AllocReq) ([]byte, error) {
 	if len(r.Sizes) != len(r.Hashes) {
 		return b, encErr("alloc", "%d hashes but %d sizes", len(r.Hashes), len(r.Sizes))
 	}
-	b = slices.Grow(b, 40+len(r.Hashes)*(HashSize+8))
+	b = slices.Grow(b, 40+len(r.Hashes)*(kv.HashSize+8))
 	b = append(b, r.Tag[:]...)
 	b = append(b, r.Namespace[:]...)
 	b = putU32(b, r.Rank)
@@ -127,7 +131,7 @@ func DecodeAllocReq(b []byte) (*AllocReq, error) {
 	d.fixed(r.Tag[:])
 	d.fixed(r.Namespace[:])
 	r.Rank = d.u32()
-	n := d.count(HashSize + 8)
+	n := d.count(kv.HashSize + 8)
 	if d.err == nil {
 		r.Hashes = d.hashArray(n)
 		if raw := d.take(8 * n); raw != nil {

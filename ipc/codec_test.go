@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 )
 
@@ -17,8 +18,8 @@ func randBytes(r *rand.Rand, b []byte) {
 	}
 }
 
-func randHashes(r *rand.Rand, n int) []Hash {
-	hs := make([]Hash, n)
+func randHashes(r *rand.Rand, n int) []kv.Hash {
+	hs := make([]kv.Hash, n)
 	for i := range hs {
 		randBytes(r, hs[i][:])
 	}
@@ -176,9 +177,9 @@ func normalize(v any) any {
 }
 
 func TestCodecLimits(t *testing.T) {
-	_, err := AppendAllocReq(nil, &AllocReq{Hashes: make([]Hash, 2), Sizes: make([]uint64, 1)})
+	_, err := AppendAllocReq(nil, &AllocReq{Hashes: make([]kv.Hash, 2), Sizes: make([]uint64, 1)})
 	assert.Assert(t, errors.Is(err, ErrMalformed))
-	_, err = AppendCommitReq(nil, &CommitReq{Hashes: make([]Hash, MaxKeys+1)})
+	_, err = AppendCommitReq(nil, &CommitReq{Hashes: make([]kv.Hash, MaxKeys+1)})
 	assert.Assert(t, errors.Is(err, ErrMalformed))
 	// A lying count is rejected before any allocation.
 	b := append(make([]byte, 36), 0xff, 0xff, 0xff, 0x7f)

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/kv"
 	"golang.org/x/sys/unix"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
@@ -188,7 +189,7 @@ func TestConnCalls(t *testing.T) {
 	assert.Equal(t, *cr, ClearResp{1, 2})
 
 	// Locs resolve against the mapped segments and writes are shared.
-	ar, err := c.Alloc(ctx, &AllocReq{Hashes: make([]Hash, 2), Sizes: []uint64{100, 200}})
+	ar, err := c.Alloc(ctx, &AllocReq{Hashes: make([]kv.Hash, 2), Sizes: []uint64{100, 200}})
 	assert.NilError(t, err)
 	b, err := c.Resolve(ar.Locs[1])
 	assert.NilError(t, err)
@@ -202,7 +203,7 @@ func TestConnCalls(t *testing.T) {
 	assert.Assert(t, errors.Is(err, ErrRange))
 
 	// L1 grows: the new segment is announced before the answer naming it.
-	ar, err = c.Alloc(ctx, &AllocReq{Hashes: make([]Hash, 1), Sizes: []uint64{4 << 20}})
+	ar, err = c.Alloc(ctx, &AllocReq{Hashes: make([]kv.Hash, 1), Sizes: []uint64{4 << 20}})
 	assert.NilError(t, err)
 	b, err = c.Resolve(ar.Locs[0])
 	assert.NilError(t, err)

@@ -46,17 +46,6 @@ const (
 	StatusInProgress Status = 8 // ALLOC: another writer of the same tag is staging the key
 )
 
-// HashSize is the size of a chunk hash (kv.HashSize).
-const HashSize = kv.HashSize
-
-// Hash, Namespace and Tag are kv's (transitional names: references move to
-// kv.* and these go).
-type (
-	Hash      = kv.Hash
-	Namespace = kv.Namespace
-	Tag       = kv.Tag
-)
-
 // Loc is where an object lives: always (segment id, offset), range-checked by
 // the receiver against the segments it has mapped.
 type Loc struct {
@@ -70,10 +59,10 @@ const MaxKeys = 1 << 16
 
 // AllocReq reserves staging space for one rank's new chunk objects.
 type AllocReq struct {
-	Tag       Tag
-	Namespace Namespace
+	Tag       kv.Tag
+	Namespace kv.Namespace
 	Rank      uint32
-	Hashes    []Hash
+	Hashes    []kv.Hash
 	Sizes     []uint64 // one per hash, bytes including the object header
 }
 
@@ -85,10 +74,10 @@ type AllocResp struct {
 
 // CommitReq publishes (OpCommit) or drops (OpAbort) a writer's staging objects.
 type CommitReq struct {
-	Tag       Tag
-	Namespace Namespace
+	Tag       kv.Tag
+	Namespace kv.Namespace
 	Rank      uint32
-	Hashes    []Hash
+	Hashes    []kv.Hash
 }
 
 // CommitResp has one status per key: OK, NotFound.
@@ -103,10 +92,10 @@ type CommitResp struct {
 // namespaces are stored once, under rank 0, and read by Readers ranks).
 type LookupReq struct {
 	LookupID  uint64 // chosen by the client, unique per session
-	Namespace Namespace
+	Namespace kv.Namespace
 	WorldSize uint32
 	MLA       bool
-	Hashes    []Hash
+	Hashes    []kv.Hash
 }
 
 // LookupResultReq asks for (and, when final, consumes) a lookup's answer.
@@ -131,7 +120,7 @@ type FreeReq struct {
 // RetrieveReq asks for the locations of chunks [Start, End) that lookup holds
 // for Rank. Owner is the instance id of the session that made the lookup.
 type RetrieveReq struct {
-	Owner    Tag
+	Owner    kv.Tag
 	LookupID uint64
 	Rank     uint32
 	Start    uint32
@@ -146,7 +135,7 @@ type RetrieveResp struct {
 
 // ReleaseReq drops Rank's remaining holds in a lookup (after its copies end).
 type ReleaseReq struct {
-	Owner    Tag
+	Owner    kv.Tag
 	LookupID uint64
 	Rank     uint32
 }

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/kv"
 	"golang.org/x/sys/unix"
 	"gotest.tools/v3/assert"
 )
@@ -59,7 +60,7 @@ func runChild(role string) error {
 			return err
 		}
 		ctx := context.Background()
-		ar, err := c.Alloc(ctx, &AllocReq{Hashes: make([]Hash, 64), Sizes: fill(64, 128)})
+		ar, err := c.Alloc(ctx, &AllocReq{Hashes: make([]kv.Hash, 64), Sizes: fill(64, 128)})
 		if err != nil {
 			return err
 		}
@@ -70,7 +71,7 @@ func runChild(role string) error {
 			}
 			b[0] = byte(i + 1)
 		}
-		if _, err := c.Commit(ctx, &CommitReq{Hashes: make([]Hash, 64)}); err != nil {
+		if _, err := c.Commit(ctx, &CommitReq{Hashes: make([]kv.Hash, 64)}); err != nil {
 			return err
 		}
 		if role == "client" {

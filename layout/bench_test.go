@@ -3,6 +3,8 @@ package layout
 import (
 	"math/rand"
 	"testing"
+
+	"github.com/kvshim/kvshim/kv"
 )
 
 // llama8B describes Llama-3-8B on one GPU: 32 layers, 8 KV heads, head 128,
@@ -46,12 +48,12 @@ func BenchmarkPlan(b *testing.B) {
 					ids[i] = int64(perm[i])
 				}
 			}
-			buf := make([]Span, 0, 2048)
+			buf := make([]kv.Span, 0, 2048)
 			b.ReportAllocs()
 			b.ResetTimer()
 			for b.Loop() {
 				var err error
-				buf, err = l.AppendPlan(buf[:0], ids, 1<<40, Save)
+				buf, err = l.AppendPlan(buf[:0], ids, 1<<40, kv.Save)
 				if err != nil {
 					b.Fatal(err)
 				}

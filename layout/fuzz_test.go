@@ -4,6 +4,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"testing"
+
+	"github.com/kvshim/kvshim/kv"
 )
 
 type fuzzBytes struct {
@@ -133,11 +135,11 @@ func FuzzPlan(f *testing.F) {
 		}
 		ids := perm[:k]
 		const objBase = 1 << 40
-		save, err := l.Plan(ids, objBase, Save)
+		save, err := l.Plan(ids, objBase, kv.Save)
 		if err != nil {
 			t.Fatalf("Plan save: %v", err)
 		}
-		load, err := l.Plan(ids, objBase, Load)
+		load, err := l.Plan(ids, objBase, kv.Load)
 		if err != nil {
 			t.Fatalf("Plan load: %v", err)
 		}
@@ -147,7 +149,7 @@ func FuzzPlan(f *testing.F) {
 
 // checkPlan verifies that the plan copies exactly the chosen blocks'
 // elements, each once, into exactly the object's payload.
-func checkPlan(t *testing.T, l *Layout, gen []genTensor, ids []int64, save, load []Span, objBase uint64) {
+func checkPlan(t *testing.T, l *Layout, gen []genTensor, ids []int64, save, load []kv.Span, objBase uint64) {
 	payload, _ := l.PayloadSize(l.ChunkTokens())
 	if len(save) != len(load) {
 		t.Fatalf("save %d spans, load %d", len(save), len(load))
@@ -198,7 +200,7 @@ func checkPlan(t *testing.T, l *Layout, gen []genTensor, ids []int64, save, load
 		walk(0)
 	}
 	for i, s := range save {
-		if load[i] != (Span{Src: s.Dst, Dst: s.Src, Len: s.Len}) {
+		if load[i] != (kv.Span{Src: s.Dst, Dst: s.Src, Len: s.Len}) {
 			t.Fatalf("load span %d %+v is not save span %+v reversed", i, load[i], s)
 		}
 		if s.Len == 0 {
@@ -256,7 +258,7 @@ func FuzzVerifyObject(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	key := ObjectKey{Namespace: [16]byte{0xA1}, Rank: 1, Hash: [32]byte{7}}
+	key := kv.Key{Namespace: [16]byte{0xA1}, Rank: 1, Hash: [32]byte{7}}
 	size, _ := l.ObjectSize(tBS)
 	good := make([]byte, size)
 	for i := range good {
@@ -269,7 +271,7 @@ func FuzzVerifyObject(f *testing.F) {
 	f.Add(good[:HeaderSize], true)
 	other := append([]byte(nil), good...)
 	other[HeaderSize] ^= 1
-	if err := l.SealObject(other, ObjectKey{Namespace: key.Namespace, Rank: 2, Hash: key.Hash}); err != nil {
+	if err := l.SealObject(other, kv.Key{Namespace: key.Namespace, Rank: 2, Hash: key.Hash}); err != nil {
 		f.Fatal(err)
 	}
 	f.Add(other, false)

@@ -3,6 +3,7 @@ package layout
 import (
 	"testing"
 
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 )
@@ -90,9 +91,9 @@ func TestNewAccepts(t *testing.T) {
 		Shape: []int64{1, 1, 8}, Strides: []int64{0, 12345, 1}}
 	l, err = New([]TensorDesc{one}, 1)
 	assert.NilError(t, err)
-	s, err := l.Plan([]int64{0}, obj, Save)
+	s, err := l.Plan([]int64{0}, obj, kv.Save)
 	assert.NilError(t, err)
-	assert.DeepEqual(t, s, []Span{{Src: 64, Dst: pay, Len: 8}})
+	assert.DeepEqual(t, s, []kv.Span{{Src: 64, Dst: pay, Len: 8}})
 }
 
 func TestNewGroups(t *testing.T) {

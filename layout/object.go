@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"math/bits"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
 )
 
@@ -18,10 +19,6 @@ const (
 	HeaderSize    = objfmt.HeaderSize
 	FormatVersion = objfmt.Version
 )
-
-// ObjectKey is the key an object is stored under and names in its header:
-// (namespace fingerprint, rank, chunk hash).
-type ObjectKey = objfmt.Key
 
 // Header is the decoded object header.
 type Header = objfmt.Header
@@ -88,7 +85,7 @@ func (l *Layout) FingerprintHex() string { return hex.EncodeToString(l.fp[:]) }
 // size, chunk tokens, fingerprint, the object's key and the payload CRC
 // (a pass over the payload: CRC-32C, GB/s per core). obj must be exactly
 // ObjectSize(ChunkTokens()) bytes.
-func (l *Layout) SealObject(obj []byte, key ObjectKey) error {
+func (l *Layout) SealObject(obj []byte, key kv.Key) error {
 	if err := l.checkObjectSize(obj); err != nil {
 		return err
 	}
@@ -98,14 +95,14 @@ func (l *Layout) SealObject(obj []byte, key ObjectKey) error {
 // SealHeader is SealObject without the payload pass: it writes the
 // HeaderSize header bytes and leaves the payload CRC slot empty (the L2
 // store sets it later, objfmt.SetPayloadCRC). It reads no payload byte.
-func (l *Layout) SealHeader(obj []byte, key ObjectKey) error {
+func (l *Layout) SealHeader(obj []byte, key kv.Key) error {
 	if err := l.checkObjectSize(obj); err != nil {
 		return err
 	}
 	return objfmt.SealHeader(obj, l.header(key))
 }
 
-func (l *Layout) header(key ObjectKey) Header {
+func (l *Layout) header(key kv.Key) Header {
 	return Header{ChunkTokens: uint32(l.chunkTokens), Fingerprint: l.fp, Key: key}
 }
 
@@ -122,7 +119,7 @@ func (l *Layout) checkObjectSize(obj []byte) error {
 // objfmt.ErrNoPayloadCRC). Any mismatch wraps ErrCorrupt; a header that
 // names another key wraps ErrKeyMismatch too. The checksum reads the whole
 // payload on the CPU.
-func (l *Layout) VerifyObject(obj []byte, key ObjectKey) error {
+func (l *Layout) VerifyObject(obj []byte, key kv.Key) error {
 	h, err := l.checkHeader(obj, key)
 	if err != nil {
 		return err
@@ -136,12 +133,12 @@ func (l *Layout) VerifyObject(obj []byte, key ObjectKey) error {
 // chunk tokens and size against this layout. It reads HeaderSize bytes, so
 // it suits a restore path whose payloads were verified when they entered
 // L1 (objfmt: the default policy). Mismatches wrap ErrCorrupt.
-func (l *Layout) CheckHeader(obj []byte, key ObjectKey) error {
+func (l *Layout) CheckHeader(obj []byte, key kv.Key) error {
 	_, err := l.checkHeader(obj, key)
 	return err
 }
 
-func (l *Layout) checkHeader(obj []byte, key ObjectKey) (Header, error) {
+func (l *Layout) checkHeader(obj []byte, key kv.Key) (Header, error) {
 	h, err := DecodeHeader(obj)
 	if err != nil {
 		return h, err

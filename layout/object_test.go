@@ -9,6 +9,7 @@ import (
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
 )
 
@@ -77,7 +78,7 @@ func TestObjectRoundTrip(t *testing.T) {
 	for i := range o[HeaderSize:] {
 		o[HeaderSize+i] = byte(i * 7)
 	}
-	key := ObjectKey{Namespace: [16]byte{0xA1, 2}, Rank: 1, Hash: [32]byte{9, 8, 7}}
+	key := kv.Key{Namespace: [16]byte{0xA1, 2}, Rank: 1, Hash: [32]byte{9, 8, 7}}
 	assert.NilError(t, l.SealObject(o, key))
 	assert.NilError(t, l.VerifyObject(o, key))
 	h, err := DecodeHeader(o)
@@ -139,7 +140,7 @@ func TestSealHeader(t *testing.T) {
 		full[HeaderSize+i] = byte(i*5 + 1)
 	}
 	bare := append([]byte(nil), full...)
-	key := ObjectKey{Namespace: [16]byte{0xA1, 2}, Rank: 1, Hash: [32]byte{9, 8, 7}}
+	key := kv.Key{Namespace: [16]byte{0xA1, 2}, Rank: 1, Hash: [32]byte{9, 8, 7}}
 	assert.NilError(t, l.SealObject(full, key))
 	assert.NilError(t, l.SealHeader(bare, key))
 	assert.DeepEqual(t, bare[:120], full[:120])
@@ -164,13 +165,13 @@ func TestObjectKeyMismatch(t *testing.T) {
 	size, err := l.ObjectSize(4)
 	assert.NilError(t, err)
 	o := make([]byte, size)
-	key := ObjectKey{Namespace: [16]byte{0xA1}, Rank: 2, Hash: [32]byte{1, 2, 3}}
+	key := kv.Key{Namespace: [16]byte{0xA1}, Rank: 2, Hash: [32]byte{1, 2, 3}}
 	assert.NilError(t, l.SealObject(o, key))
 	otherNS, otherRank, otherHash := key, key, key
 	otherNS.Namespace[15] = 1
 	otherRank.Rank = 0
 	otherHash.Hash[31] = 1
-	for name, want := range map[string]ObjectKey{"namespace": otherNS, "rank": otherRank, "hash": otherHash} {
+	for name, want := range map[string]kv.Key{"namespace": otherNS, "rank": otherRank, "hash": otherHash} {
 		t.Run(name, func(t *testing.T) {
 			for _, err := range []error{l.VerifyObject(o, want), l.CheckHeader(o, want)} {
 				assert.ErrorIs(t, err, ErrKeyMismatch)

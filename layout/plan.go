@@ -6,18 +6,6 @@ import (
 	"github.com/kvshim/kvshim/kv"
 )
 
-// Span, Direction, Save and Load are kv's (transitional names: references
-// move to kv.*).
-type (
-	Span      = kv.Span
-	Direction = kv.Direction
-)
-
-const (
-	Save = kv.Save
-	Load = kv.Load
-)
-
 // Plan returns the copy spans that move one chunk between the KV tensors
 // and the object at objectBase (the address of the object's header; the
 // payload starts HeaderSize bytes later). blockIDs are the chunk's blocks in
@@ -27,17 +15,17 @@ const (
 // shared). Spans that are contiguous on both sides are merged, so
 // consecutive block ids become one span per run (one per chunk for
 // cross-layer). Every span lies inside a tensor and inside the object.
-func (l *Layout) Plan(blockIDs []int64, objectBase uint64, dir Direction) ([]Span, error) {
+func (l *Layout) Plan(blockIDs []int64, objectBase uint64, dir kv.Direction) ([]kv.Span, error) {
 	return l.AppendPlan(nil, blockIDs, objectBase, dir)
 }
 
 // AppendPlan is Plan appending to dst, for callers that reuse a buffer.
-func (l *Layout) AppendPlan(dst []Span, blockIDs []int64, objectBase uint64, dir Direction) ([]Span, error) {
+func (l *Layout) AppendPlan(dst []kv.Span, blockIDs []int64, objectBase uint64, dir kv.Direction) ([]kv.Span, error) {
 	if err := l.checkPlan(blockIDs, objectBase, dir); err != nil {
 		return dst, err
 	}
 	obj := objectBase + HeaderSize
-	var cur Span // the span being extended; Len 0 = none yet
+	var cur kv.Span // the span being extended; Len 0 = none yet
 	for _, t := range l.tensors {
 		rl, bs := t.runLen, t.blockStride
 		for _, roff := range t.runs {
@@ -46,13 +34,13 @@ func (l *Layout) AppendPlan(dst []Span, blockIDs []int64, objectBase uint64, dir
 				if b == Skip {
 					if cur.Len != 0 {
 						dst = append(dst, cur)
-						cur = Span{}
+						cur = kv.Span{}
 					}
 					obj += rl
 					continue
 				}
 				src, dstA := base+uint64(b)*bs, obj
-				if dir == Load {
+				if dir == kv.Load {
 					src, dstA = dstA, src
 				}
 				if cur.Len != 0 && cur.Src+cur.Len == src && cur.Dst+cur.Len == dstA {
@@ -61,7 +49,7 @@ func (l *Layout) AppendPlan(dst []Span, blockIDs []int64, objectBase uint64, dir
 					if cur.Len != 0 {
 						dst = append(dst, cur)
 					}
-					cur = Span{Src: src, Dst: dstA, Len: rl}
+					cur = kv.Span{Src: src, Dst: dstA, Len: rl}
 				}
 				obj += rl
 			}
@@ -79,9 +67,9 @@ func (l *Layout) AppendPlan(dst []Span, blockIDs []int64, objectBase uint64, dir
 // window; shim/groups.go), and no load of that object ever reads them.
 const Skip int64 = -1
 
-func (l *Layout) checkPlan(ids []int64, objectBase uint64, dir Direction) error {
+func (l *Layout) checkPlan(ids []int64, objectBase uint64, dir kv.Direction) error {
 	name := l.tensors[0].name
-	if dir != Save && dir != Load {
+	if dir != kv.Save && dir != kv.Load {
 		return geomErr(name, "direction", "unknown direction %d", dir)
 	}
 	if len(ids) != l.ChunkBlocks() {

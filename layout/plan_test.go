@@ -3,6 +3,7 @@ package layout
 import (
 	"testing"
 
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 )
@@ -75,18 +76,18 @@ func TestPlanHandComputed(t *testing.T) {
 			assert.NilError(t, err)
 			assert.Equal(t, l.RunsPerBlock(), tc.runs)
 			assert.Equal(t, l.BlockBytes(), tc.bbytes)
-			save, err := l.Plan(tc.ids, obj, Save)
+			save, err := l.Plan(tc.ids, obj, kv.Save)
 			assert.NilError(t, err)
 			got := make([]sp, len(save))
 			for i, s := range save {
 				got[i] = sp(s)
 			}
 			assert.DeepEqual(t, got, tc.want)
-			load, err := l.Plan(tc.ids, obj, Load)
+			load, err := l.Plan(tc.ids, obj, kv.Load)
 			assert.NilError(t, err)
 			assert.Equal(t, len(load), len(save))
 			for i := range load {
-				assert.Equal(t, load[i], Span{Src: save[i].Dst, Dst: save[i].Src, Len: save[i].Len})
+				assert.Equal(t, load[i], kv.Span{Src: save[i].Dst, Dst: save[i].Src, Len: save[i].Len})
 			}
 			size, err := l.ObjectSize(tc.chunk)
 			assert.NilError(t, err)
@@ -111,10 +112,10 @@ func interleaved(name string, base uint64, l uint64) TensorDesc {
 func TestPlanAppendReuses(t *testing.T) {
 	l, err := New([]TensorDesc{faNHD("l0", 0x1000)}, 4)
 	assert.NilError(t, err)
-	buf := make([]Span, 0, 8)
-	a, err := l.AppendPlan(buf, []int64{0, 1}, obj, Save)
+	buf := make([]kv.Span, 0, 8)
+	a, err := l.AppendPlan(buf, []int64{0, 1}, obj, kv.Save)
 	assert.NilError(t, err)
-	b, err := l.AppendPlan(a, []int64{2, 3}, obj+1024, Save)
+	b, err := l.AppendPlan(a, []int64{2, 3}, obj+1024, kv.Save)
 	assert.NilError(t, err)
 	assert.Equal(t, len(b), 4) // the second plan never merges into the first
 	assert.Equal(t, &b[0], &buf[:1][0])
@@ -127,17 +128,17 @@ func TestPlanRefuses(t *testing.T) {
 		name string
 		ids  []int64
 		base uint64
-		dir  Direction
+		dir  kv.Direction
 		want string
 	}{
-		{"partial chunk", []int64{1}, obj, Save, "partial chunk"},
-		{"too many", []int64{0, 1, 2}, obj, Save, "partial chunk"},
-		{"out of range", []int64{0, 4}, obj, Load, "out of range"},
-		{"negative", []int64{-2, 0}, obj, Load, "out of range"},
-		{"below skip in a save", []int64{-2, 0}, obj, Save, "out of range"},
-		{"repeat", []int64{2, 2}, obj, Load, "repeated"},
-		{"null object", []int64{0, 1}, 0, Save, "object_base"},
-		{"overflow", []int64{0, 1}, ^uint64(0) - 100, Save, "overflows"},
+		{"partial chunk", []int64{1}, obj, kv.Save, "partial chunk"},
+		{"too many", []int64{0, 1, 2}, obj, kv.Save, "partial chunk"},
+		{"out of range", []int64{0, 4}, obj, kv.Load, "out of range"},
+		{"negative", []int64{-2, 0}, obj, kv.Load, "out of range"},
+		{"below skip in a save", []int64{-2, 0}, obj, kv.Save, "out of range"},
+		{"repeat", []int64{2, 2}, obj, kv.Load, "repeated"},
+		{"null object", []int64{0, 1}, 0, kv.Save, "object_base"},
+		{"overflow", []int64{0, 1}, ^uint64(0) - 100, kv.Save, "overflows"},
 		{"direction", []int64{0, 1}, obj, 7, "direction"},
 	}
 	for _, tc := range tests {
@@ -156,16 +157,16 @@ func TestPlanLoadSkipsBlocks(t *testing.T) {
 	l, err := New(descs, 16)
 	assert.NilError(t, err)
 	const obj = 1 << 30
-	spans, err := l.Plan([]int64{Skip, 5, 6, Skip}, obj, Load)
+	spans, err := l.Plan([]int64{Skip, 5, 6, Skip}, obj, kv.Load)
 	assert.NilError(t, err)
 	// Blocks 5 and 6 are adjacent on both sides: one span; the skipped
 	// blocks' bytes of the object are passed over, never read or written.
-	assert.DeepEqual(t, spans, []Span{{Src: obj + HeaderSize + 128, Dst: 1<<20 + 5*128, Len: 256}})
+	assert.DeepEqual(t, spans, []kv.Span{{Src: obj + HeaderSize + 128, Dst: 1<<20 + 5*128, Len: 256}})
 	// A save skips too (a windowed group's object leaves blocks out).
-	spans, err = l.Plan([]int64{Skip, 5, 6, 7}, obj, Save)
+	spans, err = l.Plan([]int64{Skip, 5, 6, 7}, obj, kv.Save)
 	assert.NilError(t, err)
-	assert.DeepEqual(t, spans, []Span{{Src: 1<<20 + 5*128, Dst: obj + HeaderSize + 128, Len: 384}})
-	spans, err = l.Plan([]int64{Skip, Skip, Skip, Skip}, obj, Load)
+	assert.DeepEqual(t, spans, []kv.Span{{Src: 1<<20 + 5*128, Dst: obj + HeaderSize + 128, Len: 384}})
+	spans, err = l.Plan([]int64{Skip, Skip, Skip, Skip}, obj, kv.Load)
 	assert.NilError(t, err)
 	assert.Equal(t, len(spans), 0)
 }
@@ -186,9 +187,9 @@ func TestPlanKernelBlocks(t *testing.T) {
 	assert.Equal(t, l.ChunkBlocks(), 2)
 	assert.Equal(t, l.BlockBytes(), uint64(256))
 	const obj = 1 << 30
-	spans, err := l.Plan([]int64{1, 2}, obj, Save)
+	spans, err := l.Plan([]int64{1, 2}, obj, kv.Save)
 	assert.NilError(t, err)
-	assert.DeepEqual(t, spans, []Span{{Src: base + 256, Dst: obj + HeaderSize, Len: 512}})
+	assert.DeepEqual(t, spans, []kv.Span{{Src: base + 256, Dst: obj + HeaderSize, Len: 512}})
 	// Without the dim the same view is 4-token blocks: another layout.
 	descs[0].Shape, descs[0].Strides, descs[0].Dims = []int64{8, 2, 4, 8}, []int64{128, 64, 16, 2}, nil
 	l2, err := New(descs, 16)

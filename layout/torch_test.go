@@ -5,6 +5,7 @@ import (
 	"os"
 	"testing"
 
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 )
 
@@ -57,7 +58,7 @@ func TestTorchGeometry(t *testing.T) {
 				ids  []int64
 				want int
 			}{{g.Consecutive, c.Expect.Consecutive}, {g.Scattered, c.Expect.Scattered}} {
-				spans, err := l.Plan(ids.ids, 1<<44, Save)
+				spans, err := l.Plan(ids.ids, 1<<44, kv.Save)
 				assert.NilError(t, err)
 				assert.Equal(t, len(spans), ids.want, "ids %v", ids.ids)
 			}

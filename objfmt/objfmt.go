@@ -60,15 +60,12 @@ var (
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
-// Key is kv.Key (transitional name: references move to kv.Key).
-type Key = kv.Key
-
 // Header is a decoded object header (format Version).
 type Header struct {
 	PayloadSize uint64
 	ChunkTokens uint32
 	Fingerprint [32]byte
-	Key         Key
+	Key         kv.Key
 	// PayloadCRC is the CRC-32C of the payload when HasPayloadCRC: the
 	// payload CRC slot, which the header CRC does not cover.
 	PayloadCRC    uint32
@@ -185,7 +182,7 @@ func Decode(src []byte) (Header, error) {
 
 // CheckKey reports, wrapping ErrKeyMismatch, whether the header names
 // another key than want, and which part differs.
-func (h *Header) CheckKey(want Key) error {
+func (h *Header) CheckKey(want kv.Key) error {
 	switch got := h.Key; {
 	case got.Namespace != want.Namespace:
 		return fmt.Errorf("%w: namespace %x, want %x (rank %d, chunk hash %x)", ErrKeyMismatch,
@@ -257,7 +254,7 @@ func sealAs(obj []byte, h Header) error {
 // for bytes that arrive from a disk or a network. It returns the header
 // (valid only when err is nil). Errors wrap ErrCorrupt; a wrong key wraps
 // ErrKeyMismatch, an empty payload CRC slot ErrNoPayloadCRC.
-func Verify(obj []byte, want Key) (Header, error) {
+func Verify(obj []byte, want kv.Key) (Header, error) {
 	h, err := VerifyHeader(obj, want)
 	if err != nil {
 		return h, err
@@ -267,7 +264,7 @@ func Verify(obj []byte, want Key) (Header, error) {
 
 // VerifyHeader is Verify without the payload: header, key and size. It
 // reads HeaderSize bytes.
-func VerifyHeader(obj []byte, want Key) (Header, error) {
+func VerifyHeader(obj []byte, want kv.Key) (Header, error) {
 	h, err := Decode(obj)
 	if err != nil {
 		return h, err
@@ -287,7 +284,7 @@ func VerifyHeader(obj []byte, want Key) (Header, error) {
 // set reports whether this call wrote the slot. The payload must not change
 // meanwhile, and only one goroutine may set a given object's slot. obj's
 // slot must be 8-byte aligned (ErrUnaligned).
-func SetPayloadCRC(obj []byte, want Key) (h Header, set bool, err error) {
+func SetPayloadCRC(obj []byte, want kv.Key) (h Header, set bool, err error) {
 	if h, err = VerifyHeader(obj, want); err != nil || h.HasPayloadCRC {
 		return h, false, err
 	}

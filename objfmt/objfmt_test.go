@@ -6,10 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+
+	"github.com/kvshim/kvshim/kv"
 )
 
-func testKey() Key {
-	k := Key{Rank: 3}
+func testKey() kv.Key {
+	k := kv.Key{Rank: 3}
 	for i := range k.Namespace {
 		k.Namespace[i] = byte(0xA0 + i)
 	}
@@ -20,7 +22,7 @@ func testKey() Key {
 }
 
 // sealed returns a valid object of payload bytes under key.
-func sealed(t testing.TB, payload int, key Key) []byte {
+func sealed(t testing.TB, payload int, key kv.Key) []byte {
 	t.Helper()
 	obj := make([]byte, HeaderSize+payload)
 	for i := range obj[HeaderSize:] {
@@ -80,7 +82,7 @@ func TestVerify(t *testing.T) {
 	otherNS.Namespace[15] ^= 1
 	otherRank.Rank = 4
 	otherHash.Hash[31] ^= 0x80
-	for name, want := range map[string]Key{"namespace": otherNS, "rank": otherRank, "hash": otherHash} {
+	for name, want := range map[string]kv.Key{"namespace": otherNS, "rank": otherRank, "hash": otherHash} {
 		_, err := Verify(obj, want)
 		if !errors.Is(err, ErrKeyMismatch) || !errors.Is(err, ErrCorrupt) {
 			t.Errorf("other %s: %v, want a key mismatch that is corruption", name, err)
@@ -189,7 +191,7 @@ func TestSealHeaderThenSetPayloadCRC(t *testing.T) {
 	if _, err := VerifyHeader(obj[:HeaderSize], key); err == nil {
 		t.Fatal("VerifyHeader accepted a truncated object")
 	}
-	if _, _, err := SetPayloadCRC(obj, Key{}); !errors.Is(err, ErrKeyMismatch) {
+	if _, _, err := SetPayloadCRC(obj, kv.Key{}); !errors.Is(err, ErrKeyMismatch) {
 		t.Fatalf("SetPayloadCRC under another key: %v", err)
 	}
 	h, set, err := SetPayloadCRC(obj, key)
@@ -300,7 +302,7 @@ func FuzzDecode(f *testing.F) {
 	f.Add(obj[:HeaderSize])
 	f.Add(obj[:40])
 	f.Add([]byte("KVSO\x01\x00\x40\x00"))
-	f.Add(sealed(f, 0, Key{}))
+	f.Add(sealed(f, 0, kv.Key{}))
 	bare := clone(obj)
 	if err := SealHeader(bare, Header{Key: key}); err != nil {
 		f.Fatal(err)

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 )
 
@@ -31,13 +32,13 @@ func TestConcurrentSessions(t *testing.T) {
 			for i := range rounds {
 				hs := hashes(fmt.Sprint("c", i%7), 6) // shared prompts: writers race
 				for r := range uint32(world) {
-					tag := ipc.Tag{byte(w), byte(r)}
+					tag := kv.Tag{byte(w), byte(r)}
 					a, err := st.Alloc(wk[r], &ipc.AllocReq{Tag: tag, Namespace: ns1, Rank: r, Hashes: hs, Sizes: sizes(len(hs))})
 					if err != nil {
 						errs <- err
 						return
 					}
-					var ok []ipc.Hash
+					var ok []kv.Hash
 					for k, x := range a.Status {
 						if x == ipc.StatusOK {
 							ok = append(ok, hs[k])

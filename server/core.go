@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l1"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/tier"
@@ -33,7 +34,7 @@ type Options struct {
 	// (tests, custom backends); the core closes them.
 	L2Adapters []*l2.Adapter
 	// L2BeforeLoad is tier.PrefetchConfig.BeforeLoad (tests, tracing).
-	L2BeforeLoad func(keys []l2.Key)
+	L2BeforeLoad func(keys []kv.Key)
 }
 
 // Core is the server core: sessions, lookups and their holds over the L1
@@ -52,7 +53,7 @@ type Core struct {
 	closed   bool
 	l1       *l1.Cache // allocator, object table, LRU, object states
 	staging  map[stageKey]stageEntry
-	sessions map[ipc.Tag]*Session
+	sessions map[kv.Tag]*Session
 	fences   map[*Session][]uint32 // ended sessions' fenced slots (fence.go)
 	pinned   map[uint32]uint32     // object → pins (see Pin)
 	cnt      counters
@@ -93,7 +94,7 @@ func NewCore(cfg Config, o Options) (*Core, error) {
 		cfg:      cfg,
 		filler:   o.Filler,
 		staging:  map[stageKey]stageEntry{},
-		sessions: map[ipc.Tag]*Session{},
+		sessions: map[kv.Tag]*Session{},
 		fences:   map[*Session][]uint32{},
 		now:      time.Now,
 		stop:     make(chan struct{}),
@@ -140,7 +141,7 @@ func (core *Core) Close() error {
 // Session is one client connection (one connector instance). Its id is the
 // instance id from the hello; other sessions name its lookups by it.
 type Session struct {
-	id      ipc.Tag
+	id      kv.Tag
 	opts    SessionOptions
 	closed  bool // guarded by Core.mu
 	lookups map[uint64]*lookup
@@ -149,18 +150,18 @@ type Session struct {
 }
 
 // ID is the session's instance id.
-func (s *Session) ID() ipc.Tag { return s.id }
+func (s *Session) ID() kv.Tag { return s.id }
 
 // OpenSession registers a session of an in-process caller, whose writes to
 // L1 end before its calls return (no fencing). Two live sessions cannot
 // share an id.
-func (core *Core) OpenSession(id ipc.Tag) (*Session, error) {
+func (core *Core) OpenSession(id kv.Tag) (*Session, error) {
 	return core.OpenSessionWith(id, SessionOptions{})
 }
 
 // OpenSessionWith registers a session described by o. Two live sessions
 // cannot share an id.
-func (core *Core) OpenSessionWith(id ipc.Tag, o SessionOptions) (*Session, error) {
+func (core *Core) OpenSessionWith(id kv.Tag, o SessionOptions) (*Session, error) {
 	core.mu.Lock()
 	defer core.mu.Unlock()
 	if core.closed {
@@ -236,8 +237,8 @@ func (core *Core) memAt(loc ipc.Loc) []byte {
 type stageKey struct {
 	shard l1.Shard
 	rank  uint32
-	hash  ipc.Hash
-	tag   ipc.Tag
+	hash  kv.Hash
+	tag   kv.Tag
 }
 
 type stageEntry struct {

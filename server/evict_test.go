@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 )
 
@@ -18,7 +19,7 @@ func TestEvictionSparesHeldAndStaging(t *testing.T) {
 	r := lookupNow(t, st, s, 1, 1, false, held)
 	assert.Equal(t, r.Chunks, uint32(8))
 	staged := hashes("staged", 8)
-	sr, err := st.Alloc(s, &ipc.AllocReq{Tag: ipc.Tag{9}, Namespace: ns1, Hashes: staged, Sizes: sizes(8)})
+	sr, err := st.Alloc(s, &ipc.AllocReq{Tag: kv.Tag{9}, Namespace: ns1, Hashes: staged, Sizes: sizes(8)})
 	assert.NilError(t, err)
 	for _, x := range sr.Status {
 		assert.Equal(t, x, ipc.StatusOK)
@@ -35,7 +36,7 @@ func TestEvictionSparesHeldAndStaging(t *testing.T) {
 	for _, x := range rr.Status {
 		assert.Equal(t, x, ipc.StatusOK)
 	}
-	cr, err := st.Commit(s, &ipc.CommitReq{Tag: ipc.Tag{9}, Namespace: ns1, Hashes: staged})
+	cr, err := st.Commit(s, &ipc.CommitReq{Tag: kv.Tag{9}, Namespace: ns1, Hashes: staged})
 	assert.NilError(t, err)
 	for _, x := range cr.Status {
 		assert.Equal(t, x, ipc.StatusOK)
@@ -46,7 +47,7 @@ func TestEvictionSparesHeldAndStaging(t *testing.T) {
 	r = lookupNow(t, st, s, 2, 1, false, append(held, staged...))
 	assert.Equal(t, r.Chunks, uint32(16))
 	big := hashes("big", 17)
-	br, err := st.Alloc(s, &ipc.AllocReq{Tag: ipc.Tag{3}, Namespace: ns1, Hashes: big, Sizes: sizes(17)})
+	br, err := st.Alloc(s, &ipc.AllocReq{Tag: kv.Tag{3}, Namespace: ns1, Hashes: big, Sizes: sizes(17)})
 	assert.NilError(t, err)
 	assert.Equal(t, br.Status[15], ipc.StatusOK)
 	assert.Equal(t, br.Status[16], ipc.StatusNoSpace)
@@ -55,7 +56,7 @@ func TestEvictionSparesHeldAndStaging(t *testing.T) {
 	for _, x := range rr.Status {
 		assert.Equal(t, x, ipc.StatusOK)
 	}
-	_, err = st.Abort(s, &ipc.CommitReq{Tag: ipc.Tag{3}, Namespace: ns1, Hashes: big})
+	_, err = st.Abort(s, &ipc.CommitReq{Tag: kv.Tag{3}, Namespace: ns1, Hashes: big})
 	assert.NilError(t, err)
 	assert.Equal(t, used(t, st), 16.0*objSize)
 }

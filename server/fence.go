@@ -4,6 +4,7 @@ import (
 	"log/slog"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // SessionOptions describe a session's peer.
@@ -77,7 +78,7 @@ func (core *Core) fenceClosed(s *Session) {
 }
 
 // unfenceDrained frees the fenced slots of every ended session named id.
-func (core *Core) unfenceDrained(id ipc.Tag) {
+func (core *Core) unfenceDrained(id kv.Tag) {
 	for s := range core.fences {
 		if s.id == id && core.unfence(s) {
 			core.cnt.fencesDrained++

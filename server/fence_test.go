@@ -8,14 +8,15 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 	"gotest.tools/v3/poll"
 )
 
 // stage ALLOCs hs as writer tag without committing and returns the locations.
-func stage(t *testing.T, st *Core, s *Session, tag byte, hs []ipc.Hash) []ipc.Loc {
+func stage(t *testing.T, st *Core, s *Session, tag byte, hs []kv.Hash) []ipc.Loc {
 	t.Helper()
-	resp, err := st.Alloc(s, &ipc.AllocReq{Tag: ipc.Tag{tag}, Namespace: ns1, Hashes: hs, Sizes: sizes(len(hs))})
+	resp, err := st.Alloc(s, &ipc.AllocReq{Tag: kv.Tag{tag}, Namespace: ns1, Hashes: hs, Sizes: sizes(len(hs))})
 	assert.NilError(t, err)
 	for i, stt := range resp.Status {
 		assert.Equal(t, stt, ipc.StatusOK, "key %d", i)
@@ -43,7 +44,7 @@ func TestFenceUntilWriterExits(t *testing.T) {
 	assert.Equal(t, stat(t, st, "kvshim_l1_objects{state=staging}"), 0.0)
 
 	b := open(t, st, 1)
-	resp, err := st.Alloc(b, &ipc.AllocReq{Tag: ipc.Tag{2}, Namespace: ns1, Hashes: hashes("b", 4), Sizes: sizes(4)})
+	resp, err := st.Alloc(b, &ipc.AllocReq{Tag: kv.Tag{2}, Namespace: ns1, Hashes: hashes("b", 4), Sizes: sizes(4)})
 	assert.NilError(t, err)
 	for i, stt := range resp.Status {
 		assert.Equal(t, stt, ipc.StatusNoSpace, "key %d got a fenced writer's slot", i)
@@ -51,7 +52,7 @@ func TestFenceUntilWriterExits(t *testing.T) {
 	// The old writer's COMMIT through a new session of the same tag is refused.
 	a2, err := st.OpenSessionWith(sessionID(0), SessionOptions{Fence: true, PeerPID: child.Process.Pid})
 	assert.NilError(t, err)
-	c, err := st.Commit(a2, &ipc.CommitReq{Tag: ipc.Tag{1}, Namespace: ns1, Hashes: hashes("a", 1)})
+	c, err := st.Commit(a2, &ipc.CommitReq{Tag: kv.Tag{1}, Namespace: ns1, Hashes: hashes("a", 1)})
 	assert.NilError(t, err)
 	assert.Equal(t, c.Status[0], ipc.StatusNotFound)
 	st.CloseSession(a2)

@@ -4,7 +4,7 @@ import (
 	"context"
 	"fmt"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l1"
 	"github.com/kvshim/kvshim/server/tier"
 )
@@ -18,11 +18,11 @@ type fillKey struct{ rank, chunk uint32 }
 // handed to the tier.Filler): chunks [Start, Start+len(Hashes)) are the
 // suffix that L1 lacked on at least one rank when the lookup arrived.
 type FillTask struct {
-	Namespace ipc.Namespace
+	Namespace kv.Namespace
 	WorldSize uint32 // readers
 	MLA       bool   // objects are stored once, under rank 0
 	Start     uint32 // lookup index of Hashes[0]
-	Hashes    []ipc.Hash
+	Hashes    []kv.Hash
 
 	core     *Core
 	lk       *lookup            // nil once the lookup is gone or answered (guarded by core.mu)

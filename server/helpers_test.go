@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l1"
 	"gotest.tools/v3/assert"
 )
@@ -29,8 +30,8 @@ func newCore(t testing.TB, capMiB float64, o Options, tweak ...func(*Config)) *C
 	return st
 }
 
-func sessionID(n int) ipc.Tag {
-	var t ipc.Tag
+func sessionID(n int) kv.Tag {
+	var t kv.Tag
 	binary.LittleEndian.PutUint64(t[:], uint64(n)+1)
 	return t
 }
@@ -42,11 +43,11 @@ func open(t testing.TB, st *Core, n int) *Session {
 	return s
 }
 
-var ns1 = ipc.Namespace{1}
+var ns1 = kv.Namespace{1}
 
 // hashes returns n chained test hashes for a prompt seed.
-func hashes(seed string, n int) []ipc.Hash {
-	out := make([]ipc.Hash, n)
+func hashes(seed string, n int) []kv.Hash {
+	out := make([]kv.Hash, n)
 	prev := sha256.Sum256([]byte(seed))
 	for i := range out {
 		var b [36]byte
@@ -59,18 +60,18 @@ func hashes(seed string, n int) []ipc.Hash {
 }
 
 // save writes chunks hs on rank (alloc + fill + commit) as writer tag.
-func save(t testing.TB, st *Core, s *Session, tag byte, rank uint32, hs []ipc.Hash) []ipc.Status {
+func save(t testing.TB, st *Core, s *Session, tag byte, rank uint32, hs []kv.Hash) []ipc.Status {
 	t.Helper()
-	req := &ipc.AllocReq{Tag: ipc.Tag{tag}, Namespace: ns1, Rank: rank, Hashes: hs, Sizes: sizes(len(hs))}
+	req := &ipc.AllocReq{Tag: kv.Tag{tag}, Namespace: ns1, Rank: rank, Hashes: hs, Sizes: sizes(len(hs))}
 	resp, err := st.Alloc(s, req)
 	assert.NilError(t, err)
-	var ok []ipc.Hash
+	var ok []kv.Hash
 	for i, stt := range resp.Status {
 		if stt == ipc.StatusOK {
 			ok = append(ok, hs[i])
 		}
 	}
-	c, err := st.Commit(s, &ipc.CommitReq{Tag: ipc.Tag{tag}, Namespace: ns1, Rank: rank, Hashes: ok})
+	c, err := st.Commit(s, &ipc.CommitReq{Tag: kv.Tag{tag}, Namespace: ns1, Rank: rank, Hashes: ok})
 	assert.NilError(t, err)
 	for _, stt := range c.Status {
 		assert.Equal(t, stt, ipc.StatusOK)
@@ -87,7 +88,7 @@ func sizes(n int) []uint64 {
 }
 
 // result registers a lookup and returns its LOOKUP_RESULT answer.
-func lookupNow(t testing.TB, st *Core, s *Session, id uint64, world uint32, mla bool, hs []ipc.Hash) *ipc.LookupResultResp {
+func lookupNow(t testing.TB, st *Core, s *Session, id uint64, world uint32, mla bool, hs []kv.Hash) *ipc.LookupResultResp {
 	t.Helper()
 	assert.NilError(t, st.Lookup(s, &ipc.LookupReq{LookupID: id, Namespace: ns1, WorldSize: world, MLA: mla, Hashes: hs}))
 	r, err := st.LookupResult(s, &ipc.LookupResultReq{LookupID: id})

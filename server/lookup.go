@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l1"
 )
 
@@ -71,10 +72,10 @@ const (
 type lookup struct {
 	owner   *Session
 	id      uint64
-	ns      ipc.Namespace
+	ns      kv.Namespace
 	world   uint32 // readers: one hold per reader rank
 	mla     bool   // stored once under rank 0
-	hashes  []ipc.Hash
+	hashes  []kv.Hash
 	state   lookupState
 	chunks  uint32     // final answer
 	held    [][]uint32 // [reader rank][chunk] object index, l1.Nil = no hold
@@ -307,7 +308,7 @@ func (core *Core) releaseRow(lk *lookup, row []uint32, start, end uint32) {
 
 // owned finds the lookup (owner, id) for RETRIEVE and RELEASE, which worker
 // sessions send for lookups the scheduler's session made.
-func (core *Core) owned(owner ipc.Tag, id uint64) (*lookup, error) {
+func (core *Core) owned(owner kv.Tag, id uint64) (*lookup, error) {
 	os := core.sessions[owner]
 	if os == nil {
 		return nil, fmt.Errorf("%w: owner %x is not connected", ErrUnknownLookup, owner)

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 )
@@ -41,7 +42,7 @@ func heapInUse() uint64 {
 // lookupReq is a LOOKUP of n fresh (zero: missing) chunks, a new slice each
 // time as the codec decodes one per request.
 func lookupReq(id uint64, n int, world uint32) *ipc.LookupReq {
-	return &ipc.LookupReq{LookupID: id, Namespace: ns1, WorldSize: world, Hashes: make([]ipc.Hash, n)}
+	return &ipc.LookupReq{LookupID: id, Namespace: ns1, WorldSize: world, Hashes: make([]kv.Hash, n)}
 }
 
 func TestLookupLimitDefaults(t *testing.T) {

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 )
 
@@ -32,7 +33,7 @@ func TestRankContiguity(t *testing.T) {
 			st := newCore(t, 4, Options{})
 			s := open(t, st, 0)
 			for r, cs := range tc.ranks {
-				var sel []ipc.Hash
+				var sel []kv.Hash
 				for _, c := range cs {
 					sel = append(sel, hs[c])
 				}
@@ -191,7 +192,7 @@ func TestHoldAndStagingTTL(t *testing.T) {
 	base := used(t, st)
 	r := lookupNow(t, st, s, 1, 1, false, hs)
 	assert.Equal(t, r.Chunks, uint32(3))
-	_, err := st.Alloc(s, &ipc.AllocReq{Tag: ipc.Tag{2}, Namespace: ns1, Hashes: hashes("forgot", 2), Sizes: sizes(2)})
+	_, err := st.Alloc(s, &ipc.AllocReq{Tag: kv.Tag{2}, Namespace: ns1, Hashes: hashes("forgot", 2), Sizes: sizes(2)})
 	assert.NilError(t, err)
 	deadline := time.Now().Add(5 * time.Second)
 	for holds(t, st) != 0 || used(t, st) != base {

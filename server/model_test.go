@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 )
 
@@ -115,8 +116,8 @@ func runModel(t *testing.T, seed uint64, steps int, collide bool) {
 		}
 		return out
 	}
-	sel := func(cs []int) []ipc.Hash {
-		out := make([]ipc.Hash, len(cs))
+	sel := func(cs []int) []kv.Hash {
+		out := make([]kv.Hash, len(cs))
 		for i, c := range cs {
 			out[i] = pool[c]
 		}
@@ -129,7 +130,7 @@ func runModel(t *testing.T, seed uint64, steps int, collide bool) {
 		switch op := rng.IntN(11); op {
 		case 0, 1: // ALLOC
 			tag, rank, cs := byte(rng.IntN(3)+1), uint32(rng.IntN(maxRank)), randKeys()
-			resp, err := st.Alloc(s, &ipc.AllocReq{Tag: ipc.Tag{tag}, Namespace: ns1, Rank: rank, Hashes: sel(cs), Sizes: sizes(len(cs))})
+			resp, err := st.Alloc(s, &ipc.AllocReq{Tag: kv.Tag{tag}, Namespace: ns1, Rank: rank, Hashes: sel(cs), Sizes: sizes(len(cs))})
 			assert.NilError(t, err, where())
 			for i, c := range cs {
 				k := mKey{rank, c}
@@ -145,7 +146,7 @@ func runModel(t *testing.T, seed uint64, steps int, collide bool) {
 			}
 		case 2, 3: // COMMIT / ABORT
 			tag, rank, cs := byte(rng.IntN(3)+1), uint32(rng.IntN(maxRank)), randKeys()
-			req := &ipc.CommitReq{Tag: ipc.Tag{tag}, Namespace: ns1, Rank: rank, Hashes: sel(cs)}
+			req := &ipc.CommitReq{Tag: kv.Tag{tag}, Namespace: ns1, Rank: rank, Hashes: sel(cs)}
 			var resp *ipc.CommitResp
 			var err error
 			if op == 2 {

@@ -3,7 +3,7 @@ package server
 import (
 	"log/slog"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/tier"
 )
 
@@ -29,7 +29,7 @@ func (core *Core) pinLocked(i uint32) tier.Object {
 
 // Pin pins the resident object (ns, rank, h) and returns it; ok is false
 // when it is not resident.
-func (core *Core) Pin(ns ipc.Namespace, rank uint32, h ipc.Hash) (o tier.Object, ok bool) {
+func (core *Core) Pin(ns kv.Namespace, rank uint32, h kv.Hash) (o tier.Object, ok bool) {
 	core.mu.Lock()
 	defer core.mu.Unlock()
 	if core.closed {

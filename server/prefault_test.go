@@ -12,6 +12,7 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l1"
 )
 
@@ -62,7 +63,7 @@ func allocObjects(t *testing.T, c *ipc.Client, seed string, n int, size uint64) 
 	for i := range sz {
 		sz[i] = size
 	}
-	r, err := c.Alloc(ctx, &ipc.AllocReq{Tag: ipc.Tag(uuid.New()), Namespace: ns1, Hashes: hashes(seed, n), Sizes: sz})
+	r, err := c.Alloc(ctx, &ipc.AllocReq{Tag: kv.Tag(uuid.New()), Namespace: ns1, Hashes: hashes(seed, n), Sizes: sz})
 	assert.NilError(t, err)
 	for _, s := range r.Status {
 		assert.Equal(t, s, ipc.StatusOK)

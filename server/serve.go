@@ -6,6 +6,7 @@ import (
 	"sync"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // Serve accepts sessions on ln until it is closed and runs each on its own
@@ -33,7 +34,7 @@ func Serve(ln *ipc.Listener, core *Core) error {
 
 func serveConn(c *ipc.ServerConn, core *Core) {
 	hello, cred := c.Hello(), c.PeerCred()
-	s, err := core.OpenSessionWith(ipc.Tag(hello.Instance), SessionOptions{
+	s, err := core.OpenSessionWith(kv.Tag(hello.Instance), SessionOptions{
 		Fence: true, PeerPID: int(cred.Pid), UID: cred.Uid, Drained: hello.Flags&ipc.HelloDrained != 0})
 	if err != nil {
 		c.Close()

@@ -10,6 +10,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 )
 
@@ -47,7 +48,7 @@ func TestServeEndToEnd(t *testing.T) {
 	sched := dial(t, path, ipc.RoleScheduler)
 	worker := dial(t, path, ipc.RoleWorker)
 	hs := hashes("e2e", 3)
-	tag := ipc.Tag(uuid.New())
+	tag := kv.Tag(uuid.New())
 	ar, err := worker.Alloc(ctx, &ipc.AllocReq{Tag: tag, Namespace: ns1, Hashes: hs, Sizes: sizes(3)})
 	assert.NilError(t, err)
 	for i, l := range ar.Locs {
@@ -64,7 +65,7 @@ func TestServeEndToEnd(t *testing.T) {
 	lr, err := sched.LookupResult(ctx, &ipc.LookupResultReq{LookupID: 11})
 	assert.NilError(t, err)
 	assert.DeepEqual(t, *lr, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 3})
-	owner := ipc.Tag(sched.Hello().Instance)
+	owner := kv.Tag(sched.Hello().Instance)
 	rr, err := worker.Retrieve(ctx, &ipc.RetrieveReq{Owner: owner, LookupID: 11, End: ^uint32(0)})
 	assert.NilError(t, err)
 	for i, l := range rr.Locs {

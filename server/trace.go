@@ -7,8 +7,8 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l1"
-	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/tier"
 	"github.com/kvshim/kvshim/trace"
 )
@@ -26,8 +26,8 @@ func (core *Core) SetTrace(w *trace.Writer) { core.trace.w.Store(w) }
 
 func (core *Core) tracer() *trace.Writer { return core.trace.w.Load() }
 
-func hexTag(t ipc.Tag) string      { return hex.EncodeToString(t[:]) }
-func hexNS(n ipc.Namespace) string { return hex.EncodeToString(n[:]) }
+func hexTag(t kv.Tag) string      { return hex.EncodeToString(t[:]) }
+func hexNS(n kv.Namespace) string { return hex.EncodeToString(n[:]) }
 func lookupRecord(k trace.Kind, ev string, lk *lookup) trace.Record {
 	return trace.Record{Kind: k, Event: ev, LookupID: lk.id, Owner: hexTag(lk.owner.id), Namespace: hexNS(lk.ns),
 		Rank: -1, Chunk: -1, StopRank: -1, World: lk.world, Chunks: uint32(len(lk.hashes))}
@@ -190,7 +190,7 @@ func (core *Core) traceCommit(s *Session, req *ipc.CommitReq, resp *ipc.CommitRe
 }
 
 // traceEvict: an object evicted from L1 (l1.Config.OnEvict; mu held).
-func (core *Core) traceEvict(ns ipc.Namespace, rank uint32, size uint64) {
+func (core *Core) traceEvict(ns kv.Namespace, rank uint32, size uint64) {
 	w := core.tracer()
 	if w == nil {
 		return
@@ -201,7 +201,7 @@ func (core *Core) traceEvict(ns ipc.Namespace, rank uint32, size uint64) {
 
 // TraceL2Saved (tier.L2Tracer): an L2 write ended (the seed's third
 // "done" of a save: L2 saved).
-func (core *Core) TraceL2Saved(adapter string, key l2.Key, bytes int, err error) {
+func (core *Core) TraceL2Saved(adapter string, key kv.Key, bytes int, err error) {
 	w := core.tracer()
 	if w == nil {
 		return

@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 )
@@ -14,7 +15,7 @@ func TestTwoWritersOneResident(t *testing.T) {
 	a, b := open(t, st, 0), open(t, st, 1)
 	h := hashes("dup", 1)
 	req := func(tag byte) *ipc.AllocReq {
-		return &ipc.AllocReq{Tag: ipc.Tag{tag}, Namespace: ns1, Hashes: h, Sizes: sizes(1)}
+		return &ipc.AllocReq{Tag: kv.Tag{tag}, Namespace: ns1, Hashes: h, Sizes: sizes(1)}
 	}
 	ra, err := st.Alloc(a, req(1))
 	assert.NilError(t, err)
@@ -30,10 +31,10 @@ func TestTwoWritersOneResident(t *testing.T) {
 	// Invisible while staging.
 	r := lookupNow(t, st, a, 1, 1, false, h)
 	assert.Equal(t, r.Chunks, uint32(0))
-	cb, err := st.Commit(b, &ipc.CommitReq{Tag: ipc.Tag{2}, Namespace: ns1, Hashes: h})
+	cb, err := st.Commit(b, &ipc.CommitReq{Tag: kv.Tag{2}, Namespace: ns1, Hashes: h})
 	assert.NilError(t, err)
 	assert.Equal(t, cb.Status[0], ipc.StatusOK)
-	ca, err := st.Commit(a, &ipc.CommitReq{Tag: ipc.Tag{1}, Namespace: ns1, Hashes: h})
+	ca, err := st.Commit(a, &ipc.CommitReq{Tag: kv.Tag{1}, Namespace: ns1, Hashes: h})
 	assert.NilError(t, err)
 	assert.Equal(t, ca.Status[0], ipc.StatusOK)
 	assert.Equal(t, used(t, st), 1.0*objSize)
@@ -49,7 +50,7 @@ func TestTwoWritersOneResident(t *testing.T) {
 	assert.NilError(t, err)
 	assert.Equal(t, rc.Status[0], ipc.StatusResident)
 	// Committing twice or someone else's staging is NotFound.
-	cx, err := st.Commit(a, &ipc.CommitReq{Tag: ipc.Tag{1}, Namespace: ns1, Hashes: h})
+	cx, err := st.Commit(a, &ipc.CommitReq{Tag: kv.Tag{1}, Namespace: ns1, Hashes: h})
 	assert.NilError(t, err)
 	assert.Equal(t, cx.Status[0], ipc.StatusNotFound)
 }
@@ -58,14 +59,14 @@ func TestSessionClosedMidAlloc(t *testing.T) {
 	st := newCore(t, 4, Options{})
 	w := open(t, st, 0)
 	hs := hashes("mid", 6)
-	_, err := st.Alloc(w, &ipc.AllocReq{Tag: ipc.Tag{1}, Namespace: ns1, Hashes: hs, Sizes: sizes(6)})
+	_, err := st.Alloc(w, &ipc.AllocReq{Tag: kv.Tag{1}, Namespace: ns1, Hashes: hs, Sizes: sizes(6)})
 	assert.NilError(t, err)
 	assert.Equal(t, used(t, st), 6.0*objSize)
 	st.CloseSession(w)
 	st.CloseSession(w) // idempotent
 	assert.Equal(t, used(t, st), 0.0)
 	assert.Equal(t, stat(t, st, "kvshim_l1_objects{state=staging}"), 0.0)
-	_, err = st.Commit(w, &ipc.CommitReq{Tag: ipc.Tag{1}, Namespace: ns1, Hashes: hs})
+	_, err = st.Commit(w, &ipc.CommitReq{Tag: kv.Tag{1}, Namespace: ns1, Hashes: hs})
 	assert.Assert(t, errors.Is(err, ErrSessionClosed))
 	// The same instance id may reconnect, and the tag is free again.
 	w2, err := st.OpenSession(w.ID())
@@ -96,8 +97,8 @@ func TestBadRequests(t *testing.T) {
 			return err
 		}()},
 		{"lookup world 0", st.Lookup(s, &ipc.LookupReq{LookupID: 1, Hashes: h})},
-		{"lookup too many keys", st.Lookup(s, &ipc.LookupReq{LookupID: 2, WorldSize: 1, Hashes: make([]ipc.Hash, ipc.MaxKeys+1)})},
-		{"lookup too many cells", st.Lookup(s, &ipc.LookupReq{LookupID: 2, WorldSize: 64, Hashes: make([]ipc.Hash, ipc.MaxKeys)})},
+		{"lookup too many keys", st.Lookup(s, &ipc.LookupReq{LookupID: 2, WorldSize: 1, Hashes: make([]kv.Hash, ipc.MaxKeys+1)})},
+		{"lookup too many cells", st.Lookup(s, &ipc.LookupReq{LookupID: 2, WorldSize: 64, Hashes: make([]kv.Hash, ipc.MaxKeys)})},
 		{"free start > end", st.Free(s, &ipc.FreeReq{LookupID: 1, Start: 3, End: 2})},
 	}
 	for _, tc := range cases {

@@ -20,6 +20,7 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/server"
 )
@@ -322,7 +323,7 @@ func chaosWriter(sock string) int {
 		}
 		sv := SaveSpec{Req: fmt.Sprint("w", it), Blocks: blocks}
 		for k := range len(blocks) * cBS / cChunk {
-			var h Hash
+			var h kv.Hash
 			binary.LittleEndian.PutUint64(h[:], it)
 			binary.LittleEndian.PutUint64(h[8:], uint64(k))
 			h[31] = 0xa1

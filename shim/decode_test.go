@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"testing"
 
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 )
 
@@ -53,7 +54,7 @@ func TestDecodeSavesChunksAtBoundaries(t *testing.T) {
 	sv = decodeStep(t, r, StepRequest{Req: "A", Computed: 25, Scheduled: 1, Tokens: all[16:24], TokensFrom: 16})
 	assert.Equal(t, len(sv), 1)
 	assert.Equal(t, sv[0].First, uint32(2))
-	assert.DeepEqual(t, sv[0].Hashes, []Hash{Hash(want[2])})
+	assert.DeepEqual(t, sv[0].Hashes, []kv.Hash{kv.Hash(want[2])})
 	assert.DeepEqual(t, sv[0].Blocks, blocks[4:6])
 	// The same boundary again: no second save.
 	assert.Equal(t, len(decodeStep(t, r, StepRequest{Req: "A", Computed: 26, Scheduled: 1, Tokens: all[16:24], TokensFrom: 16})), 0)
@@ -86,7 +87,7 @@ func TestDecodeSavesChunksAtBoundaries(t *testing.T) {
 	assert.Equal(t, delay, true) // the finish's save reads the blocks
 	assert.Equal(t, len(m.Saves), 1)
 	assert.Equal(t, m.Saves[0].First, uint32(3))
-	assert.DeepEqual(t, m.Saves[0].Hashes, []Hash{Hash(want[3])})
+	assert.DeepEqual(t, m.Saves[0].Hashes, []kv.Hash{kv.Hash(want[3])})
 	assert.DeepEqual(t, m.Saves[0].Blocks, dst[6:8])
 	assert.Equal(t, r.sched.Requests(), 0)
 }
@@ -105,7 +106,7 @@ func TestDecodeSavesChunksOfAShortPrompt(t *testing.T) {
 	assert.NilError(t, err)
 	assert.Equal(t, len(sv), 1)
 	assert.Equal(t, sv[0].First, uint32(0))
-	assert.DeepEqual(t, sv[0].Hashes, []Hash{Hash(want[0]), Hash(want[1])})
+	assert.DeepEqual(t, sv[0].Hashes, []kv.Hash{kv.Hash(want[0]), kv.Hash(want[1])})
 	assert.DeepEqual(t, sv[0].Blocks, blocks[:4])
 	assert.Equal(t, r.sched.Finished("A"), true)
 	assert.Equal(t, r.match(t, "B", all[:20], Extras{}, 0), 2*tChunk)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"testing"
 
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 )
 
@@ -53,7 +54,7 @@ func TestFinishedSavesTheGeneratedChunks(t *testing.T) {
 	assert.NilError(t, err)
 	assert.Equal(t, len(m.Saves), 1)
 	sv := m.Saves[0]
-	assert.DeepEqual(t, sv.Hashes, []Hash{Hash(want[2]), Hash(want[3])})
+	assert.DeepEqual(t, sv.Hashes, []kv.Hash{kv.Hash(want[2]), kv.Hash(want[3])})
 	assert.Equal(t, sv.First, uint32(2))
 	assert.DeepEqual(t, sv.Blocks, blocks[4:8])
 	assert.DeepEqual(t, m.Finished, []string{"A"})
@@ -127,7 +128,7 @@ func TestFinishedSavesOnlyComputedUnsavedChunks(t *testing.T) {
 			assert.Equal(t, m.Saves[0].First, uint32(1))
 			assert.Equal(t, len(m.Saves[0].Hashes), tc.want)
 			for i, h := range m.Saves[0].Hashes {
-				assert.Equal(t, h, Hash(want[1+i]))
+				assert.Equal(t, h, kv.Hash(want[1+i]))
 			}
 		})
 	}

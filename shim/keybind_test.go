@@ -7,14 +7,13 @@ import (
 
 	"gotest.tools/v3/assert"
 
-	"github.com/kvshim/kvshim/ipc"
-	"github.com/kvshim/kvshim/layout"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/tier"
 )
 
 // savePrompt saves the 3 chunks of tokens from blocks, each rank's blocks
 // filled from seed+rank, and returns the chunk hashes.
-func savePrompt(t *testing.T, r *rig, req string, tokens []uint32, blocks []int64, seed uint64) []ipc.Hash {
+func savePrompt(t *testing.T, r *rig, req string, tokens []uint32, blocks []int64, seed uint64) []kv.Hash {
 	t.Helper()
 	for rank, c := range r.caches {
 		for _, b := range blocks {
@@ -33,7 +32,7 @@ func savePrompt(t *testing.T, r *rig, req string, tokens []uint32, blocks []int6
 
 // l1Object pins the L1 object (rank, h) of the rig's namespace and hands
 // its bytes (the server's mapping of the shared segment) to f.
-func l1Object(t *testing.T, r *rig, rank uint32, h ipc.Hash, f func(obj []byte)) {
+func l1Object(t *testing.T, r *rig, rank uint32, h kv.Hash, f func(obj []byte)) {
 	t.Helper()
 	o, ok := r.srv.Core.Pin(r.sched.ns, rank, h)
 	assert.Assert(t, ok, "object (rank %d, %x) not resident", rank, h[:4])
@@ -51,23 +50,23 @@ func TestConnectorObjectOfAnotherKeyIsALoadError(t *testing.T) {
 	other := savePrompt(t, r, "other", tokensOf(5, 2), seq(0, 6), 200)
 	cases := []struct {
 		name   string
-		damage func(hs []ipc.Hash)
+		damage func(hs []kv.Hash)
 	}{
-		{"another prompt's chunk 1", func(hs []ipc.Hash) {
+		{"another prompt's chunk 1", func(hs []kv.Hash) {
 			l1Object(t, r, 0, other[1], func(src []byte) {
 				l1Object(t, r, 0, hs[1], func(dst []byte) { copy(dst, src) })
 			})
 		}},
-		{"rank 1's chunk 1", func(hs []ipc.Hash) {
+		{"rank 1's chunk 1", func(hs []kv.Hash) {
 			l1Object(t, r, 1, hs[1], func(src []byte) {
 				l1Object(t, r, 0, hs[1], func(dst []byte) { copy(dst, src) })
 			})
 		}},
-		{"another namespace's chunk 1", func(hs []ipc.Hash) {
+		{"another namespace's chunk 1", func(hs []kv.Hash) {
 			// The same payload, sealed under another namespace: only the
 			// key in the header differs.
 			l1Object(t, r, 0, hs[1], func(obj []byte) {
-				key := layout.ObjectKey{Namespace: r.sched.ns, Rank: 0, Hash: hs[1]}
+				key := kv.Key{Namespace: r.sched.ns, Rank: 0, Hash: hs[1]}
 				key.Namespace[0] ^= 1
 				assert.NilError(t, r.workers[0].Layout().SealObject(obj, key))
 			})
@@ -138,7 +137,7 @@ func TestLoadSpecCarriesChunkHashes(t *testing.T) {
 	assert.NilError(t, err)
 	assert.Equal(t, len(m.Loads), 1)
 	assert.Equal(t, m.Loads[0].Start, uint32(1))
-	assert.DeepEqual(t, m.Loads[0].Hashes, []Hash{Hash(hs[1])})
+	assert.DeepEqual(t, m.Loads[0].Hashes, []kv.Hash{kv.Hash(hs[1])})
 	w.StartLoads(m)
 	w.wg.Wait()
 	_, recv, errBlocks := w.Poll()

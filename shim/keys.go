@@ -8,7 +8,7 @@ import (
 	"maps"
 	"slices"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // Limits on hash inputs. They keep every length prefix and count in a u32 and
@@ -282,9 +282,9 @@ func NumFullChunks(numTokens, chunkSize int) int {
 
 // RootHash is hash_{-1}: the chain's seed for namespace ns and the request's
 // salt and LoRA (ex.MM does not enter the root).
-func RootHash(ns ipc.Namespace, ex Extras) (ipc.Hash, error) {
+func RootHash(ns kv.Namespace, ex Extras) (kv.Hash, error) {
 	if err := ex.Validate(); err != nil {
-		return ipc.Hash{}, err
+		return kv.Hash{}, err
 	}
 	h := getHasher()
 	defer putHasher(h)
@@ -295,17 +295,17 @@ func RootHash(ns ipc.Namespace, ex Extras) (ipc.Hash, error) {
 // partial tail is dropped): len = NumFullChunks(len(tokens), chunkSize).
 // Hashes are deterministic across processes, restarts and machines, and the
 // hashes of a prefix are a prefix of the hashes of the whole.
-func ChunkHashes(ns ipc.Namespace, tokens []uint32, chunkSize int, ex Extras) ([]ipc.Hash, error) {
+func ChunkHashes(ns kv.Namespace, tokens []uint32, chunkSize int, ex Extras) ([]kv.Hash, error) {
 	if err := checkChunkSize(chunkSize); err != nil {
 		return nil, err
 	}
-	return AppendChunkHashes(make([]ipc.Hash, 0, len(tokens)/chunkSize), ns, tokens, chunkSize, ex)
+	return AppendChunkHashes(make([]kv.Hash, 0, len(tokens)/chunkSize), ns, tokens, chunkSize, ex)
 }
 
 // AppendChunkHashes appends the hashes ChunkHashes would return to dst and
 // returns the extended slice; with enough capacity in dst it allocates
 // nothing. On error dst is returned unchanged.
-func AppendChunkHashes(dst []ipc.Hash, ns ipc.Namespace, tokens []uint32, chunkSize int, ex Extras) ([]ipc.Hash, error) {
+func AppendChunkHashes(dst []kv.Hash, ns kv.Namespace, tokens []uint32, chunkSize int, ex Extras) ([]kv.Hash, error) {
 	if err := checkChunkSize(chunkSize); err != nil {
 		return dst, err
 	}
@@ -324,7 +324,7 @@ func AppendChunkHashes(dst []ipc.Hash, ns ipc.Namespace, tokens []uint32, chunkS
 // append(prev, new hashes...), so like append it may reuse prev's array.
 // The result equals ChunkHashes(ns, tokens, chunkSize, ex) when prev is a
 // prefix of it; prev itself is trusted, not re-verified.
-func ExtendChunkHashes(ns ipc.Namespace, prev []ipc.Hash, tokens []uint32, chunkSize int, ex Extras) ([]ipc.Hash, error) {
+func ExtendChunkHashes(ns kv.Namespace, prev []kv.Hash, tokens []uint32, chunkSize int, ex Extras) ([]kv.Hash, error) {
 	if err := checkChunkSize(chunkSize); err != nil {
 		return prev, err
 	}
@@ -341,7 +341,7 @@ func ExtendChunkHashes(ns ipc.Namespace, prev []ipc.Hash, tokens []uint32, chunk
 	}
 	h := getHasher()
 	defer putHasher(h)
-	var last ipc.Hash
+	var last kv.Hash
 	if len(prev) == 0 {
 		last = h.root(ns, &ex)
 	} else {

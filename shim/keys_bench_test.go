@@ -3,7 +3,7 @@ package shim
 import (
 	"testing"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // go test ./shim -run '^$' -bench . -benchmem
@@ -27,7 +27,7 @@ func BenchmarkChunkHashes128KExtras(b *testing.B) {
 
 func benchChain(b *testing.B, ex Extras) {
 	tokens := testTokens(128<<10, 0)
-	dst := make([]ipc.Hash, 0, 512)
+	dst := make([]kv.Hash, 0, 512)
 	b.SetBytes(int64(4 * len(tokens)))
 	b.ReportAllocs()
 	for b.Loop() {

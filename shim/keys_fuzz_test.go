@@ -13,9 +13,8 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
-
-	"github.com/kvshim/kvshim/ipc"
 )
 
 // FuzzChunkHashes: arbitrary tokens, chunk sizes, extras and cut points never
@@ -89,7 +88,7 @@ func FuzzChunkHashes(f *testing.F) {
 // tokens: MM sorted (the encoding ignores the caller's order), LoRA nil for
 // none. Different keyInputs must encode differently.
 type keyInputs struct {
-	NS   ipc.Namespace
+	NS   kv.Namespace
 	Salt string
 	LoRA *LoRA
 	MM   []MMInput
@@ -107,7 +106,7 @@ func (k keyInputs) String() string {
 	return fmt.Sprintf("ns %x salt %q lora %s mm [%s ]", k.NS, k.Salt, lora, mm.String())
 }
 
-func canonical(ns ipc.Namespace, ex Extras) keyInputs {
+func canonical(ns kv.Namespace, ex Extras) keyInputs {
 	mm := slices.Clone(ex.MM)
 	slices.SortFunc(mm, compareMM)
 	if len(mm) == 0 {
@@ -120,7 +119,7 @@ func canonical(ns ipc.Namespace, ex Extras) keyInputs {
 // the chain: the root message, and the multimodal section over a range that
 // holds every input (per chunk, the section is the same function over the
 // chunk's range).
-func encodeKeyInputs(ns ipc.Namespace, ex Extras) (root, mm []byte) {
+func encodeKeyInputs(ns kv.Namespace, ex Extras) (root, mm []byte) {
 	sorted := slices.Clone(ex.MM)
 	slices.SortFunc(sorted, compareMM)
 	return appendRootMsg(nil, ns, &ex), appendMMSection(nil, sorted, 0, maxTokenPos)
@@ -159,7 +158,7 @@ func (r *msgReader) lp() []byte { return r.take(int(r.u32())) }
 
 // decodeRootMsg parses a root message strictly: every byte consumed, the
 // presence byte 0 or 1.
-func decodeRootMsg(b []byte) (ns ipc.Namespace, salt string, lora *LoRA, ok bool) {
+func decodeRootMsg(b []byte) (ns kv.Namespace, salt string, lora *LoRA, ok bool) {
 	r := &msgReader{b: b}
 	if string(r.take(len(rootTag))) != rootTag {
 		return ns, "", nil, false
@@ -193,7 +192,7 @@ func decodeMMSection(b []byte) (mm []MMInput, ok bool) {
 }
 
 // checkRoundTrip: the encodings of (ns, ex) decode back to its canonical form.
-func checkRoundTrip(t *testing.T, ns ipc.Namespace, ex Extras) {
+func checkRoundTrip(t *testing.T, ns kv.Namespace, ex Extras) {
 	t.Helper()
 	want := canonical(ns, ex)
 	root, mmb := encodeKeyInputs(ns, ex)
@@ -214,7 +213,7 @@ func checkRoundTrip(t *testing.T, ns ipc.Namespace, ex Extras) {
 // checkPair: a and b encode to the same bytes, and hash to the same chunk
 // keys, exactly when they are the same inputs. Every mm input of a and b
 // must overlap the full chunks of injectiveTokens.
-func checkPair(t *testing.T, nsA ipc.Namespace, a Extras, nsB ipc.Namespace, b Extras) {
+func checkPair(t *testing.T, nsA kv.Namespace, a Extras, nsB kv.Namespace, b Extras) {
 	t.Helper()
 	same := cmp.Equal(canonical(nsA, a), canonical(nsB, b))
 	rootA, mmA := encodeKeyInputs(nsA, a)
@@ -281,7 +280,7 @@ func genMM(data []byte) []MMInput {
 	return mm
 }
 
-func fuzzNS(b uint8) ipc.Namespace {
+func fuzzNS(b uint8) kv.Namespace {
 	ns := testNS
 	ns[int(b)%len(ns)] ^= b >> 4
 	return ns
@@ -350,7 +349,7 @@ func TestRootEncodingInjectiveExhaustive(t *testing.T) {
 		}
 	}
 	msgs := make(map[string]keyInputs, len(strs)*len(loras))
-	roots := make(map[ipc.Hash]bool, len(strs)*len(loras))
+	roots := make(map[kv.Hash]bool, len(strs)*len(loras))
 	for _, salt := range strs {
 		for _, l := range loras {
 			in := keyInputs{NS: testNS, Salt: salt, LoRA: l}
@@ -378,7 +377,7 @@ func TestExtrasEncodingInjectiveRandom(t *testing.T) {
 	if testing.Short() || raceEnabled {
 		n = 2000
 	}
-	gen := func() (ipc.Namespace, Extras) {
+	gen := func() (kv.Namespace, Extras) {
 		data := make([]byte, 40)
 		for i := range data {
 			data[i] = byte(rng.UintN(256))
@@ -418,7 +417,7 @@ func TestNamespaceInjective(t *testing.T) {
 		World, TP, Chunk, KV int
 		MLA                  bool
 	}
-	seen := make(map[ipc.Namespace]canon)
+	seen := make(map[kv.Namespace]canon)
 	for _, m := range strs {
 		for _, d := range strs {
 			for _, l := range strs {

@@ -8,10 +8,9 @@ import (
 	"os"
 	"testing"
 
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
-
-	"github.com/kvshim/kvshim/ipc"
 )
 
 // The golden file pins the key encoding (namespace v1, root v2, chunk v1; see
@@ -64,7 +63,7 @@ type goldenChunks struct {
 	Hashes    []string    `json:"hashes"`
 }
 
-func hexHashes(hs []ipc.Hash) []string {
+func hexHashes(hs []kv.Hash) []string {
 	out := make([]string, len(hs))
 	for i := range hs {
 		out[i] = hex.EncodeToString(hs[i][:])
@@ -92,7 +91,7 @@ func TestGolden(t *testing.T) {
 		assert.Check(t, is.Equal(got, c.Namespace), "namespace %q: the namespace encoding changed", c.Name)
 	}
 	for i, c := range g.Chunks {
-		var ns ipc.Namespace
+		var ns kv.Namespace
 		b, err := hex.DecodeString(c.Namespace)
 		assert.NilError(t, err, c.Name)
 		assert.Assert(t, is.Len(b, len(ns)), c.Name)

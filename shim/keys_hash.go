@@ -10,7 +10,7 @@ import (
 	"sync"
 	"unsafe"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // Wire format of chunk keys. Every byte written below is part of every stored
@@ -66,7 +66,7 @@ func appendField(b []byte, s string) []byte {
 	return append(b, s...)
 }
 
-func (h *chunkHasher) digest() (out ipc.Hash) {
+func (h *chunkHasher) digest() (out kv.Hash) {
 	h.sum = h.h.Sum(h.sum[:0])
 	copy(out[:], h.sum)
 	return out
@@ -81,7 +81,7 @@ func (h *chunkHasher) digest() (out ipc.Hash) {
 // to right every field's end is known before the next one starts, and the
 // presence byte says whether a LoRA follows: two different (ns, salt, LoRA)
 // never give the same message. ex.MM does not enter the root.
-func appendRootMsg(b []byte, ns ipc.Namespace, ex *Extras) []byte {
+func appendRootMsg(b []byte, ns kv.Namespace, ex *Extras) []byte {
 	b = append(b, rootTag...)
 	b = append(b, ns[:]...)
 	b = appendField(b, ex.CacheSalt)
@@ -94,7 +94,7 @@ func appendRootMsg(b []byte, ns ipc.Namespace, ex *Extras) []byte {
 }
 
 // root = H(appendRootMsg(ns, ex)).
-func (h *chunkHasher) root(ns ipc.Namespace, ex *Extras) ipc.Hash {
+func (h *chunkHasher) root(ns kv.Namespace, ex *Extras) kv.Hash {
 	h.buf = appendRootMsg(h.buf[:0], ns, ex)
 	h.h.Reset()
 	h.h.Write(h.buf)
@@ -151,7 +151,7 @@ func (h *chunkHasher) sortedMM(mm []MMInput) []MMInput {
 // Chunk message: chunkTag ‖ prev ‖ u32le n ‖ n × u32le token ‖ the
 // appendMMSection of the chunk, where n = chunkSize: prev is fixed-size and
 // the token count comes before the tokens, so the message is unambiguous.
-func (h *chunkHasher) chain(dst []ipc.Hash, prev ipc.Hash, first int, tokens []uint32, chunkSize int, mm []MMInput) []ipc.Hash {
+func (h *chunkHasher) chain(dst []kv.Hash, prev kv.Hash, first int, tokens []uint32, chunkSize int, mm []MMInput) []kv.Hash {
 	n := len(tokens) / chunkSize
 	if first >= n {
 		return dst

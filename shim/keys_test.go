@@ -12,16 +12,15 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
-
-	"github.com/kvshim/kvshim/ipc"
 )
 
 // refChunkHashes is a deliberately naive second implementation of the key
 // encoding (root v2, chunk v1; see keys_hash.go) with fresh buffers and a full
 // mm scan per chunk, that the fast path is checked against.
-func refChunkHashes(ns ipc.Namespace, tokens []uint32, chunkSize int, ex Extras) []ipc.Hash {
+func refChunkHashes(ns kv.Namespace, tokens []uint32, chunkSize int, ex Extras) []kv.Hash {
 	lp := func(b *bytes.Buffer, s []byte) {
 		binary.Write(b, binary.LittleEndian, uint32(len(s)))
 		b.Write(s)
@@ -37,11 +36,11 @@ func refChunkHashes(ns ipc.Namespace, tokens []uint32, chunkSize int, ex Extras)
 		lp(&root, []byte(ex.LoRA.Name))
 		lp(&root, []byte(ex.LoRA.Path))
 	}
-	prev := ipc.Hash(sha256.Sum256(root.Bytes()))
+	prev := kv.Hash(sha256.Sum256(root.Bytes()))
 
 	mm := slices.Clone(ex.MM)
 	slices.SortFunc(mm, compareMM)
-	var out []ipc.Hash
+	var out []kv.Hash
 	for i := 0; (i+1)*chunkSize <= len(tokens); i++ {
 		start, end := i*chunkSize, (i+1)*chunkSize
 		var b bytes.Buffer
@@ -76,9 +75,9 @@ func testTokens(n int, seed uint32) []uint32 {
 	return t
 }
 
-var testNS = ipc.Namespace{0: 0x6b, 1: 0x76, 15: 0x01}
+var testNS = kv.Namespace{0: 0x6b, 1: 0x76, 15: 0x01}
 
-func mustHashes(t testing.TB, tokens []uint32, chunkSize int, ex Extras) []ipc.Hash {
+func mustHashes(t testing.TB, tokens []uint32, chunkSize int, ex Extras) []kv.Hash {
 	t.Helper()
 	h, err := ChunkHashes(testNS, tokens, chunkSize, ex)
 	assert.NilError(t, err)
@@ -125,7 +124,7 @@ func TestChunkHashesSeparation(t *testing.T) {
 	base := mustHashes(t, tokens, 256, Extras{})
 	assert.Assert(t, is.Len(base, 5))
 
-	allDiffer := func(t *testing.T, got []ipc.Hash) {
+	allDiffer := func(t *testing.T, got []kv.Hash) {
 		t.Helper()
 		assert.Assert(t, is.Len(got, len(base)))
 		for i := range got {
@@ -243,7 +242,7 @@ func TestExtendChunkHashes(t *testing.T) {
 	want := mustHashes(t, tokens, 64, ex)
 
 	// Decode-like growth, one token at a time, from nothing.
-	var hs []ipc.Hash
+	var hs []kv.Hash
 	for n := 0; n <= len(tokens); n++ {
 		var err error
 		hs, err = ExtendChunkHashes(testNS, hs, tokens[:n], 64, ex)
@@ -286,7 +285,7 @@ func TestChunkHashesErrors(t *testing.T) {
 	tokens := testTokens(64, 0)
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			dst := make([]ipc.Hash, 1, 8)
+			dst := make([]kv.Hash, 1, 8)
 			got, err := AppendChunkHashes(dst, testNS, tokens, tc.chunk, tc.ex)
 			assert.ErrorIs(t, err, tc.want)
 			assert.Check(t, is.Len(got, 1), "dst must come back unchanged")
@@ -319,7 +318,7 @@ func TestAppendChunkHashesAllocs(t *testing.T) {
 		t.Skip("sync.Pool drops items under -race")
 	}
 	tokens := testTokens(128<<10, 0)
-	dst := make([]ipc.Hash, 0, 512)
+	dst := make([]kv.Hash, 0, 512)
 	ex := Extras{CacheSalt: "s", MM: []MMInput{{Hash: []byte("i"), Offset: 1000, Length: 600}}}
 	allocs := testing.AllocsPerRun(20, func() {
 		var err error
@@ -377,7 +376,7 @@ func TestExtrasEncodingDistinct(t *testing.T) {
 	other[15] ^= 0x80
 	tests := []struct {
 		name   string
-		nsB    *ipc.Namespace // nil: testNS
+		nsB    *kv.Namespace // nil: testNS
 		a, b   Extras
 		wantEq bool
 	}{

@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvshim/kvshim/cuda"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/server/tier"
@@ -128,7 +129,7 @@ func BenchmarkLoadPipeline(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	var spans []layout.Span
+	var spans []kv.Span
 	cb := l.ChunkBlocks()
 	for c := range chunks {
 		o, ok := srv.Core.Pin(sched.ns, 0, hs[c])
@@ -136,7 +137,7 @@ func BenchmarkLoadPipeline(b *testing.B) {
 			b.Fatalf("chunk %d not resident", c)
 		}
 		defer srv.Core.Unpin([]tier.Object{o})
-		if spans, err = l.AppendPlan(spans, dst[c*cb:(c+1)*cb], addrOf(o.Mem), layout.Load); err != nil {
+		if spans, err = l.AppendPlan(spans, dst[c*cb:(c+1)*cb], addrOf(o.Mem), kv.Load); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -144,7 +145,7 @@ func BenchmarkLoadPipeline(b *testing.B) {
 	defer eng.Close()
 	engine := func() time.Duration {
 		start := time.Now()
-		job, err := eng.Submit(spans, cuda.Load)
+		job, err := eng.Submit(spans, kv.Load)
 		if err == nil {
 			err = job.Wait(10 * time.Second)
 		}

@@ -40,14 +40,14 @@ type StepMeta struct {
 // reaches the KV cache. A load without them loads nothing (every chunk is a
 // load error).
 type LoadSpec struct {
-	Req    string  `json:"req"`
-	Group  uint32  `json:"group,omitempty"` // KV-cache group (its namespace and layout)
-	Owner  Tag     `json:"owner"`
-	Lookup uint64  `json:"lookup"`
-	Start  uint32  `json:"start"`
-	End    uint32  `json:"end"`
-	Hashes []Hash  `json:"hashes,omitempty"`
-	Blocks []int64 `json:"blocks"`
+	Req    string    `json:"req"`
+	Group  uint32    `json:"group,omitempty"` // KV-cache group (its namespace and layout)
+	Owner  kv.Tag    `json:"owner"`
+	Lookup uint64    `json:"lookup"`
+	Start  uint32    `json:"start"`
+	End    uint32    `json:"end"`
+	Hashes []kv.Hash `json:"hashes,omitempty"`
+	Blocks []int64   `json:"blocks"`
 }
 
 // SaveSpec stores the chunks with Hashes from Blocks (ChunkBlocks ids per
@@ -56,18 +56,12 @@ type LoadSpec struct {
 // out (outside the window at the chunk's end): its bytes in the object are
 // never written and never restored.
 type SaveSpec struct {
-	Req    string  `json:"req"`
-	Group  uint32  `json:"group,omitempty"`
-	First  uint32  `json:"first"`
-	Hashes []Hash  `json:"hashes"`
-	Blocks []int64 `json:"blocks"`
+	Req    string    `json:"req"`
+	Group  uint32    `json:"group,omitempty"`
+	First  uint32    `json:"first"`
+	Hashes []kv.Hash `json:"hashes"`
+	Blocks []int64   `json:"blocks"`
 }
-
-// Hash and Tag are kv's (transitional names: references move to kv.*).
-type (
-	Hash = kv.Hash
-	Tag  = kv.Tag
-)
 
 // ErrBadMeta marks step metadata that does not decode or does not fit the
 // worker's layout.
@@ -136,7 +130,7 @@ func (m *StepMeta) Encode() ([]byte, error) {
 }
 
 // HashSizeBytes is a chunk hash's size in the binary form.
-const HashSizeBytes = len(Hash{})
+const HashSizeBytes = len(kv.Hash{})
 
 func appendStr(b []byte, s string) []byte {
 	return append(binary.AppendUvarint(b, uint64(len(s))), s...)
@@ -150,7 +144,7 @@ func appendStrs(b []byte, ss []string) []byte {
 	return b
 }
 
-func appendHashes(b []byte, hs []Hash) []byte {
+func appendHashes(b []byte, hs []kv.Hash) []byte {
 	b = binary.AppendUvarint(b, uint64(len(hs)))
 	for i := range hs {
 		b = append(b, hs[i][:]...)
@@ -241,7 +235,7 @@ func (r *metaReader) strs(what string) []string {
 	return out
 }
 
-func (r *metaReader) hashes() []Hash {
+func (r *metaReader) hashes() []kv.Hash {
 	n := r.count("chunk hashes", HashSizeBytes)
 	if n == 0 {
 		return nil
@@ -250,9 +244,9 @@ func (r *metaReader) hashes() []Hash {
 	if p == nil {
 		return nil
 	}
-	hs := make([]Hash, n)
+	hs := make([]kv.Hash, n)
 	for i := range hs {
-		hs[i] = Hash(p[i*HashSizeBytes:])
+		hs[i] = kv.Hash(p[i*HashSizeBytes:])
 	}
 	return hs
 }
@@ -285,7 +279,7 @@ func (r *metaReader) blocks() []int64 {
 // one-byte group, the owner, three one-byte numbers and two one-byte
 // counts; a save a one-byte req length and group, three one-byte numbers
 // or counts.
-const minLoadBytes, minSaveBytes = 1 + 1 + len(Tag{}) + 3 + 2, 1 + 1 + 3
+const minLoadBytes, minSaveBytes = 1 + 1 + len(kv.Tag{}) + 3 + 2, 1 + 1 + 3
 
 func decodeBinaryMeta(b []byte) (*StepMeta, error) {
 	var m StepMeta
@@ -299,8 +293,8 @@ func decodeBinaryMeta(b []byte) (*StepMeta, error) {
 			l := &m.Loads[i]
 			l.Req = r.str("req")
 			l.Group = r.u32("group")
-			if p := r.bytes("owner", len(Tag{})); p != nil {
-				l.Owner = Tag(p)
+			if p := r.bytes("owner", len(kv.Tag{})); p != nil {
+				l.Owner = kv.Tag(p)
 			}
 			l.Lookup = r.uvarint("lookup")
 			l.Start = r.u32("start")
@@ -394,8 +388,8 @@ var ErrNoChunkHash = errors.New("no chunk hash to check the object's key against
 
 // objectKey is the key of chunk hash h of this worker's rank in namespace
 // ns (a KV-cache group's): what its objects' headers name.
-func (w *Worker) objectKey(ns kv.Namespace, h Hash) layout.ObjectKey {
-	return layout.ObjectKey{Namespace: ns, Rank: w.kvRank, Hash: h}
+func (w *Worker) objectKey(ns kv.Namespace, h kv.Hash) kv.Key {
+	return kv.Key{Namespace: ns, Rank: w.kvRank, Hash: h}
 }
 
 // verifyLoaded checks retrieved object obj, chunk i of a load's hashes,
@@ -404,7 +398,7 @@ func (w *Worker) objectKey(ns kv.Namespace, h Hash) layout.ObjectKey {
 // payload CRC too, which must be set (objfmt: payloads are checked where
 // they enter L2, not on every L1 restore). A header that names another key
 // is counted (KeyMismatches) and logged: bytes stored under the wrong name.
-func (w *Worker) verifyLoaded(l *layout.Layout, ns kv.Namespace, obj []byte, hashes []Hash, i int) error {
+func (w *Worker) verifyLoaded(l *layout.Layout, ns kv.Namespace, obj []byte, hashes []kv.Hash, i int) error {
 	if i >= len(hashes) {
 		return ErrNoChunkHash
 	}

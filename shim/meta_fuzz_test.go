@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp/cmpopts"
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 )
 
@@ -20,8 +21,8 @@ func FuzzDecodeStepMeta(f *testing.F) {
 	f.Add([]byte(`{"sAves":[]}`)) // the text form's empty list is the binary form's nil
 	for _, m := range []*StepMeta{
 		{},
-		{Loads: []LoadSpec{{Req: "a", Owner: Tag{7}, Lookup: 3, Start: 2, End: 4, Hashes: []Hash{{1}, {2}}, Blocks: []int64{-1, 3, 4, 15}}}},
-		{Saves: []SaveSpec{{Req: "b", First: 5, Hashes: []Hash{{9}}, Blocks: []int64{0, 15}}}, Finished: []string{"c"}, Preempted: []string{"d", "e"}},
+		{Loads: []LoadSpec{{Req: "a", Owner: kv.Tag{7}, Lookup: 3, Start: 2, End: 4, Hashes: []kv.Hash{{1}, {2}}, Blocks: []int64{-1, 3, 4, 15}}}},
+		{Saves: []SaveSpec{{Req: "b", First: 5, Hashes: []kv.Hash{{9}}, Blocks: []int64{0, 15}}}, Finished: []string{"c"}, Preempted: []string{"d", "e"}},
 		metaSample(), // block ids past the fuzz layout: refused
 	} {
 		b, err := m.Encode()

@@ -11,6 +11,7 @@ import (
 	"os"
 	"testing"
 
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 )
@@ -19,13 +20,13 @@ import (
 func metaSample() *StepMeta {
 	return &StepMeta{
 		Loads: []LoadSpec{
-			{Req: "a", Owner: Tag{1, 2, 15: 3}, Lookup: 1 << 40, Start: 1, End: 3,
-				Hashes: []Hash{{1, 31: 2}, {3}}, Blocks: []int64{-1, 5, 6, 7}},
+			{Req: "a", Owner: kv.Tag{1, 2, 15: 3}, Lookup: 1 << 40, Start: 1, End: 3,
+				Hashes: []kv.Hash{{1, 31: 2}, {3}}, Blocks: []int64{-1, 5, 6, 7}},
 			{Req: "", Group: 300, Lookup: 7, Start: 4, End: 4},
 		},
 		Saves: []SaveSpec{
-			{Req: "b", Group: 1, First: 2, Hashes: []Hash{{9}}, Blocks: []int64{-1, 2}},
-			{Req: "ü\x00", First: 1<<32 - 1, Hashes: []Hash{{0xff}, {31: 0xff}}, Blocks: []int64{0, 63, 64, 70000}},
+			{Req: "b", Group: 1, First: 2, Hashes: []kv.Hash{{9}}, Blocks: []int64{-1, 2}},
+			{Req: "ü\x00", First: 1<<32 - 1, Hashes: []kv.Hash{{0xff}, {31: 0xff}}, Blocks: []int64{0, 63, 64, 70000}},
 		},
 		Finished:  []string{"c", ""},
 		Preempted: []string{"d"},
@@ -45,8 +46,8 @@ func TestStepMetaRoundTrip(t *testing.T) {
 
 // The hashes travel as raw bytes: 32 bytes a hash, no hex, no JSON.
 func TestStepMetaIsBinary(t *testing.T) {
-	h := Hash{0xde, 0xad, 0xbe, 0xef, 31: 0x42}
-	m := &StepMeta{Saves: []SaveSpec{{Req: "r", Hashes: []Hash{h}, Blocks: []int64{1, 2}}}}
+	h := kv.Hash{0xde, 0xad, 0xbe, 0xef, 31: 0x42}
+	m := &StepMeta{Saves: []SaveSpec{{Req: "r", Hashes: []kv.Hash{h}, Blocks: []int64{1, 2}}}}
 	b, err := m.Encode()
 	assert.NilError(t, err)
 	assert.Check(t, bytes.Contains(b, h[:]))
@@ -114,10 +115,10 @@ func TestStepMetaRejectsBinary(t *testing.T) {
 		{"start past 32 bits", cat([]byte{MetaVersion, 1, 0, 0}, make([]byte, 16), uv(0), uv(1<<32)), "start 4294967296 does not fit 32 bits"},
 		{"overlong varint", cat([]byte{MetaVersion}, bytes.Repeat([]byte{0x80}, 10), []byte{1}), "loads: truncated or overlong varint"},
 		{"truncated block", cat([]byte{MetaVersion, 0, 1, 0, 0, 0, 0, 2, 2, 0x80}), "block id 1 of 2: truncated"},
-		{"block out of range", enc(&StepMeta{Saves: []SaveSpec{{Req: "a", Hashes: []Hash{{}}, Blocks: []int64{1, 8}}}}), "block id 8 outside"},
-		{"below skip in save", enc(&StepMeta{Saves: []SaveSpec{{Req: "a", Hashes: []Hash{{}}, Blocks: []int64{-2, 1}}}}), "block id -2 outside"},
+		{"block out of range", enc(&StepMeta{Saves: []SaveSpec{{Req: "a", Hashes: []kv.Hash{{}}, Blocks: []int64{1, 8}}}}), "block id 8 outside"},
+		{"below skip in save", enc(&StepMeta{Saves: []SaveSpec{{Req: "a", Hashes: []kv.Hash{{}}, Blocks: []int64{-2, 1}}}}), "block id -2 outside"},
 		{"range", enc(&StepMeta{Loads: []LoadSpec{{Req: "a", Start: 3, End: 2}}}), "chunk range [3, 2)"},
-		{"hashes for the range", enc(&StepMeta{Loads: []LoadSpec{{Req: "a", End: 1, Hashes: []Hash{{}, {}}, Blocks: []int64{1, 2}}}}), "2 chunk hashes for chunks [0, 1)"},
+		{"hashes for the range", enc(&StepMeta{Loads: []LoadSpec{{Req: "a", End: 1, Hashes: []kv.Hash{{}, {}}, Blocks: []int64{1, 2}}}}), "2 chunk hashes for chunks [0, 1)"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := DecodeStepMeta(tc.meta, 2, 8)
@@ -140,8 +141,8 @@ func benchStep() *StepMeta {
 	rng := rand.New(rand.NewPCG(1, 2))
 	const reqs, chunks, cb = 64, 64, 16
 	m := &StepMeta{}
-	hashes := func() []Hash {
-		hs := make([]Hash, chunks)
+	hashes := func() []kv.Hash {
+		hs := make([]kv.Hash, chunks)
 		for i := range hs {
 			for j := range hs[i] {
 				hs[i][j] = byte(rng.Uint32())
@@ -157,7 +158,7 @@ func benchStep() *StepMeta {
 		return ids
 	}
 	for i := range reqs / 2 {
-		m.Loads = append(m.Loads, LoadSpec{Req: fmt.Sprintf("cmpl-%032x-0", i), Owner: Tag{1}, Lookup: uint64(i),
+		m.Loads = append(m.Loads, LoadSpec{Req: fmt.Sprintf("cmpl-%032x-0", i), Owner: kv.Tag{1}, Lookup: uint64(i),
 			Start: 0, End: chunks, Hashes: hashes(), Blocks: blocks()})
 		m.Saves = append(m.Saves, SaveSpec{Req: fmt.Sprintf("cmpl-%032x-1", i), Hashes: hashes(), Blocks: blocks()})
 	}
@@ -251,7 +252,7 @@ func (h *b64Hash) UnmarshalText(b []byte) error {
 }
 
 func toB64(m *StepMeta) *b64Meta {
-	hs := func(in []Hash) []b64Hash {
+	hs := func(in []kv.Hash) []b64Hash {
 		out := make([]b64Hash, len(in))
 		for i := range in {
 			out[i] = b64Hash(in[i])

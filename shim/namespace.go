@@ -6,7 +6,7 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // ErrBadNamespaceSpec: a NamespaceSpec field is missing or out of range.
@@ -169,9 +169,9 @@ func (s NamespaceSpec) KVRank(rank int) (kvRank uint32, writer bool, err error) 
 //	u32 kv group ‖ u8 mla [‖ u32 dcp size, only when > 1]
 //
 // (little-endian; lp(x) = u32 length ‖ x; kv world/tp as in KVWorldSize).
-func (s NamespaceSpec) Namespace() (ipc.Namespace, error) {
+func (s NamespaceSpec) Namespace() (kv.Namespace, error) {
 	if err := s.Validate(); err != nil {
-		return ipc.Namespace{}, err
+		return kv.Namespace{}, err
 	}
 	world, tp := s.kvWorld()
 	b := make([]byte, 0, 64+len(s.Model)+len(s.DType)+len(s.LayoutFingerprint))
@@ -196,7 +196,7 @@ func (s NamespaceSpec) Namespace() (ipc.Namespace, error) {
 		b = binary.LittleEndian.AppendUint32(b, uint32(s.dcp()))
 	}
 	sum := sha256.Sum256(b)
-	var ns ipc.Namespace
+	var ns kv.Namespace
 	copy(ns[:], sum[:])
 	return ns, nil
 }

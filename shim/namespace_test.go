@@ -4,10 +4,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
-
-	"github.com/kvshim/kvshim/ipc"
 )
 
 func baseSpec() NamespaceSpec {
@@ -23,7 +22,7 @@ func baseSpec() NamespaceSpec {
 	}
 }
 
-func mustNS(t *testing.T, s NamespaceSpec) ipc.Namespace {
+func mustNS(t *testing.T, s NamespaceSpec) kv.Namespace {
 	t.Helper()
 	ns, err := s.Namespace()
 	assert.NilError(t, err)
@@ -50,7 +49,7 @@ func TestNamespaceFieldSensitivity(t *testing.T) {
 		// Length prefixes: moving bytes between adjacent strings must change it.
 		{"field boundary", func(s *NamespaceSpec) { s.Model, s.DType = s.Model+"b", "float16" }},
 	}
-	seen := map[ipc.Namespace]string{base: "base"}
+	seen := map[kv.Namespace]string{base: "base"}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			s := baseSpec()

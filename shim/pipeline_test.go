@@ -12,7 +12,7 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/cuda"
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // The load pipeline (each chunk's copy starts once that chunk is checked)
@@ -30,10 +30,10 @@ type hookEngine struct {
 	onLoad func(k int) (err error, failJob error, gate chan struct{})
 }
 
-func (e *hookEngine) Submit(spans []cuda.Span, dir cuda.Direction) (cuda.Job, error) {
+func (e *hookEngine) Submit(spans []kv.Span, dir kv.Direction) (cuda.Job, error) {
 	var err, failJob error
 	var gate chan struct{}
-	if dir == cuda.Load {
+	if dir == kv.Load {
 		e.mu.Lock()
 		k := e.loads
 		e.loads++
@@ -188,9 +188,9 @@ func TestConnectorPipelinedLoadFailsFromChunkK(t *testing.T) {
 		name      string
 		batch     int
 		untouched bool // chunks k.. are never copied
-		setup     func(t *testing.T, r *rig, e *hookEngine, hs []ipc.Hash)
+		setup     func(t *testing.T, r *rig, e *hookEngine, hs []kv.Hash)
 	}{
-		{"check", 2, true, func(t *testing.T, r *rig, e *hookEngine, hs []ipc.Hash) {
+		{"check", 2, true, func(t *testing.T, r *rig, e *hookEngine, hs []kv.Hash) {
 			l1Object(t, r, 0, hs[k], func(obj []byte) { obj[9] ^= 1 })
 			// The first copy completes only once chunk k is being checked:
 			// the failure happens with earlier copies in flight.
@@ -209,7 +209,7 @@ func TestConnectorPipelinedLoadFailsFromChunkK(t *testing.T) {
 				return nil, nil, nil
 			}
 		}},
-		{"submit refused", 1, true, func(t *testing.T, r *rig, e *hookEngine, hs []ipc.Hash) {
+		{"submit refused", 1, true, func(t *testing.T, r *rig, e *hookEngine, hs []kv.Hash) {
 			e.onLoad = func(j int) (error, error, chan struct{}) {
 				if j == k {
 					return errors.New("injected: submit refused"), nil, nil
@@ -217,7 +217,7 @@ func TestConnectorPipelinedLoadFailsFromChunkK(t *testing.T) {
 				return nil, nil, nil
 			}
 		}},
-		{"copy failed", 1, false, func(t *testing.T, r *rig, e *hookEngine, hs []ipc.Hash) {
+		{"copy failed", 1, false, func(t *testing.T, r *rig, e *hookEngine, hs []kv.Hash) {
 			e.onLoad = func(j int) (error, error, chan struct{}) {
 				if j == k {
 					return nil, errors.New("injected: copy failed"), nil

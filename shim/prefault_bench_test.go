@@ -9,7 +9,7 @@ import (
 	"github.com/google/uuid"
 	"golang.org/x/sys/unix"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/server"
 )
@@ -148,7 +148,7 @@ func BenchmarkFirstSave(b *testing.B) {
 				}
 				if mode.warm {
 					save(fmt.Sprintf("first%d", n), uint32(2*n+1))
-					sess, err := srv.Core.OpenSession(ipc.Tag(uuid.New()))
+					sess, err := srv.Core.OpenSession(kv.Tag(uuid.New()))
 					if err == nil {
 						_, err = srv.Core.Clear(sess)
 						srv.Core.CloseSession(sess)

@@ -10,6 +10,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // SchedulerConfig configures the scheduler side of the connector.
@@ -33,9 +34,9 @@ type SchedulerConfig struct {
 // array of all groups (splitGroups).
 type Scheduler struct {
 	cfg    SchedulerConfig
-	ns     ipc.Namespace   // group 0's: roots the chunk hashes
-	groups []GroupSpec     // the KV-cache groups, in vLLM's order
-	gns    []ipc.Namespace // each group's namespace
+	ns     kv.Namespace   // group 0's: roots the chunk hashes
+	groups []GroupSpec    // the KV-cache groups, in vLLM's order
+	gns    []kv.Namespace // each group's namespace
 	chunk  int
 	link   *link
 
@@ -90,9 +91,9 @@ type winLookup struct {
 
 type schedReq struct {
 	id        string
-	prompt    int        // prompt length in tokens
-	hashes    []ipc.Hash // the prompt's full chunks
-	extras    Extras     // what keyed hashes besides the tokens (extends them at the finish)
+	prompt    int       // prompt length in tokens
+	hashes    []kv.Hash // the prompt's full chunks
+	extras    Extras    // what keyed hashes besides the tokens (extends them at the finish)
 	state     lookupState
 	submitted time.Time
 	hits      int // final answer, folded over the groups
@@ -111,7 +112,7 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	if err != nil {
 		return nil, err
 	}
-	gns := make([]ipc.Namespace, len(specs))
+	gns := make([]kv.Namespace, len(specs))
 	for i, sp := range specs {
 		if gns[i], err = sp.Namespace(); err != nil {
 			return nil, err
@@ -509,9 +510,9 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 		}
 		// The chunk hashes go with the load: the workers check each object's
 		// header names its key before a byte of it reaches the KV cache.
-		hs := make([]Hash, 0, last-gFirst)
+		hs := make([]kv.Hash, 0, last-gFirst)
 		for _, h := range r.hashes[gFirst:last] {
-			hs = append(hs, Hash(h))
+			hs = append(hs, kv.Hash(h))
 		}
 		lo, hi := gFirst-base, last-base
 		if gFirst < base {
@@ -533,7 +534,7 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 				return c.Free(ctx, &ipc.FreeReq{LookupID: id, Start: uint32(last - base), End: ^uint32(0)})
 			})
 		}
-		s.loads = append(s.loads, LoadSpec{Req: req, Group: uint32(i), Owner: Tag(s.cfg.Instance), Lookup: id,
+		s.loads = append(s.loads, LoadSpec{Req: req, Group: uint32(i), Owner: kv.Tag(s.cfg.Instance), Lookup: id,
 			Start: uint32(lo), End: uint32(hi), Hashes: hs, Blocks: ids})
 		g.holdsFreed = true
 	}
@@ -551,7 +552,7 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 // from ObjectFirstBlock on (the rest are -1, left out): a chunk whose
 // window has a null block (freed by vLLM) can no longer be saved and is
 // passed over. The blocks a windowed save reads are fenced (see fence).
-func (s *Scheduler) groupSave(r *schedReq, i int, full int, hashes []ipc.Hash, blocks []int64) *SaveSpec {
+func (s *Scheduler) groupSave(r *schedReq, i int, full int, hashes []kv.Hash, blocks []int64) *SaveSpec {
 	g, gs := &r.g[i], s.groups[i]
 	bs := s.cfg.BlockSize
 	cb := s.chunk / bs
@@ -576,7 +577,7 @@ func (s *Scheduler) groupSave(r *schedReq, i int, full int, hashes []ipc.Hash, b
 			// the chunks saved are consecutive from here)
 			sv.First = uint32(c)
 		}
-		sv.Hashes = append(sv.Hashes, Hash(hashes[c]))
+		sv.Hashes = append(sv.Hashes, kv.Hash(hashes[c]))
 		for b := c * cb; b < hi; b++ {
 			if b < lo {
 				sv.Blocks = append(sv.Blocks, -1)

@@ -6,6 +6,7 @@ import (
 	"golang.org/x/sys/unix"
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 )
 
@@ -41,13 +42,13 @@ func BenchmarkSealChunks(b *testing.B) {
 	b.Run("sequential", func(b *testing.B) {
 		for b.Loop() {
 			for _, o := range objs {
-				assert.NilError(b, l.SealObject(o, layout.ObjectKey{}))
+				assert.NilError(b, l.SealObject(o, kv.Key{}))
 			}
 		}
 	})
 	b.Run("parallel", func(b *testing.B) {
 		for b.Loop() {
-			inParallel(len(objs), func(i int) { assert.NilError(b, l.SealObject(objs[i], layout.ObjectKey{})) })
+			inParallel(len(objs), func(i int) { assert.NilError(b, l.SealObject(objs[i], kv.Key{})) })
 		}
 	})
 }

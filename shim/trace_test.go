@@ -13,10 +13,10 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/cli"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server"
-	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
 	"github.com/kvshim/kvshim/server/tier"
 	"github.com/kvshim/kvshim/trace"
@@ -265,7 +265,7 @@ func TestTraceL2SavedAndCorruptL2Chunk(t *testing.T) {
 	obj := file[:len(file)-16]
 	obj[objfmt.HeaderSize+77] ^= 0x04
 	assert.NilError(t, os.Remove(be.Path(key)))
-	st := r.srv.Core.L2Adapters()[0].Store(ctx, []l2.Key{key}, [][]byte{obj})
+	st := r.srv.Core.L2Adapters()[0].Store(ctx, []kv.Key{key}, [][]byte{obj})
 	<-st.Done()
 	assert.Assert(t, st.Results()[0].OK())
 

@@ -11,9 +11,9 @@ import (
 
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server"
-	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
 	"github.com/kvshim/kvshim/server/tier"
 )
@@ -48,7 +48,7 @@ func TestConnectorVerifyL2SealsAndChecksHeadersOnly(t *testing.T) {
 	hs := savePrompt(t, r, "save", tokens, src, 21)
 	for _, h := range hs {
 		l1Object(t, r, 0, h, func(obj []byte) {
-			hd, err := objfmt.VerifyHeader(obj, objfmt.Key{Namespace: r.sched.ns, Hash: h})
+			hd, err := objfmt.VerifyHeader(obj, kv.Key{Namespace: r.sched.ns, Hash: h})
 			assert.NilError(t, err)
 			assert.Assert(t, !hd.HasPayloadCRC, "a save computed a payload CRC under kvshim.verify=l2")
 		})
@@ -74,7 +74,7 @@ func TestConnectorVerifyAlways(t *testing.T) {
 		hs := savePrompt(t, r, fmt.Sprint("save", i), tokens, src, 23)
 		for _, h := range hs {
 			l1Object(t, r, 0, h, func(obj []byte) {
-				_, err := objfmt.Verify(obj, objfmt.Key{Namespace: r.sched.ns, Hash: h})
+				_, err := objfmt.Verify(obj, kv.Key{Namespace: r.sched.ns, Hash: h})
 				assert.NilError(t, err)
 			})
 		}
@@ -127,11 +127,11 @@ func TestL2CorruptChunkIsNeverRestored(t *testing.T) {
 	file, err := os.ReadFile(be.Path(key))
 	assert.NilError(t, err)
 	obj := file[:len(file)-16] // the fs trailer
-	_, err = objfmt.Verify(obj, objfmt.Key{Namespace: r.sched.ns, Hash: hs[1]})
+	_, err = objfmt.Verify(obj, kv.Key{Namespace: r.sched.ns, Hash: hs[1]})
 	assert.NilError(t, err)
 	obj[objfmt.HeaderSize+77] ^= 0x04
 	assert.NilError(t, os.Remove(be.Path(key)))
-	st := r.srv.Core.L2Adapters()[0].Store(ctx, []l2.Key{key}, [][]byte{obj})
+	st := r.srv.Core.L2Adapters()[0].Store(ctx, []kv.Key{key}, [][]byte{obj})
 	<-st.Done()
 	assert.Assert(t, st.Results()[0].OK())
 

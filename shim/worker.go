@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvshim/kvshim/cuda"
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/objfmt"
 )
@@ -37,7 +38,7 @@ type WorkerConfig struct {
 // server's L1 segments, and reports what finished and what failed.
 type Worker struct {
 	cfg    WorkerConfig
-	ns     ipc.Namespace
+	ns     kv.Namespace
 	kvRank uint32
 	writer bool // MLA: only one rank per TP group stores
 	link   *link
@@ -45,7 +46,7 @@ type Worker struct {
 	mu       sync.Mutex
 	layout   *layout.Layout   // KV-cache group 0's
 	layouts  []*layout.Layout // every group's, by group id
-	groupNS  []ipc.Namespace  // every group's namespace (groupNS[0] == ns)
+	groupNS  []kv.Namespace   // every group's namespace (groupNS[0] == ns)
 	engine   cuda.Engine
 	pins     *pinner         // GPU caches only
 	inflight map[string]int  // request -> copies not yet finished
@@ -87,7 +88,7 @@ func NewWorker(cfg WorkerConfig) (*Worker, error) {
 	if err != nil {
 		return nil, err
 	}
-	groupNS := make([]ipc.Namespace, len(specs))
+	groupNS := make([]kv.Namespace, len(specs))
 	for i, sp := range specs {
 		if groupNS[i], err = sp.Namespace(); err != nil {
 			return nil, err
@@ -171,14 +172,14 @@ func (w *Worker) ready() (*layout.Layout, cuda.Engine, error) {
 }
 
 // group is KV-cache group g's layout and namespace, and the copy engine.
-func (w *Worker) group(g uint32) (*layout.Layout, ipc.Namespace, cuda.Engine, error) {
+func (w *Worker) group(g uint32) (*layout.Layout, kv.Namespace, cuda.Engine, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.layout == nil {
-		return nil, ipc.Namespace{}, nil, fmt.Errorf("%w: no KV caches registered", ErrBadMeta)
+		return nil, kv.Namespace{}, nil, fmt.Errorf("%w: no KV caches registered", ErrBadMeta)
 	}
 	if int(g) >= len(w.layouts) {
-		return nil, ipc.Namespace{}, nil, fmt.Errorf("%w: KV-cache group %d of %d", ErrBadMeta, g, len(w.layouts))
+		return nil, kv.Namespace{}, nil, fmt.Errorf("%w: KV-cache group %d of %d", ErrBadMeta, g, len(w.layouts))
 	}
 	return w.layouts[g], w.groupNS[g], w.engine, nil
 }
@@ -263,7 +264,7 @@ func (w *Worker) load(ld *LoadSpec, done func()) {
 	var client *ipc.Client
 	// The reader's own row of holds: its global rank (a shared MLA object
 	// is one key, rank 0, held once for every reader).
-	rr := &ipc.RetrieveReq{Owner: ipc.Tag(ld.Owner), LookupID: ld.Lookup, Rank: uint32(w.cfg.Rank), Start: ld.Start, End: ld.End}
+	rr := &ipc.RetrieveReq{Owner: kv.Tag(ld.Owner), LookupID: ld.Lookup, Rank: uint32(w.cfg.Rank), Start: ld.Start, End: ld.End}
 	err = w.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
 		client = c
 		resp, err = c.Retrieve(ctx, rr)
@@ -303,11 +304,11 @@ func (w *Worker) load(ld *LoadSpec, done func()) {
 	}
 	chk := w.startChecks(l, ns, client, resp, ld.Hashes, n)
 	var jobs []loadJob
-	var spans []layout.Span // planned, not yet submitted: chunks [first, i)
+	var spans []kv.Span // planned, not yet submitted: chunks [first, i)
 	first, batch := 0, 1
 	submit := func(end int) bool {
 		if len(spans) > 0 {
-			job, err := eng.Submit(spans, cuda.Load)
+			job, err := eng.Submit(spans, kv.Load)
 			if err != nil {
 				fail(first, err)
 				return false
@@ -325,7 +326,7 @@ func (w *Worker) load(ld *LoadSpec, done func()) {
 		}
 		obj, err := chk.wait(i)
 		if err == nil {
-			spans, err = l.AppendPlan(spans, ld.Blocks[i*cb:(i+1)*cb], addrOf(obj), layout.Load)
+			spans, err = l.AppendPlan(spans, ld.Blocks[i*cb:(i+1)*cb], addrOf(obj), kv.Load)
 		}
 		if err != nil {
 			fail(i, err)
@@ -342,7 +343,7 @@ func (w *Worker) load(ld *LoadSpec, done func()) {
 	chk.stop() // no more checks: the checkers are done with the mappings
 	w.traceLoadChecked(ld, chk)
 	for _, j := range jobs {
-		if err := w.waitCopy(j.job, cuda.Load, j.spans, stuck); err != nil {
+		if err := w.waitCopy(j.job, kv.Load, j.spans, stuck); err != nil {
 			fail(j.first, err)
 			stuck = stuck || errors.Is(err, errCopyStuck)
 		}
@@ -382,7 +383,7 @@ type checks struct {
 	n    int
 }
 
-func (w *Worker) startChecks(l *layout.Layout, ns ipc.Namespace, c *ipc.Client, resp *ipc.RetrieveResp, hashes []Hash, n int) *checks {
+func (w *Worker) startChecks(l *layout.Layout, ns kv.Namespace, c *ipc.Client, resp *ipc.RetrieveResp, hashes []kv.Hash, n int) *checks {
 	ch := &checks{objs: make([][]byte, n), errs: make([]error, n), done: make([]chan struct{}, n), n: n}
 	for i := range ch.done {
 		ch.done[i] = make(chan struct{})
@@ -414,7 +415,7 @@ var beforeCheck func(i int)
 var beforeCommit func()
 
 // checkChunk resolves chunk i of a RETRIEVE answer and checks it.
-func (w *Worker) checkChunk(l *layout.Layout, ns ipc.Namespace, c *ipc.Client, resp *ipc.RetrieveResp, hashes []Hash, i int) ([]byte, error) {
+func (w *Worker) checkChunk(l *layout.Layout, ns kv.Namespace, c *ipc.Client, resp *ipc.RetrieveResp, hashes []kv.Hash, i int) ([]byte, error) {
 	if beforeCheck != nil {
 		beforeCheck(i)
 	}
@@ -500,7 +501,7 @@ func (w *Worker) StartSaves(meta *StepMeta, streamEvent uint64) {
 	// save of an earlier step not yet submitted then waits for this step's
 	// forward pass too: later, never wrong.)
 	if _, eng, err := w.ready(); err == nil {
-		if err := eng.WaitEvent(cuda.Save, streamEvent); err != nil {
+		if err := eng.WaitEvent(kv.Save, streamEvent); err != nil {
 			slog.Warn("kvshim: saves of this step skipped", "err", err)
 			w.count(func(s *WorkerStats) {
 				for _, sv := range meta.Saves {
@@ -531,10 +532,10 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 	}
 	size, _ := l.ObjectSize(l.ChunkTokens())
 	cb := l.ChunkBlocks()
-	tag := ipc.Tag(w.cfg.Instance)
-	req := &ipc.AllocReq{Tag: tag, Namespace: ns, Rank: w.kvRank, Hashes: make([]ipc.Hash, len(sv.Hashes)), Sizes: make([]uint64, len(sv.Hashes))}
+	tag := kv.Tag(w.cfg.Instance)
+	req := &ipc.AllocReq{Tag: tag, Namespace: ns, Rank: w.kvRank, Hashes: make([]kv.Hash, len(sv.Hashes)), Sizes: make([]uint64, len(sv.Hashes))}
 	for i, h := range sv.Hashes {
-		req.Hashes[i], req.Sizes[i] = ipc.Hash(h), size
+		req.Hashes[i], req.Sizes[i] = kv.Hash(h), size
 	}
 	var resp *ipc.AllocResp
 	var client *ipc.Client
@@ -560,9 +561,9 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 			release()
 		}
 	}()
-	var spans []layout.Span
+	var spans []kv.Span
 	var objs [][]byte
-	var hashes []ipc.Hash
+	var hashes []kv.Hash
 	for i, st := range resp.Status {
 		if st != ipc.StatusOK {
 			w.count(func(s *WorkerStats) { s.SkippedChunks++ }) // resident already, or no space
@@ -570,7 +571,7 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 		}
 		obj, err := w.resolve(client, resp.Locs[i])
 		if err == nil {
-			spans, err = l.AppendPlan(spans, sv.Blocks[i*cb:(i+1)*cb], addrOf(obj), layout.Save)
+			spans, err = l.AppendPlan(spans, sv.Blocks[i*cb:(i+1)*cb], addrOf(obj), kv.Save)
 		}
 		if err != nil {
 			w.abort(client, tag, ns, req.Hashes[i:i+1])
@@ -581,7 +582,7 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 	if len(objs) == 0 {
 		return
 	}
-	err = w.copy(eng, spans, cuda.Save)
+	err = w.copy(eng, spans, kv.Save)
 	if !errors.Is(err, errCopyStuck) {
 		free() // the copy has read the blocks (or stopped): they are vLLM's again
 	}
@@ -624,21 +625,21 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 // it writes 128 bytes a chunk and reads no payload (the L2 store sets the
 // payload CRC later, off this path); under always it computes each
 // payload's CRC (a pass over every byte, in parallel over chunks).
-func (w *Worker) seal(l *layout.Layout, ns ipc.Namespace, objs [][]byte, hashes []ipc.Hash) error {
+func (w *Worker) seal(l *layout.Layout, ns kv.Namespace, objs [][]byte, hashes []kv.Hash) error {
 	if w.cfg.Verify != objfmt.VerifyAlways {
 		for i, obj := range objs {
-			if err := l.SealHeader(obj, w.objectKey(ns, Hash(hashes[i]))); err != nil {
+			if err := l.SealHeader(obj, w.objectKey(ns, kv.Hash(hashes[i]))); err != nil {
 				return err
 			}
 		}
 		return nil
 	}
 	errs := make([]error, len(objs))
-	inParallel(len(objs), func(i int) { errs[i] = l.SealObject(objs[i], w.objectKey(ns, Hash(hashes[i]))) })
+	inParallel(len(objs), func(i int) { errs[i] = l.SealObject(objs[i], w.objectKey(ns, kv.Hash(hashes[i]))) })
 	return errors.Join(errs...)
 }
 
-func (w *Worker) abort(client *ipc.Client, tag ipc.Tag, ns ipc.Namespace, hashes []ipc.Hash) {
+func (w *Worker) abort(client *ipc.Client, tag kv.Tag, ns kv.Namespace, hashes []kv.Hash) {
 	_ = w.link.callOn(client, func(ctx context.Context, c *ipc.Client) error {
 		_, err := c.Abort(ctx, &ipc.CommitReq{Tag: tag, Namespace: ns, Rank: w.kvRank, Hashes: hashes})
 		return err
@@ -695,7 +696,7 @@ var copyStuckAfter = time.Minute
 var errCopyStuck = errors.New("copy still running")
 
 // copy runs one copy job to its end (waitCopy).
-func (w *Worker) copy(eng cuda.Engine, spans []layout.Span, dir cuda.Direction) error {
+func (w *Worker) copy(eng cuda.Engine, spans []kv.Span, dir kv.Direction) error {
 	job, err := eng.Submit(spans, dir)
 	if err != nil {
 		return err
@@ -710,7 +711,7 @@ func (w *Worker) copy(eng cuda.Engine, spans []layout.Span, dir cuda.Direction) 
 // race it. After copyStuckAfter more it gives up (errCopyStuck); once a
 // copy of a load is stuck (stuck), the later ones are not waited for: they
 // are stuck too unless done already.
-func (w *Worker) waitCopy(job cuda.Job, dir cuda.Direction, spans int, stuck bool) error {
+func (w *Worker) waitCopy(job cuda.Job, dir kv.Direction, spans int, stuck bool) error {
 	w.count(func(s *WorkerStats) { s.CopySpans += uint64(spans) })
 	if stuck {
 		if job.Done() {
@@ -846,7 +847,7 @@ func (w *Worker) Close() error {
 	return errors.Join(errs...)
 }
 
-func spansBytes(spans []layout.Span) (n uint64) {
+func spansBytes(spans []kv.Span) (n uint64) {
 	for _, s := range spans {
 		n += s.Len
 	}

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/cuda"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 )
 
@@ -70,13 +71,13 @@ func gpuBench(c *config, res map[string]any) error {
 	res["gpu_cache_bytes"] = size
 
 	// Raw: one span of all the bytes, each direction.
-	one := func(dir cuda.Direction) (time.Duration, error) {
-		s := cuda.Span{Src: sa, Dst: dev, Len: uint64(size)}
-		if dir == cuda.Save {
-			s = cuda.Span{Src: dev, Dst: oa, Len: uint64(size)}
+	one := func(dir kv.Direction) (time.Duration, error) {
+		s := kv.Span{Src: sa, Dst: dev, Len: uint64(size)}
+		if dir == kv.Save {
+			s = kv.Span{Src: dev, Dst: oa, Len: uint64(size)}
 		}
 		t := time.Now()
-		j, err := eng.Submit([]cuda.Span{s}, dir)
+		j, err := eng.Submit([]kv.Span{s}, dir)
 		if err == nil {
 			err = j.Wait(time.Minute)
 		}
@@ -84,12 +85,12 @@ func gpuBench(c *config, res map[string]any) error {
 	}
 	var d2h, h2d []float64
 	for range c.repeats + 1 { // first round warms up
-		dt, err := one(cuda.Load)
+		dt, err := one(kv.Load)
 		if err != nil {
 			return err
 		}
 		h2d = append(h2d, gbps(uint64(size), dt))
-		if dt, err = one(cuda.Save); err != nil {
+		if dt, err = one(kv.Save); err != nil {
 			return err
 		}
 		d2h = append(d2h, gbps(uint64(size), dt))
@@ -97,7 +98,7 @@ func gpuBench(c *config, res map[string]any) error {
 	rawD2H, rawH2D := median(d2h[1:]), median(h2d[1:])
 	res["gpu_raw_d2h_gbps"], res["gpu_raw_h2d_gbps"] = round(rawD2H, 2), round(rawH2D, 2)
 	c.logf("gpu raw: d2h %.2f GB/s, h2d %.2f GB/s", rawD2H, rawH2D)
-	if _, err := one(cuda.Load); err != nil { // device = src pattern again
+	if _, err := one(kv.Load); err != nil { // device = src pattern again
 		return err
 	}
 
@@ -118,7 +119,7 @@ func gpuBench(c *config, res map[string]any) error {
 			var save, restore, submitNs []float64
 			s0, calls0 := mode.e.Stats()
 			for r := range c.repeats + 1 {
-				d, sub, err := runChunksSubmit(mode.e, l, ids, oa, objSize, layout.Save)
+				d, sub, err := runChunksSubmit(mode.e, l, ids, oa, objSize, kv.Save)
 				submitNs = append(submitNs, sub)
 				if err != nil {
 					return fmt.Errorf("%s save: %w", pfx, err)
@@ -129,7 +130,7 @@ func gpuBench(c *config, res map[string]any) error {
 					}
 				}
 				save = append(save, gbps(uint64(size), d))
-				if d, err = runChunks(mode.e, l, ids, oa, objSize, layout.Load); err != nil {
+				if d, err = runChunks(mode.e, l, ids, oa, objSize, kv.Load); err != nil {
 					return fmt.Errorf("%s restore: %w", pfx, err)
 				}
 				restore = append(restore, gbps(uint64(size), d))
@@ -163,7 +164,7 @@ func checkSaved(c *config, l *layout.Layout, kind cacheKind, ids [][]int64, src 
 	h := cuda.NewHostEngine(2)
 	defer h.Close()
 	for i := range min(4, len(ids)) {
-		if _, err := runChunks(h, hl, ids[i:i+1], ra, objSize, layout.Save); err != nil {
+		if _, err := runChunks(h, hl, ids[i:i+1], ra, objSize, kv.Save); err != nil {
 			return err
 		}
 		o := objs[uint64(i)*objSize : uint64(i+1)*objSize]

@@ -8,6 +8,7 @@ import (
 	"unsafe"
 
 	"github.com/kvshim/kvshim/cuda"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 )
 
@@ -40,14 +41,14 @@ func pattern(b []byte) {
 
 // runChunks plans and submits every chunk as its own job (as the connector
 // does), then waits for all of them.
-func runChunks(e cuda.Engine, l *layout.Layout, chunks [][]int64, objA, objSize uint64, dir layout.Direction) (time.Duration, error) {
+func runChunks(e cuda.Engine, l *layout.Layout, chunks [][]int64, objA, objSize uint64, dir kv.Direction) (time.Duration, error) {
 	d, _, err := runChunksSubmit(e, l, chunks, objA, objSize, dir)
 	return d, err
 }
 
 // runChunksSubmit also returns the time spent inside Submit per span.
-func runChunksSubmit(e cuda.Engine, l *layout.Layout, chunks [][]int64, objA, objSize uint64, dir layout.Direction) (time.Duration, float64, error) {
-	buf := make([]layout.Span, 0, 4096)
+func runChunksSubmit(e cuda.Engine, l *layout.Layout, chunks [][]int64, objA, objSize uint64, dir kv.Direction) (time.Duration, float64, error) {
+	buf := make([]kv.Span, 0, 4096)
 	jobs := make([]cuda.Job, 0, len(chunks))
 	var submit time.Duration
 	spans := 0
@@ -59,7 +60,7 @@ func runChunksSubmit(e cuda.Engine, l *layout.Layout, chunks [][]int64, objA, ob
 			return 0, 0, err
 		}
 		t := time.Now()
-		j, err := e.Submit(buf, cuda.Direction(dir))
+		j, err := e.Submit(buf, kv.Direction(dir))
 		submit += time.Since(t)
 		spans += len(buf)
 		if err != nil {
@@ -121,7 +122,7 @@ func hostBench(c *config, res map[string]any) error {
 	// back, so ratios compare runs under the same machine load; the medians
 	// of the per-repeat ratios are reported.
 	var memcpyS []float64
-	buf := make([]layout.Span, 0, 4096)
+	buf := make([]kv.Span, 0, 4096)
 	for range c.repeats {
 		t := time.Now()
 		copy(objs[:size], cache)
@@ -131,17 +132,17 @@ func hostBench(c *config, res map[string]any) error {
 			v.spans = 0
 			t := time.Now()
 			for i, b := range v.ids {
-				buf, _ = v.l.AppendPlan(buf[:0], b, oa+uint64(i)*objSize, layout.Save)
+				buf, _ = v.l.AppendPlan(buf[:0], b, oa+uint64(i)*objSize, kv.Save)
 				v.spans += len(buf)
 			}
 			v.planNs = append(v.planNs, float64(time.Since(t).Nanoseconds())/float64(len(v.ids)))
-			d, err := runChunks(e, v.l, v.ids, oa, objSize, layout.Save)
+			d, err := runChunks(e, v.l, v.ids, oa, objSize, kv.Save)
 			if err != nil {
 				return err
 			}
 			v.save = append(v.save, gbps(uint64(size), d))
 			v.saveRatio = append(v.saveRatio, gbps(uint64(size), d)/m)
-			if d, err = runChunks(e, v.l, v.ids, oa, objSize, layout.Load); err != nil {
+			if d, err = runChunks(e, v.l, v.ids, oa, objSize, kv.Load); err != nil {
 				return err
 			}
 			v.restore = append(v.restore, gbps(uint64(size), d))
@@ -156,7 +157,7 @@ func hostBench(c *config, res map[string]any) error {
 		// Correctness once, outside the timings: save, seal and verify every
 		// object, wipe the cache, restore, compare.
 		want := crc32.ChecksumIEEE(cache)
-		if _, err := runChunks(e, l, ids, oa, objSize, layout.Save); err != nil {
+		if _, err := runChunks(e, l, ids, oa, objSize, kv.Save); err != nil {
 			return err
 		}
 		t := time.Now()
@@ -174,7 +175,7 @@ func hostBench(c *config, res map[string]any) error {
 		}
 		verifyNs := float64(time.Since(t).Nanoseconds()) / float64(len(ids))
 		clear(cache)
-		if _, err := runChunks(e, l, ids, oa, objSize, layout.Load); err != nil {
+		if _, err := runChunks(e, l, ids, oa, objSize, kv.Load); err != nil {
 			return err
 		}
 		if got := crc32.ChecksumIEEE(cache); got != want {
@@ -199,15 +200,15 @@ func hostBench(c *config, res map[string]any) error {
 // in one job, so the per-span overhead dominates the copy.
 func spanCost(c *config, e *cuda.HostEngine, src, dst uint64, res map[string]any) error {
 	const n = 1 << 16
-	spans := make([]cuda.Span, n)
+	spans := make([]kv.Span, n)
 	for i := range spans {
-		spans[i] = cuda.Span{Src: src + uint64(i)*4096, Dst: dst + uint64(i)*4096, Len: 64}
+		spans[i] = kv.Span{Src: src + uint64(i)*4096, Dst: dst + uint64(i)*4096, Len: 64}
 	}
 	var submit, wall, cpu []float64
 	for range c.repeats {
 		cpu0 := cpuTime()
 		t := time.Now()
-		j, err := e.Submit(spans, cuda.Save)
+		j, err := e.Submit(spans, kv.Save)
 		if err != nil {
 			return err
 		}

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"math/rand"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 )
 
@@ -88,8 +89,8 @@ func itoa(n int) string {
 
 // benchKey is the object key of chunk i in the benchmark (objects name
 // their key; any fixed namespace will do here).
-func benchKey(i int) layout.ObjectKey {
-	k := layout.ObjectKey{Namespace: [16]byte{'b', 'e', 'n', 'c', 'h'}}
+func benchKey(i int) kv.Key {
+	k := kv.Key{Namespace: [16]byte{'b', 'e', 'n', 'c', 'h'}}
 	binary.LittleEndian.PutUint64(k.Hash[:], uint64(i))
 	return k
 }

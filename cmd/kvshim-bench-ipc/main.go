@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"golang.org/x/sys/unix"
 )
 
@@ -138,7 +139,7 @@ func startServer(inproc bool, path string, spin time.Duration) (*server, error) 
 }
 
 func request() *ipc.AllocReq {
-	r := &ipc.AllocReq{Rank: 0, Hashes: make([]ipc.Hash, 64), Sizes: make([]uint64, 64)}
+	r := &ipc.AllocReq{Rank: 0, Hashes: make([]kv.Hash, 64), Sizes: make([]uint64, 64)}
 	for i := range r.Hashes {
 		r.Hashes[i][0], r.Hashes[i][31] = byte(i), 0x5a
 		r.Sizes[i] = 1 << 20

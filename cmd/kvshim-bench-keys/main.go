@@ -19,7 +19,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/shim"
 )
 
@@ -77,8 +77,8 @@ func main() {
 		withExtras.MM = append(withExtras.MM, shim.MMInput{Hash: []byte("0123456789abcdef0123456789abcdef"), Offset: 1000 + i*8000, Length: 576})
 	}
 	full, _ := shim.ChunkHashes(ns, tokens, chunkSize, shim.Extras{})
-	dst := make([]ipc.Hash, 0, numTokens/chunkSize)
-	grown := append(make([]ipc.Hash, 0, len(full)), full[:len(full)-1]...) // a request one chunk short
+	dst := make([]kv.Hash, 0, numTokens/chunkSize)
+	grown := append(make([]kv.Hash, 0, len(full)), full[:len(full)-1]...) // a request one chunk short
 
 	cases := []struct {
 		name   string

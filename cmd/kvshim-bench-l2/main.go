@@ -21,6 +21,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 	_ "github.com/kvshim/kvshim/server/l2/fs"
 	_ "github.com/kvshim/kvshim/server/l2/mooncake"
@@ -117,8 +118,8 @@ func newBuffers(value, nsrc, ndst int) (*buffers, error) {
 	return b, nil
 }
 
-func key(ns byte, round, i int) l2.Key {
-	k := l2.Key{Rank: uint32(round)}
+func key(ns byte, round, i int) kv.Key {
+	k := kv.Key{Rank: uint32(round)}
 	k.Namespace[0] = ns
 	k.Hash[0], k.Hash[1], k.Hash[2], k.Hash[3] = byte(i), byte(i>>8), byte(round), byte(rand.Uint32())
 	return k
@@ -226,7 +227,7 @@ func backendConfig(name string) (string, func(), error) {
 }
 
 func runAdapter(name, base string, bufs *buffers) (map[string]any, error) {
-	resident := make([]l2.Key, *flagKeys)
+	resident := make([]kv.Key, *flagKeys)
 	for i := range resident {
 		resident[i] = key(1, 0, i)
 	}
@@ -309,10 +310,10 @@ func firstErr(res []l2.Result) error {
 // runMode measures idle lookups, then `rounds` bursts of `stores`
 // concurrent store batches of new keys while a lookup loop and a load loop
 // run back to back.
-func runMode(a *l2.Adapter, resident []l2.Key, bufs *buffers, mode int) (modeResult, error) {
+func runMode(a *l2.Adapter, resident []kv.Key, bufs *buffers, mode int) (modeResult, error) {
 	var r modeResult
 	lb := *flagLookup
-	pick := func(rng *rand.Rand) []l2.Key {
+	pick := func(rng *rand.Rand) []kv.Key {
 		off := rng.IntN(len(resident) - lb + 1)
 		return resident[off : off+lb]
 	}
@@ -333,9 +334,9 @@ func runMode(a *l2.Adapter, resident []l2.Key, bufs *buffers, mode int) (modeRes
 		done := make(chan struct{})
 		var wg sync.WaitGroup
 		var mu sync.Mutex
-		var newKeys []l2.Key
+		var newKeys []kv.Key
 		for s := 0; s < *flagStores; s++ {
-			ks := make([]l2.Key, *flagBatch)
+			ks := make([]kv.Key, *flagBatch)
 			for i := range ks {
 				ks[i] = key(2, 1000*mode+round, s**flagBatch+i)
 			}

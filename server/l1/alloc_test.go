@@ -5,9 +5,8 @@ import (
 	"math/rand/v2"
 	"testing"
 
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
-
-	"github.com/kvshim/kvshim/ipc"
 )
 
 type failingSource struct{ HeapSource }
@@ -62,8 +61,8 @@ func TestAllocatorSegmentSourceError(t *testing.T) {
 	assert.Assert(t, errors.Is(err, ErrSegment))
 	// The cache turns it into "no space" and counts it.
 	c := New(failingSource{}, Config{Capacity: 1 << 20, SegmentSize: 256 << 10, SlabSize: 64 << 10})
-	sh, _ := c.Shard(ipc.Namespace{1}, true)
-	_, ok = c.Reserve(sh, 0, &ipc.Hash{1}, 4096, false)
+	sh, _ := c.Shard(kv.Namespace{1}, true)
+	_, ok = c.Reserve(sh, 0, &kv.Hash{1}, 4096, false)
 	assert.Assert(t, !ok)
 	assert.Equal(t, c.Stats().Objects[Staging], uint64(0))
 	assert.Equal(t, c.Stats().SegmentErrors, uint64(1))

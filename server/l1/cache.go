@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // Config sizes a Cache.
@@ -22,7 +23,7 @@ type Config struct {
 	OnSegment func(id uint32, mem []byte)
 	// OnEvict, when set, is called for every object the LRU evicts, before
 	// it is freed (traces).
-	OnEvict func(ns ipc.Namespace, rank uint32, size uint64)
+	OnEvict func(ns kv.Namespace, rank uint32, size uint64)
 }
 
 // Shard is the index of one namespace's table.
@@ -40,7 +41,7 @@ type Cache struct {
 	mem     *allocator
 	objs    arena
 	shards  []shard
-	idx     map[ipc.Namespace]Shard
+	idx     map[kv.Namespace]Shard
 	lru     lru
 	cnt     counters
 	seed64  uint64
@@ -66,7 +67,7 @@ func New(src SegmentSource, cfg Config) *Cache {
 	c := &Cache{
 		cfg:     cfg,
 		mem:     newAllocator(src, cfg.Capacity, cfg.SegmentSize, cfg.SlabSize),
-		idx:     map[ipc.Namespace]Shard{},
+		idx:     map[kv.Namespace]Shard{},
 		seed64:  rand.Uint64(), // a fresh seed per cache
 		keyMask: ^uint64(0),
 	}
@@ -89,7 +90,7 @@ func (c *Cache) NarrowKeys(mask uint64) { c.keyMask = mask }
 func (c *Cache) MaxObject() uint64 { return c.mem.maxObject() }
 
 // Shard returns the shard of namespace ns, creating it when asked.
-func (c *Cache) Shard(ns ipc.Namespace, create bool) (Shard, bool) {
+func (c *Cache) Shard(ns kv.Namespace, create bool) (Shard, bool) {
 	if i, ok := c.idx[ns]; ok {
 		return i, true
 	}
@@ -110,21 +111,21 @@ func (c *Cache) shard(sh Shard) *shard {
 }
 
 // Find returns the resident object (h, rank) of sh.
-func (c *Cache) Find(sh Shard, h *ipc.Hash, rank uint32) (uint32, bool) {
+func (c *Cache) Find(sh Shard, h *kv.Hash, rank uint32) (uint32, bool) {
 	return c.find(c.shard(sh), h, rank)
 }
 
 // FindRanks sets out[r] to the resident object (h, r) of sh for every rank
 // r < len(out), Nil where absent, with one map probe.
-func (c *Cache) FindRanks(sh Shard, h *ipc.Hash, out []uint32) {
+func (c *Cache) FindRanks(sh Shard, h *kv.Hash, out []uint32) {
 	c.findRanks(c.shard(sh), h, out)
 }
 
 // Object is what the cache's owner reads of one object.
 type Object struct {
-	Namespace ipc.Namespace
+	Namespace kv.Namespace
 	Rank      uint32
-	Hash      ipc.Hash
+	Hash      kv.Hash
 	Size      uint64 // requested bytes (Loc.Size)
 	Holds     uint32
 	State     State

@@ -3,15 +3,15 @@ package l1
 import (
 	"encoding/binary"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // object is one L1 object's metadata (80 bytes; the table adds a 16-byte
 // map slot per chunk hash, shared by all ranks). Indices, not pointers, so the arena is
 // never scanned by the garbage collector.
 type object struct {
-	hash  ipc.Hash // chunk hash
-	shard uint32   // namespace shard index
+	hash  kv.Hash // chunk hash
+	shard uint32  // namespace shard index
 	rank  uint32
 	slab  uint32
 	slot  uint32
@@ -32,20 +32,20 @@ type object struct {
 // apart by (hash, rank). A lookup of C chunks on R ranks thus costs C map
 // probes, not C×R.
 type shard struct {
-	ns ipc.Namespace
+	ns kv.Namespace
 	m  map[uint64]uint32
 }
 
 // tableKey is the shard map key of h: 64 bits of the chunk hash itself
 // (already uniform: SHA-256), mixed with a per-cache seed so a client
 // cannot line keys up across restarts.
-func (c *Cache) tableKey(h *ipc.Hash) uint64 {
+func (c *Cache) tableKey(h *kv.Hash) uint64 {
 	return (binary.LittleEndian.Uint64(h[:8]) ^ c.seed64) & c.keyMask
 }
 
 // sameHash compares two chunk hashes word by word (inlined; a [32]byte ==
 // is a call to memequal).
-func sameHash(a, b *ipc.Hash) bool {
+func sameHash(a, b *kv.Hash) bool {
 	return binary.LittleEndian.Uint64(a[:8]) == binary.LittleEndian.Uint64(b[:8]) &&
 		binary.LittleEndian.Uint64(a[8:16]) == binary.LittleEndian.Uint64(b[8:16]) &&
 		binary.LittleEndian.Uint64(a[16:24]) == binary.LittleEndian.Uint64(b[16:24]) &&
@@ -53,7 +53,7 @@ func sameHash(a, b *ipc.Hash) bool {
 }
 
 // find returns the resident object (h, rank) of sh (sh may be nil).
-func (c *Cache) find(sh *shard, h *ipc.Hash, rank uint32) (uint32, bool) {
+func (c *Cache) find(sh *shard, h *kv.Hash, rank uint32) (uint32, bool) {
 	if sh == nil {
 		return Nil, false
 	}
@@ -70,7 +70,7 @@ func (c *Cache) find(sh *shard, h *ipc.Hash, rank uint32) (uint32, bool) {
 
 // findRanks sets out[r] to the resident object (h, r) of sh for every rank
 // r < len(out), Nil where absent, with one map probe.
-func (c *Cache) findRanks(sh *shard, h *ipc.Hash, out []uint32) {
+func (c *Cache) findRanks(sh *shard, h *kv.Hash, out []uint32) {
 	for r := range out {
 		out[r] = Nil
 	}

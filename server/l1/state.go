@@ -4,7 +4,7 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // State is an object's place in its life cycle (see the package doc).
@@ -59,7 +59,7 @@ func (c *Cache) move(i uint32, to State) error {
 // made. fill marks a prefetch's reservation: its slot bytes count in
 // Stats.PrefetchBytes until it is published resident or freed. The object
 // is invisible to Find until Publish.
-func (c *Cache) Reserve(shard Shard, rank uint32, h *ipc.Hash, size uint64, fill bool) (uint32, bool) {
+func (c *Cache) Reserve(shard Shard, rank uint32, h *kv.Hash, size uint64, fill bool) (uint32, bool) {
 	for {
 		slab, slot, ok, err := c.mem.alloc(size)
 		if err != nil {

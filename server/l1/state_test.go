@@ -4,9 +4,8 @@ import (
 	"errors"
 	"testing"
 
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
-
-	"github.com/kvshim/kvshim/ipc"
 )
 
 func newTestCache(t *testing.T) (*Cache, Shard) {
@@ -14,14 +13,14 @@ func newTestCache(t *testing.T) (*Cache, Shard) {
 	c := New(HeapSource{}, Config{Capacity: 1 << 20, SegmentSize: 256 << 10, SlabSize: 64 << 10,
 		HighWatermark: 1, LowWatermark: 0.9})
 	t.Cleanup(func() { assert.NilError(t, c.Close()) })
-	sh, _ := c.Shard(ipc.Namespace{7}, true)
+	sh, _ := c.Shard(kv.Namespace{7}, true)
 	return c, sh
 }
 
 // reach returns a new object of hash h in state s (Free: one freed).
 func reach(t *testing.T, c *Cache, sh Shard, h byte, s State) uint32 {
 	t.Helper()
-	i, ok := c.Reserve(sh, 0, &ipc.Hash{h}, 5000, false)
+	i, ok := c.Reserve(sh, 0, &kv.Hash{h}, 5000, false)
 	assert.Assert(t, ok)
 	switch s {
 	case Resident:
@@ -71,7 +70,7 @@ func TestTransitions(t *testing.T) {
 				assert.Equal(t, s.Objects[from], before.Objects[from]-1)
 				assert.Equal(t, s.Objects[to], before.Objects[to]+1)
 				assert.Equal(t, s.ObjectBytes[to], before.ObjectBytes[to]+5000)
-				_, found := c.Find(sh, &ipc.Hash{1}, 0)
+				_, found := c.Find(sh, &kv.Hash{1}, 0)
 				assert.Equal(t, found, to == Resident, "findable only when resident")
 			})
 		}
@@ -89,7 +88,7 @@ func TestFreeFromEveryState(t *testing.T) {
 			assert.Equal(t, s.Objects, [NumStates]uint64{})
 			assert.Equal(t, s.ObjectBytes, [NumStates]uint64{})
 			assert.Equal(t, s.Used, uint64(0))
-			_, found := c.Find(sh, &ipc.Hash{1}, 0)
+			_, found := c.Find(sh, &kv.Hash{1}, 0)
 			assert.Assert(t, !found)
 			assert.Equal(t, c.lru.head, Nil)
 		})
@@ -109,7 +108,7 @@ func TestPublishFirstWins(t *testing.T) {
 	assert.Equal(t, s.DiscardedBytes, uint64(5000))
 	assert.Equal(t, s.Objects[Resident], uint64(1))
 	assert.Equal(t, s.Objects[Staging], uint64(0))
-	i, found := c.Find(sh, &ipc.Hash{1}, 0)
+	i, found := c.Find(sh, &kv.Hash{1}, 0)
 	assert.Assert(t, found)
 	assert.Equal(t, i, first)
 }
@@ -157,7 +156,7 @@ func TestFillBytes(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			c, sh := newTestCache(t)
-			i, ok := c.Reserve(sh, 0, &ipc.Hash{1}, 5000, true)
+			i, ok := c.Reserve(sh, 0, &kv.Hash{1}, 5000, true)
 			assert.Assert(t, ok)
 			assert.Equal(t, c.PrefetchBytes(), uint64(8192))
 			tc.end(c, i)
@@ -218,7 +217,7 @@ func TestCollisions(t *testing.T) {
 	var objs []uint32
 	for h := range byte(3) {
 		for r := range uint32(2) {
-			i, ok := c.Reserve(sh, r, &ipc.Hash{h}, 100, false)
+			i, ok := c.Reserve(sh, r, &kv.Hash{h}, 100, false)
 			assert.Assert(t, ok)
 			_, err := c.Publish(i)
 			assert.NilError(t, err)
@@ -228,9 +227,9 @@ func TestCollisions(t *testing.T) {
 	c.Free(objs[2]) // hash 1, rank 0: mid-chain
 	out := make([]uint32, 2)
 	for h := range byte(3) {
-		c.FindRanks(sh, &ipc.Hash{h}, out)
+		c.FindRanks(sh, &kv.Hash{h}, out)
 		for r := range uint32(2) {
-			i, found := c.Find(sh, &ipc.Hash{h}, r)
+			i, found := c.Find(sh, &kv.Hash{h}, r)
 			gone := h == 1 && r == 0
 			assert.Equal(t, found, !gone, "hash %d rank %d", h, r)
 			assert.Equal(t, out[r] == Nil, gone)
@@ -239,6 +238,6 @@ func TestCollisions(t *testing.T) {
 			}
 		}
 	}
-	_, found := c.Find(NoShard, &ipc.Hash{0}, 0)
+	_, found := c.Find(NoShard, &kv.Hash{0}, 0)
 	assert.Assert(t, !found)
 }

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -27,7 +28,7 @@ type Adapter struct {
 	closed    atomic.Bool
 
 	holdMu sync.Mutex
-	holds  map[Key]int
+	holds  map[kv.Key]int
 }
 
 // NewAdapter wraps a backend (Open does this for registered types). reg may
@@ -52,7 +53,7 @@ func NewAdapter(b Backend, cfg *Config, reg prometheus.Registerer, logger *slog.
 		to = DefaultOpTimeout
 	}
 	return &Adapter{name: cfg.Name, typ: cfg.Type, backend: b, lanes: l, m: m, opTimeout: to,
-		log: logger, holds: map[Key]int{}}, nil
+		log: logger, holds: map[kv.Key]int{}}, nil
 }
 
 // Name is the adapter's config name (metrics label).
@@ -70,14 +71,14 @@ func (a *Adapter) Backend() Backend { return a.backend }
 // Store writes bufs[i] under keys[i]. The caller keeps bufs valid and
 // unchanged until the task is done. Per key: StatusOK (written or already
 // present) or StatusFailed.
-func (a *Adapter) Store(ctx context.Context, keys []Key, bufs [][]byte) *Task {
+func (a *Adapter) Store(ctx context.Context, keys []kv.Key, bufs [][]byte) *Task {
 	return a.submit(ctx, OpStore, keys, bufs, a.backend.Store, nil)
 }
 
 // LookupAndHold reports which keys are present (StatusOK) and takes a hold
 // on each present key, to be dropped with Release.
-func (a *Adapter) LookupAndHold(ctx context.Context, keys []Key) *Task {
-	return a.submit(ctx, OpLookup, keys, nil, func(ctx context.Context, k []Key, _ [][]byte, r Reporter) {
+func (a *Adapter) LookupAndHold(ctx context.Context, keys []kv.Key) *Task {
+	return a.submit(ctx, OpLookup, keys, nil, func(ctx context.Context, k []kv.Key, _ [][]byte, r Reporter) {
 		a.backend.Exists(ctx, k, r)
 	}, func(t *Task, i int, r Result) {
 		if r.Status == StatusOK {
@@ -89,14 +90,14 @@ func (a *Adapter) LookupAndHold(ctx context.Context, keys []Key) *Task {
 // Load reads keys[i] into the caller's bufs[i] (L1 staging; len(bufs[i]) is
 // the object size). The caller keeps bufs valid until the task is done and
 // consumes only StatusOK buffers.
-func (a *Adapter) Load(ctx context.Context, keys []Key, bufs [][]byte) *Task {
+func (a *Adapter) Load(ctx context.Context, keys []kv.Key, bufs [][]byte) *Task {
 	return a.submit(ctx, OpRetrieve, keys, bufs, a.backend.Load, nil)
 }
 
 // Delete removes keys. A held key is refused (StatusFailed, ErrHeld).
-func (a *Adapter) Delete(ctx context.Context, keys []Key) *Task {
-	return a.submit(ctx, OpDelete, keys, nil, func(ctx context.Context, k []Key, _ [][]byte, r Reporter) {
-		free := make([]Key, 0, len(k))
+func (a *Adapter) Delete(ctx context.Context, keys []kv.Key) *Task {
+	return a.submit(ctx, OpDelete, keys, nil, func(ctx context.Context, k []kv.Key, _ [][]byte, r Reporter) {
+		free := make([]kv.Key, 0, len(k))
 		idx := make([]int, 0, len(k))
 		var held []int
 		a.holdMu.Lock()
@@ -121,7 +122,7 @@ func (a *Adapter) Delete(ctx context.Context, keys []Key) *Task {
 
 // Release drops one hold per key (taken by LookupAndHold). It never fails;
 // releasing a key that is not held is ignored.
-func (a *Adapter) Release(keys []Key) {
+func (a *Adapter) Release(keys []kv.Key) {
 	a.holdMu.Lock()
 	for _, k := range keys {
 		switch n := a.holds[k]; {
@@ -139,13 +140,13 @@ func (a *Adapter) Release(keys []Key) {
 }
 
 // Held is the hold count of key.
-func (a *Adapter) Held(k Key) int {
+func (a *Adapter) Held(k kv.Key) int {
 	a.holdMu.Lock()
 	defer a.holdMu.Unlock()
 	return a.holds[k]
 }
 
-func (a *Adapter) hold(k Key) {
+func (a *Adapter) hold(k kv.Key) {
 	a.holdMu.Lock()
 	a.holds[k]++
 	a.m.holds.Set(float64(len(a.holds)))
@@ -174,9 +175,9 @@ func (a *Adapter) Close() error {
 	return a.backend.Close()
 }
 
-type opFunc func(ctx context.Context, keys []Key, bufs [][]byte, r Reporter)
+type opFunc func(ctx context.Context, keys []kv.Key, bufs [][]byte, r Reporter)
 
-func (a *Adapter) submit(ctx context.Context, op Op, keys []Key, bufs [][]byte, fn opFunc, onKey func(*Task, int, Result)) *Task {
+func (a *Adapter) submit(ctx context.Context, op Op, keys []kv.Key, bufs [][]byte, fn opFunc, onKey func(*Task, int, Result)) *Task {
 	t := newTask(op, keys)
 	a.m.taskStart(op)
 	t.onKey = func(i int, r Result) {

@@ -1,6 +1,10 @@
 package l2
 
-import "context"
+import (
+	"context"
+
+	"github.com/kvshim/kvshim/kv"
+)
 
 // Backend is one storage system. The adapter calls it from lane workers,
 // concurrently, with a tile (a sub-slice) of a batch; it must report a
@@ -9,23 +13,23 @@ import "context"
 type Backend interface {
 	// Store writes bufs[i] under keys[i]. An existing key is success
 	// (objects are immutable, a key always names the same bytes).
-	Store(ctx context.Context, keys []Key, bufs [][]byte, r Reporter)
+	Store(ctx context.Context, keys []kv.Key, bufs [][]byte, r Reporter)
 	// Exists reports StatusOK for present keys, StatusMiss for absent ones.
 	// Backends with server-side leases take them here.
-	Exists(ctx context.Context, keys []Key, r Reporter)
+	Exists(ctx context.Context, keys []kv.Key, r Reporter)
 	// Load reads keys[i] into bufs[i] (the whole object must fit exactly:
 	// otherwise StatusFailed wrapping ErrBufferSize). A corrupt object is
 	// StatusMiss and must not be served again.
-	Load(ctx context.Context, keys []Key, bufs [][]byte, r Reporter)
+	Load(ctx context.Context, keys []kv.Key, bufs [][]byte, r Reporter)
 	// Delete removes keys; StatusMiss for absent ones.
-	Delete(ctx context.Context, keys []Key, r Reporter)
+	Delete(ctx context.Context, keys []kv.Key, r Reporter)
 	// Close releases connections; called once, after the lanes drained.
 	Close() error
 }
 
 // Releaser is implemented by backends whose holds need an explicit release.
 type Releaser interface {
-	Release(keys []Key)
+	Release(keys []kv.Key)
 }
 
 // Tiler is implemented by backends that want batches cut differently from

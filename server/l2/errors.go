@@ -2,13 +2,10 @@ package l2
 
 import (
 	"errors"
-
-	"github.com/kvshim/kvshim/kv"
 )
 
 // Sentinel errors; per-key errors wrap them with %w.
 var (
-	ErrBadKey       = kv.ErrBadKey
 	ErrBadConfig    = errors.New("l2: bad adapter config")
 	ErrUnknownType  = errors.New("l2: unknown adapter type")
 	ErrClosed       = errors.New("l2: adapter closed")

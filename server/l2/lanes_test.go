@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"gotest.tools/v3/assert"
@@ -20,12 +21,12 @@ import (
 type gateBackend struct {
 	gate chan struct{}
 	mu   sync.Mutex
-	objs map[Key]bool
+	objs map[kv.Key]bool
 }
 
-func newGate() *gateBackend { return &gateBackend{gate: make(chan struct{}), objs: map[Key]bool{}} }
+func newGate() *gateBackend { return &gateBackend{gate: make(chan struct{}), objs: map[kv.Key]bool{}} }
 
-func (g *gateBackend) Store(ctx context.Context, keys []Key, bufs [][]byte, r Reporter) {
+func (g *gateBackend) Store(ctx context.Context, keys []kv.Key, bufs [][]byte, r Reporter) {
 	select {
 	case <-g.gate:
 	case <-ctx.Done():
@@ -46,7 +47,7 @@ func (g *gateBackend) Store(ctx context.Context, keys []Key, bufs [][]byte, r Re
 	}
 }
 
-func (g *gateBackend) Exists(_ context.Context, keys []Key, r Reporter) {
+func (g *gateBackend) Exists(_ context.Context, keys []kv.Key, r Reporter) {
 	for i, k := range keys {
 		g.mu.Lock()
 		ok := g.objs[k]
@@ -59,13 +60,13 @@ func (g *gateBackend) Exists(_ context.Context, keys []Key, r Reporter) {
 	}
 }
 
-func (g *gateBackend) Load(_ context.Context, keys []Key, _ [][]byte, r Reporter) {
+func (g *gateBackend) Load(_ context.Context, keys []kv.Key, _ [][]byte, r Reporter) {
 	for i := range keys {
 		r.Report(i, Result{Status: StatusMiss})
 	}
 }
 
-func (g *gateBackend) Delete(_ context.Context, keys []Key, r Reporter) {
+func (g *gateBackend) Delete(_ context.Context, keys []kv.Key, r Reporter) {
 	for i, k := range keys {
 		g.mu.Lock()
 		delete(g.objs, k)
@@ -76,14 +77,14 @@ func (g *gateBackend) Delete(_ context.Context, keys []Key, r Reporter) {
 
 func (g *gateBackend) Close() error { return nil }
 
-func keyN(i int) Key {
-	var k Key
+func keyN(i int) kv.Key {
+	var k kv.Key
 	k.Hash[0], k.Hash[1] = byte(i), byte(i>>8)
 	return k
 }
 
-func keysN(n int) []Key {
-	ks := make([]Key, n)
+func keysN(n int) []kv.Key {
+	ks := make([]kv.Key, n)
 	for i := range ks {
 		ks[i] = keyN(i)
 	}

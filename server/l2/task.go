@@ -5,12 +5,14 @@ import (
 	"fmt"
 	"sync"
 	"time"
+
+	"github.com/kvshim/kvshim/kv"
 )
 
 // KeyResult is one key's final result, delivered on Task.Events.
 type KeyResult struct {
 	Index int // position in the batch
-	Key   Key
+	Key   kv.Key
 	Result
 }
 
@@ -18,7 +20,7 @@ type KeyResult struct {
 // delivers them as they become final, Done closes when all are final.
 type Task struct {
 	op      Op
-	keys    []Key
+	keys    []kv.Key
 	results []Result
 	set     []bool
 	events  chan KeyResult
@@ -32,7 +34,7 @@ type Task struct {
 	remaining int
 }
 
-func newTask(op Op, keys []Key) *Task {
+func newTask(op Op, keys []kv.Key) *Task {
 	t := &Task{
 		op:        op,
 		keys:      keys,
@@ -50,7 +52,7 @@ func newTask(op Op, keys []Key) *Task {
 func (t *Task) Op() Op { return t.op }
 
 // Keys is the batch (not to be modified).
-func (t *Task) Keys() []Key { return t.keys }
+func (t *Task) Keys() []kv.Key { return t.keys }
 
 // Len is the number of keys.
 func (t *Task) Len() int { return len(t.keys) }

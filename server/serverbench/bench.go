@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
 	"golang.org/x/sys/unix"
 )
@@ -89,7 +90,7 @@ func (m *MmapSource) Close() error {
 	return errors.Join(errs...)
 }
 
-func hashOf(seed string, i int) ipc.Hash {
+func hashOf(seed string, i int) kv.Hash {
 	var b [8]byte
 	binary.LittleEndian.PutUint64(b[:], uint64(i))
 	return sha256.Sum256(append([]byte(seed), b[:]...))
@@ -103,7 +104,7 @@ func newCore(gib float64) (*server.Core, *server.Session, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	s, err := st.OpenSession(ipc.Tag{0xbe})
+	s, err := st.OpenSession(kv.Tag{0xbe})
 	if err != nil {
 		st.Close()
 		return nil, nil, err
@@ -112,14 +113,14 @@ func newCore(gib float64) (*server.Core, *server.Session, error) {
 }
 
 // put stores hashes under rank (ALLOC + COMMIT), batch at a time.
-func put(st *server.Core, s *server.Session, rank uint32, hs []ipc.Hash, size uint64, batch int) error {
+func put(st *server.Core, s *server.Session, rank uint32, hs []kv.Hash, size uint64, batch int) error {
 	sizes := make([]uint64, batch)
 	for i := range sizes {
 		sizes[i] = size
 	}
 	for i := 0; i < len(hs); i += batch {
 		b := hs[i:min(i+batch, len(hs))]
-		r, err := st.Alloc(s, &ipc.AllocReq{Tag: ipc.Tag{1}, Rank: rank, Hashes: b, Sizes: sizes[:len(b)]})
+		r, err := st.Alloc(s, &ipc.AllocReq{Tag: kv.Tag{1}, Rank: rank, Hashes: b, Sizes: sizes[:len(b)]})
 		if err != nil {
 			return err
 		}
@@ -128,7 +129,7 @@ func put(st *server.Core, s *server.Session, rank uint32, hs []ipc.Hash, size ui
 				return fmt.Errorf("alloc status %d", x)
 			}
 		}
-		if _, err := st.Commit(s, &ipc.CommitReq{Tag: ipc.Tag{1}, Rank: rank, Hashes: b}); err != nil {
+		if _, err := st.Commit(s, &ipc.CommitReq{Tag: kv.Tag{1}, Rank: rank, Hashes: b}); err != nil {
 			return err
 		}
 	}
@@ -160,14 +161,14 @@ func Run(o Options) (*Result, error) {
 	return res, nil
 }
 
-func lookupSetup(o Options) (*server.Core, *server.Session, []ipc.Hash, error) {
+func lookupSetup(o Options) (*server.Core, *server.Session, []kv.Hash, error) {
 	const size = 64 << 10
 	total := o.Chunks*o.Ranks + o.Background
 	st, s, err := newCore(float64(total)*size/server.GiB*1.2 + 1)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	bg := make([]ipc.Hash, o.Background)
+	bg := make([]kv.Hash, o.Background)
 	for i := range bg {
 		bg[i] = hashOf("bg", i)
 	}
@@ -179,7 +180,7 @@ func lookupSetup(o Options) (*server.Core, *server.Session, []ipc.Hash, error) {
 			return nil, nil, nil, err
 		}
 	}
-	hs := make([]ipc.Hash, o.Chunks)
+	hs := make([]kv.Hash, o.Chunks)
 	for i := range hs {
 		hs[i] = hashOf("prompt", i)
 	}
@@ -193,7 +194,7 @@ func lookupSetup(o Options) (*server.Core, *server.Session, []ipc.Hash, error) {
 }
 
 // lookupOnce runs LOOKUP + LOOKUP_RESULT + FREE for lookup id.
-func lookupOnce(st *server.Core, s *server.Session, hs []ipc.Hash, ranks int, id uint64) error {
+func lookupOnce(st *server.Core, s *server.Session, hs []kv.Hash, ranks int, id uint64) error {
 	if err := st.Lookup(s, &ipc.LookupReq{LookupID: id, WorldSize: uint32(ranks), Hashes: hs}); err != nil {
 		return err
 	}
@@ -260,7 +261,7 @@ func allocBench(o Options, res *Result) error {
 	if err != nil {
 		return err
 	}
-	hs := make([]ipc.Hash, o.AllocObjects)
+	hs := make([]kv.Hash, o.AllocObjects)
 	for i := range hs {
 		hs[i] = hashOf("alloc", i)
 	}
@@ -277,7 +278,7 @@ func allocBench(o Options, res *Result) error {
 	res.AllocCommitObjectsPerS = float64(n) / time.Since(t0).Seconds()
 	// Leak check: everything unheld cleared, nothing may remain.
 	st.CloseSession(s)
-	s2, err := st.OpenSession(ipc.Tag{0xbf})
+	s2, err := st.OpenSession(kv.Tag{0xbf})
 	if err != nil {
 		return err
 	}
@@ -298,7 +299,7 @@ func metaBench(o Options, res *Result) error {
 		return err
 	}
 	defer st.Close()
-	hs := make([]ipc.Hash, o.MetaObjects)
+	hs := make([]kv.Hash, o.MetaObjects)
 	for i := range hs {
 		hs[i] = hashOf("meta", i)
 	}

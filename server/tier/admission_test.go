@@ -9,15 +9,16 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/server/tier"
 )
 
 // writeL2 stores prompts × chunks objects through a core with cfg.
-func writeL2(t *testing.T, cfg string, prompts, chunks int) [][]ipc.Hash {
+func writeL2(t *testing.T, cfg string, prompts, chunks int) [][]kv.Hash {
 	t.Helper()
 	a := newEnv(t, 4, nil, server.Options{}, cfg)
-	out := make([][]ipc.Hash, prompts)
+	out := make([][]kv.Hash, prompts)
 	for p := range out {
 		out[p] = hashes(fmt.Sprint("prompt ", p), chunks)
 		a.put(t, 0, out[p])

@@ -14,7 +14,7 @@ import (
 
 	"gotest.tools/v3/assert"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/server/l2/fs"
 	"github.com/kvshim/kvshim/server/l2/redis"
@@ -55,7 +55,7 @@ func l2Bytes(dir string) (objects, all int64) {
 
 // lookupL2 clears L1 (so the chunks can only come from L2), looks hs up
 // and, when all of them are found, checks their bytes.
-func (e *env) lookupL2(t *testing.T, hs []ipc.Hash) uint32 {
+func (e *env) lookupL2(t *testing.T, hs []kv.Hash) uint32 {
 	t.Helper()
 	_, err := e.st.Clear(e.sess)
 	assert.NilError(t, err)
@@ -110,7 +110,7 @@ func TestFSBudgetUnderStream(t *testing.T) {
 	hot := hashes("budget hot", 4)
 	e.put(t, 0, hot)
 	e.flush(t)
-	prefixes := make([][]ipc.Hash, 40)
+	prefixes := make([][]kv.Hash, 40)
 	for i := range prefixes {
 		time.Sleep(2 * time.Millisecond) // file times come from a coarse clock
 		prefixes[i] = hashes(fmt.Sprint("budget ", i), 4)
@@ -150,7 +150,7 @@ func TestRedisFullUnderStream(t *testing.T) {
 	t.Cleanup(rs.Kill)
 	cfg := redisConfig(rs, `,"num_workers":2`)
 	e := newEnv(t, 4, nil, server.Options{}, cfg)
-	prefixes := make([][]ipc.Hash, 40)
+	prefixes := make([][]kv.Hash, 40)
 	for i := range prefixes {
 		prefixes[i] = hashes(fmt.Sprint("full ", i), 4)
 		e.put(t, 0, prefixes[i])

@@ -12,6 +12,7 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
@@ -26,7 +27,7 @@ import (
 type slowBackend struct {
 	*fs.Backend
 	mu                   sync.Mutex
-	existsGate, loadGate map[ipc.Namespace]chan struct{}
+	existsGate, loadGate map[kv.Namespace]chan struct{}
 	stuck                chan struct{} // when set, loads wait for it, ignoring their context
 	blocked              atomic.Int64  // calls waiting at a gate now
 	calls                atomic.Int64  // Exists and Load calls running now
@@ -39,7 +40,7 @@ func init() {
 			return nil, err
 		}
 		return &slowBackend{Backend: b.(*fs.Backend),
-			existsGate: map[ipc.Namespace]chan struct{}{}, loadGate: map[ipc.Namespace]chan struct{}{}}, nil
+			existsGate: map[kv.Namespace]chan struct{}{}, loadGate: map[kv.Namespace]chan struct{}{}}, nil
 	})
 }
 
@@ -53,7 +54,7 @@ func slow(e *env) *slowBackend { return e.st.L2Adapters()[0].Backend().(*slowBac
 
 func (b *slowBackend) Tiles(l2.Op, int, int) int { return 1 }
 
-func (b *slowBackend) gate(ctx context.Context, gates map[ipc.Namespace]chan struct{}, keys []l2.Key) {
+func (b *slowBackend) gate(ctx context.Context, gates map[kv.Namespace]chan struct{}, keys []kv.Key) {
 	if len(keys) == 0 {
 		return
 	}
@@ -84,14 +85,14 @@ func (b *slowBackend) stuckLoad() {
 	}
 }
 
-func (b *slowBackend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
+func (b *slowBackend) Exists(ctx context.Context, keys []kv.Key, r l2.Reporter) {
 	b.calls.Add(1)
 	defer b.calls.Add(-1)
 	b.gate(ctx, b.existsGate, keys)
 	b.Backend.Exists(ctx, keys, r)
 }
 
-func (b *slowBackend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
+func (b *slowBackend) Load(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) {
 	b.calls.Add(1)
 	defer b.calls.Add(-1)
 	b.gate(ctx, b.loadGate, keys)
@@ -100,7 +101,7 @@ func (b *slowBackend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r 
 }
 
 // block makes Exists (or Load) of ns wait for the returned gate.
-func (b *slowBackend) block(gates map[ipc.Namespace]chan struct{}, ns ipc.Namespace) chan struct{} {
+func (b *slowBackend) block(gates map[kv.Namespace]chan struct{}, ns kv.Namespace) chan struct{} {
 	g := make(chan struct{})
 	b.mu.Lock()
 	gates[ns] = g
@@ -109,9 +110,9 @@ func (b *slowBackend) block(gates map[ipc.Namespace]chan struct{}, ns ipc.Namesp
 }
 
 // putNS writes chunks hs of rank 0 of ns into L1 through s.
-func putNS(t *testing.T, e *env, s *server.Session, ns ipc.Namespace, hs []ipc.Hash) {
+func putNS(t *testing.T, e *env, s *server.Session, ns kv.Namespace, hs []kv.Hash) {
 	t.Helper()
-	tag := ipc.Tag{0x78, ns[0]}
+	tag := kv.Tag{0x78, ns[0]}
 	sizes := make([]uint64, len(hs))
 	for i := range sizes {
 		sizes[i] = objSize
@@ -165,8 +166,8 @@ func within(t *testing.T, d time.Duration, what string, cond func() bool) {
 }
 
 var (
-	nsLive = ipc.Namespace{0xB2}
-	nsGone = ipc.Namespace{0xC3}
+	nsLive = kv.Namespace{0xB2}
+	nsGone = kv.Namespace{0xC3}
 )
 
 // A session with many lookups that miss in L1 and fill from a slow L2
@@ -209,7 +210,7 @@ func TestDroppedLookupsEndTheirFills(t *testing.T) {
 	within(t, 5*time.Second, "the live fill's load to reach L2", func() bool { return sb.blocked.Load() == 1 })
 	baseG, baseHeap := runtime.NumGoroutine(), heapNow()
 
-	doomed, err := b.st.OpenSession(ipc.Tag{0xD0})
+	doomed, err := b.st.OpenSession(kv.Tag{0xD0})
 	assert.NilError(t, err)
 	for i := range loading {
 		assert.NilError(t, b.st.Lookup(doomed, &ipc.LookupReq{LookupID: uint64(1 + i), Namespace: ns1, WorldSize: 1, Hashes: hsA}))
@@ -300,7 +301,7 @@ func TestDroppedFillKeepsStagingUnderStuckLoad(t *testing.T) {
 	sb.stuck = stuck
 	sb.mu.Unlock()
 
-	doomed, err := b.st.OpenSession(ipc.Tag{0xD1})
+	doomed, err := b.st.OpenSession(kv.Tag{0xD1})
 	assert.NilError(t, err)
 	assert.NilError(t, b.st.Lookup(doomed, &ipc.LookupReq{LookupID: 1, Namespace: ns1, WorldSize: 1, Hashes: hs}))
 	within(t, 5*time.Second, "the load to be stuck", func() bool { return sb.blocked.Load() == 1 })
@@ -338,7 +339,7 @@ func (p taskRecorder) Fill(_ tier.FillRequest, f tier.Fill) bool {
 func TestFillTaskContextEndsWhenLookupDropped(t *testing.T) {
 	rec := taskRecorder{make(chan *server.FillTask, 3)}
 	e := newEnv(t, 4, nil, server.Options{Filler: rec})
-	doomed, err := e.st.OpenSession(ipc.Tag{0xD2})
+	doomed, err := e.st.OpenSession(kv.Tag{0xD2})
 	assert.NilError(t, err)
 	hs := hashes("ctx", 4)
 	lookup := func(s *server.Session, id uint64) *server.FillTask {

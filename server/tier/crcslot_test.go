@@ -7,9 +7,9 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server"
-	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
 	"github.com/kvshim/kvshim/server/tier"
 )
@@ -20,7 +20,7 @@ import (
 
 // bare is pattern(h, rank) as a worker under kvshim.verify=l2 seals it:
 // the same header with the payload CRC slot empty.
-func bare(h ipc.Hash, rank uint32) []byte {
+func bare(h kv.Hash, rank uint32) []byte {
 	b := pattern(h, rank)
 	clear(b[objfmt.HeaderSize-8 : objfmt.HeaderSize])
 	return b
@@ -28,9 +28,9 @@ func bare(h ipc.Hash, rank uint32) []byte {
 
 // putObjs writes objs under chunks hs of rank into L1 (ALLOC, fill,
 // COMMIT) and returns their L1 bytes (the test's view of the segments).
-func (e *env) putObjs(t *testing.T, rank uint32, hs []ipc.Hash, objs [][]byte) [][]byte {
+func (e *env) putObjs(t *testing.T, rank uint32, hs []kv.Hash, objs [][]byte) [][]byte {
 	t.Helper()
-	tag := ipc.Tag{0x79, byte(rank)}
+	tag := kv.Tag{0x79, byte(rank)}
 	sizes := make([]uint64, len(hs))
 	for i := range sizes {
 		sizes[i] = objSize
@@ -58,7 +58,7 @@ func TestStoreSetsPayloadCRCBeforeL2(t *testing.T) {
 	objs := make([][]byte, len(hs))
 	for i, h := range hs {
 		objs[i] = bare(h, 0)
-		_, err := objfmt.Verify(objs[i], objfmt.Key{Namespace: ns1, Hash: h})
+		_, err := objfmt.Verify(objs[i], kv.Key{Namespace: ns1, Hash: h})
 		assert.ErrorIs(t, err, objfmt.ErrNoPayloadCRC)
 	}
 	a := newEnv(t, 8, nil, server.Options{}, cfg)
@@ -83,7 +83,7 @@ func TestStoreSetsPayloadCRCBeforeL2(t *testing.T) {
 
 	// In L2: what a restarted server fills from and serves.
 	b := newEnv(t, 8, func(c *server.Config) { c.L2StorePolicy = tier.PolicyNone }, server.Options{}, cfg)
-	for _, x := range [][]ipc.Hash{hs, full} {
+	for _, x := range [][]kv.Hash{hs, full} {
 		id, n := b.lookup(t, 1, false, x)
 		assert.Equal(t, n, uint32(len(x)))
 		b.check(t, id, 1, false, x, n)
@@ -123,10 +123,10 @@ func TestStoreSkipsObjectsThatDoNotVerify(t *testing.T) {
 // storeRaw writes obj under (ns1, rank, h) straight through the restarted
 // server's adapter, replacing what was there (a valid fs trailer for the
 // new bytes: only the object check can tell).
-func storeRaw(t *testing.T, e *env, be *fs.Backend, rank uint32, h ipc.Hash, obj []byte) {
+func storeRaw(t *testing.T, e *env, be *fs.Backend, rank uint32, h kv.Hash, obj []byte) {
 	t.Helper()
 	assert.NilError(t, os.Remove(be.Path(tier.Key(ns1, rank, h))))
-	st := e.st.L2Adapters()[0].Store(t.Context(), []l2.Key{tier.Key(ns1, rank, h)}, [][]byte{obj})
+	st := e.st.L2Adapters()[0].Store(t.Context(), []kv.Key{tier.Key(ns1, rank, h)}, [][]byte{obj})
 	<-st.Done()
 	assert.Assert(t, st.Results()[0].OK(), "%v", st.Results()[0].Err)
 }
@@ -144,22 +144,22 @@ func TestCorruptL2ObjectIsNeverRestored(t *testing.T) {
 	assert.NilError(t, err)
 	cases := []struct {
 		name   string
-		damage func(h ipc.Hash) []byte // chunk 1's new L2 bytes
+		damage func(h kv.Hash) []byte // chunk 1's new L2 bytes
 	}{
-		{"payload byte changed", func(h ipc.Hash) []byte {
+		{"payload byte changed", func(h kv.Hash) []byte {
 			b := pattern(h, 0) // what the core wrote: the slot set
 			b[objfmt.HeaderSize+4000] ^= 0x08
 			return b
 		}},
-		{"payload CRC changed", func(h ipc.Hash) []byte {
+		{"payload CRC changed", func(h kv.Hash) []byte {
 			b := pattern(h, 0)
 			b[objfmt.HeaderSize-7] ^= 0x01 // a CRC bit: outside the header CRC
 			return b
 		}},
-		{"no payload CRC", func(h ipc.Hash) []byte { return bare(h, 0) }},
+		{"no payload CRC", func(h kv.Hash) []byte { return bare(h, 0) }},
 	}
 	a := newEnv(t, 8, nil, server.Options{}, cfg)
-	chunks := make([][]ipc.Hash, len(cases))
+	chunks := make([][]kv.Hash, len(cases))
 	for i, c := range cases {
 		chunks[i] = hashes("counterexample "+c.name, 4)
 		objs := make([][]byte, 4)

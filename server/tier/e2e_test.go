@@ -11,6 +11,7 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/server/l2/mooncake/mctest"
 )
@@ -72,7 +73,7 @@ func TestServeL2EndToEnd(t *testing.T) {
 				assert.NilError(t, err)
 				copy(b, pattern(hs[i], 0))
 			}
-			_, err = worker.Commit(ctx, &ipc.CommitReq{Tag: ipc.Tag{0x42}, Namespace: ns1, Hashes: hs})
+			_, err = worker.Commit(ctx, &ipc.CommitReq{Tag: kv.Tag{0x42}, Namespace: ns1, Hashes: hs})
 			assert.NilError(t, err)
 			assert.NilError(t, srv.Core.Writer().Flush(ctx))
 			assert.Equal(t, srv.Core.Writer().Stats().Saved[0], int64(3))
@@ -89,7 +90,7 @@ func TestServeL2EndToEnd(t *testing.T) {
 				time.Sleep(time.Millisecond)
 			}
 			assert.DeepEqual(t, *lr, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 3})
-			owner := ipc.Tag(sched.Hello().Instance)
+			owner := kv.Tag(sched.Hello().Instance)
 			rr, err := worker.Retrieve(ctx, &ipc.RetrieveReq{Owner: owner, LookupID: 7, End: ^uint32(0)})
 			assert.NilError(t, err)
 			for i, l := range rr.Locs {

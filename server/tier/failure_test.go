@@ -8,9 +8,8 @@ import (
 
 	"gotest.tools/v3/assert"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
-	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
 	"github.com/kvshim/kvshim/server/tier"
 )
@@ -18,7 +17,7 @@ import (
 // seedCounterExample prepares the seed's case: 1,024 tokens = 4 chunks,
 // L2 has chunks 0-2 (chunk 3 never stored), and a restarted core whose L1
 // holds chunk 0 again. hook runs between the L2 lookup and the loads.
-func seedCounterExample(t *testing.T, cfg string, hook func(keys []l2.Key), tweak ...func(*server.Config)) (*env, []ipc.Hash) {
+func seedCounterExample(t *testing.T, cfg string, hook func(keys []kv.Key), tweak ...func(*server.Config)) (*env, []kv.Hash) {
 	t.Helper()
 	hs := hashes("1024 tokens", 4)
 	a := newEnv(t, 4, nil, server.Options{}, cfg)
@@ -43,8 +42,8 @@ func TestPartialFailureCorruptFile(t *testing.T) {
 	dir := t.TempDir()
 	be, err := fs.Open(fs.Config{BasePath: dir}) // only to name the files
 	assert.NilError(t, err)
-	var hs []ipc.Hash
-	hook := func(keys []l2.Key) {
+	var hs []kv.Hash
+	hook := func(keys []kv.Key) {
 		assert.Equal(t, len(keys), 2) // chunks 1 and 2; chunk 0 is in L1, 3 nowhere
 		p := be.Path(tier.Key(ns1, 0, hs[1]))
 		b, err := os.ReadFile(p)
@@ -77,8 +76,8 @@ func TestPartialFailureDeletedAndFailed(t *testing.T) {
 		dir := t.TempDir()
 		be, err := fs.Open(fs.Config{BasePath: dir})
 		assert.NilError(t, err)
-		var hs []ipc.Hash
-		b, h := seedCounterExample(t, fsConfig(dir), func([]l2.Key) {
+		var hs []kv.Hash
+		b, h := seedCounterExample(t, fsConfig(dir), func([]kv.Key) {
 			assert.NilError(t, os.Remove(be.Path(tier.Key(ns1, 0, hs[1]))))
 		})
 		hs = h
@@ -88,8 +87,8 @@ func TestPartialFailureDeletedAndFailed(t *testing.T) {
 	})
 	t.Run("failed", func(t *testing.T) {
 		var b *env
-		var hs []ipc.Hash
-		b, hs = seedCounterExample(t, faultConfig(t.TempDir()), func([]l2.Key) {
+		var hs []kv.Hash
+		b, hs = seedCounterExample(t, faultConfig(t.TempDir()), func([]kv.Key) {
 			fb := fault(b)
 			fb.mu.Lock()
 			fb.failLoad[tier.Key(ns1, 0, hs[1])] = true
@@ -112,7 +111,7 @@ func TestPartialFailureDeletedAndFailed(t *testing.T) {
 func TestRedisKilledMidLoad(t *testing.T) {
 	rs := startRedis(t)
 	var killed bool
-	b, hs := seedCounterExample(t, redisConfig(rs, ""), func([]l2.Key) {
+	b, hs := seedCounterExample(t, redisConfig(rs, ""), func([]kv.Key) {
 		rs.Kill()
 		killed = true
 	})
@@ -140,7 +139,7 @@ func TestRedisKilledMidLoad(t *testing.T) {
 func TestDeadlineAnswersWithArrived(t *testing.T) {
 	rs := startRedis(t)
 	t.Cleanup(func() { _ = syscall.Kill(rs.Pid(), syscall.SIGCONT) })
-	b, hs := seedCounterExample(t, redisConfig(rs, ""), func([]l2.Key) { rs.Pause() },
+	b, hs := seedCounterExample(t, redisConfig(rs, ""), func([]kv.Key) { rs.Pause() },
 		func(c *server.Config) { c.L2PrefetchTimeout = 300 * time.Millisecond })
 	start := time.Now()
 	id, n := b.lookup(t, 1, false, hs)
@@ -161,7 +160,7 @@ func TestDeadlineAnswersWithArrived(t *testing.T) {
 func TestDeadlineKeepsStagingUnderStuckLoad(t *testing.T) {
 	var b *env
 	stuck, loading := make(chan struct{}), make(chan struct{})
-	b, hs := seedCounterExample(t, faultConfig(t.TempDir()), func([]l2.Key) {
+	b, hs := seedCounterExample(t, faultConfig(t.TempDir()), func([]kv.Key) {
 		fb := fault(b)
 		fb.mu.Lock()
 		fb.stuck, fb.loading = stuck, loading

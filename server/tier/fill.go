@@ -5,6 +5,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -29,7 +30,7 @@ type fillRun struct {
 	gone <-chan struct{}
 
 	cells   []cell        // every cell L1 lacks, by chunk then rank
-	keys    []l2.Key      // keys[i] is cells[i]'s L2 key
+	keys    []kv.Key      // keys[i] is cells[i]'s L2 key
 	results [][]l2.Result // per adapter: its lookup of keys (nil: no answer)
 	plan    []cell        // the cells to load: a prefix of cells
 	bytes   uint64        // the plan's slot bytes (admitted)
@@ -78,7 +79,7 @@ func (r *fillRun) lookup() bool {
 		}
 	}
 	r.cells = make([]cell, 0, missing)
-	r.keys = make([]l2.Key, 0, missing)
+	r.keys = make([]kv.Key, 0, missing)
 	for i := range req.Hashes {
 		for rank := range R {
 			if req.Resident != nil && req.Resident[uint32(i)*R+rank] {
@@ -219,7 +220,7 @@ func (r *fillRun) reserve() bool {
 func (r *fillRun) load() {
 	pc := r.pc
 	if pc.cfg.BeforeLoad != nil {
-		pc.cfg.BeforeLoad(append([]l2.Key(nil), r.keys[:len(r.plan)]...))
+		pc.cfg.BeforeLoad(append([]kv.Key(nil), r.keys[:len(r.plan)]...))
 	}
 	allDone, bad := r.startLoads()
 	pc.loaded.Add(1)
@@ -230,10 +231,10 @@ func (r *fillRun) load() {
 // result arrives. allDone is closed when every load has reported; bad[a]
 // then holds the keys whose objects adapter a returned but the check
 // rejected (each adapter's events goroutine appends to its own slice).
-func (r *fillRun) startLoads() (allDone chan struct{}, bad [][]l2.Key) {
+func (r *fillRun) startLoads() (allDone chan struct{}, bad [][]kv.Key) {
 	pc, plan, keys, mems := r.pc, r.plan, r.keys, r.mems
 	var loads sync.WaitGroup
-	bad = make([][]l2.Key, len(pc.adapters))
+	bad = make([][]kv.Key, len(pc.adapters))
 	for a := range pc.adapters {
 		var idx []int
 		for i := range plan {
@@ -244,7 +245,7 @@ func (r *fillRun) startLoads() (allDone chan struct{}, bad [][]l2.Key) {
 		if len(idx) == 0 {
 			continue
 		}
-		lkeys := make([]l2.Key, len(idx))
+		lkeys := make([]kv.Key, len(idx))
 		bufs := make([][]byte, len(idx))
 		for q, i := range idx {
 			lkeys[q], bufs[q] = keys[i], mems[i]
@@ -289,7 +290,7 @@ func (r *fillRun) startLoads() (allDone chan struct{}, bad [][]l2.Key) {
 // then the lookup is answered with what has arrived (a dropped lookup
 // takes nothing), and the staging of loads still running is freed only
 // when their keys report.
-func (r *fillRun) await(allDone <-chan struct{}, bad [][]l2.Key) {
+func (r *fillRun) await(allDone <-chan struct{}, bad [][]kv.Key) {
 	pc := r.pc
 	select {
 	case <-allDone:
@@ -322,7 +323,7 @@ func (r *fillRun) await(allDone <-chan struct{}, bad [][]l2.Key) {
 // finish ends the fill: Done, the plan's L2 holds released, the admission
 // queue woken, rejected objects deleted (after the release: an adapter
 // refuses to delete held keys).
-func (r *fillRun) finish(bad [][]l2.Key) {
+func (r *fillRun) finish(bad [][]kv.Key) {
 	r.f.Done()
 	r.pc.release(r.results, r.keys, r.plan, 0, false)
 	r.pc.ad.kick()

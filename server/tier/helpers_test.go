@@ -12,6 +12,7 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/server/l2"
@@ -20,7 +21,7 @@ import (
 
 const objSize = 64 << 10
 
-var ns1 = ipc.Namespace{0xA1}
+var ns1 = kv.Namespace{0xA1}
 
 // segSource is a heap SegmentSource that lets the test resolve Locs.
 type segSource struct {
@@ -71,7 +72,7 @@ func newEnv(t *testing.T, capMiB float64, tweak func(*server.Config), o server.O
 	st, err := server.NewCore(cfg, o)
 	assert.NilError(t, err)
 	e := &env{st: st, src: src}
-	e.sess, err = st.OpenSession(ipc.Tag{0x5e})
+	e.sess, err = st.OpenSession(kv.Tag{0x5e})
 	assert.NilError(t, err)
 	t.Cleanup(func() { e.close(t) })
 	return e
@@ -84,8 +85,8 @@ func (e *env) close(t *testing.T) {
 	}
 }
 
-func hashes(seed string, n int) []ipc.Hash {
-	out := make([]ipc.Hash, n)
+func hashes(seed string, n int) []kv.Hash {
+	out := make([]kv.Hash, n)
 	prev := sha256.Sum256([]byte(seed))
 	for i := range out {
 		var b [36]byte
@@ -99,30 +100,30 @@ func hashes(seed string, n int) []ipc.Hash {
 
 // pattern is the content of object (ns1, rank, hash): an object header
 // that names its key, then a payload derived from the key.
-func pattern(h ipc.Hash, rank uint32) []byte { return patternIn(ns1, h, rank) }
+func pattern(h kv.Hash, rank uint32) []byte { return patternIn(ns1, h, rank) }
 
-func patternIn(ns ipc.Namespace, h ipc.Hash, rank uint32) []byte {
+func patternIn(ns kv.Namespace, h kv.Hash, rank uint32) []byte {
 	b := make([]byte, objSize)
 	for i := range b {
 		b[i] = h[i%32] ^ byte(rank) ^ byte(i>>8) ^ ns[0]
 	}
-	if err := objfmt.Seal(b, objfmt.Header{ChunkTokens: 16, Key: objfmt.Key{Namespace: ns, Rank: rank, Hash: h}}); err != nil {
+	if err := objfmt.Seal(b, objfmt.Header{ChunkTokens: 16, Key: kv.Key{Namespace: ns, Rank: rank, Hash: h}}); err != nil {
 		panic(err)
 	}
 	return b
 }
 
 // put writes chunks hs of rank into L1 (ALLOC, fill, COMMIT).
-func (e *env) put(t *testing.T, rank uint32, hs []ipc.Hash) {
+func (e *env) put(t *testing.T, rank uint32, hs []kv.Hash) {
 	t.Helper()
-	tag := ipc.Tag{0x77, byte(rank)}
+	tag := kv.Tag{0x77, byte(rank)}
 	sizes := make([]uint64, len(hs))
 	for i := range sizes {
 		sizes[i] = objSize
 	}
 	ar, err := e.st.Alloc(e.sess, &ipc.AllocReq{Tag: tag, Namespace: ns1, Rank: rank, Hashes: hs, Sizes: sizes})
 	assert.NilError(t, err)
-	var ok []ipc.Hash
+	var ok []kv.Hash
 	for i, s := range ar.Status {
 		if s == ipc.StatusOK {
 			copy(e.src.at(ar.Locs[i]), pattern(hs[i], rank))
@@ -134,7 +135,7 @@ func (e *env) put(t *testing.T, rank uint32, hs []ipc.Hash) {
 }
 
 // lookup registers a lookup and waits (bounded) for its final answer.
-func (e *env) lookup(t *testing.T, world uint32, mla bool, hs []ipc.Hash) (id uint64, chunks uint32) {
+func (e *env) lookup(t *testing.T, world uint32, mla bool, hs []kv.Hash) (id uint64, chunks uint32) {
 	t.Helper()
 	e.ids++
 	id = e.ids
@@ -160,7 +161,7 @@ func (e *env) result(t testing.TB, id uint64) uint32 {
 
 // check retrieves chunks [0, n) for every reader rank, verifies the bytes
 // and releases the lookup's holds.
-func (e *env) check(t *testing.T, id uint64, world uint32, mla bool, hs []ipc.Hash, n uint32) {
+func (e *env) check(t *testing.T, id uint64, world uint32, mla bool, hs []kv.Hash, n uint32) {
 	t.Helper()
 	for r := range world {
 		rr, err := e.st.Retrieve(e.sess, &ipc.RetrieveReq{Owner: e.sess.ID(), LookupID: id, Rank: r, End: n})
@@ -210,7 +211,7 @@ func fsConfig(dir string) string { return fmt.Sprintf(`{"type":"fs","base_path":
 type faultBackend struct {
 	*fs.Backend
 	mu       sync.Mutex
-	failLoad map[l2.Key]bool
+	failLoad map[kv.Key]bool
 	gate     chan struct{} // stores wait for it when non-nil
 	stuck    chan struct{} // loads wait for it, ignoring their deadline, when non-nil
 	loading  chan struct{} // closed when a load is stuck
@@ -224,13 +225,13 @@ func init() {
 		if err != nil {
 			return nil, err
 		}
-		return &faultBackend{Backend: b.(*fs.Backend), failLoad: map[l2.Key]bool{}}, nil
+		return &faultBackend{Backend: b.(*fs.Backend), failLoad: map[kv.Key]bool{}}, nil
 	})
 }
 
 func faultConfig(dir string) string { return fmt.Sprintf(`{"type":"faultfs","base_path":%q}`, dir) }
 
-func (b *faultBackend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
+func (b *faultBackend) Load(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) {
 	b.mu.Lock()
 	stuck, loading := b.stuck, b.loading
 	b.mu.Unlock()
@@ -250,7 +251,7 @@ func (b *faultBackend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r
 	}
 }
 
-func (b *faultBackend) Store(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
+func (b *faultBackend) Store(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) {
 	b.mu.Lock()
 	g := b.gate
 	b.mu.Unlock()
@@ -272,10 +273,10 @@ func (b *faultBackend) RegisterL1Segment(fd int, mem []byte) error {
 
 func fault(e *env) *faultBackend { return e.st.L2Adapters()[0].Backend().(*faultBackend) }
 
-func allocReq(hs []ipc.Hash) *ipc.AllocReq {
+func allocReq(hs []kv.Hash) *ipc.AllocReq {
 	sizes := make([]uint64, len(hs))
 	for i := range sizes {
 		sizes[i] = objSize
 	}
-	return &ipc.AllocReq{Tag: ipc.Tag{0x42}, Namespace: ns1, Hashes: hs, Sizes: sizes}
+	return &ipc.AllocReq{Tag: kv.Tag{0x42}, Namespace: ns1, Hashes: hs, Sizes: sizes}
 }

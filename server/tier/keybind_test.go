@@ -8,18 +8,18 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
-	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
 	"github.com/kvshim/kvshim/server/tier"
 )
 
-var ns2 = ipc.Namespace{0xB2}
+var ns2 = kv.Namespace{0xB2}
 
 // putIn is put for another namespace.
-func (e *env) putIn(t *testing.T, ns ipc.Namespace, rank uint32, hs []ipc.Hash) {
+func (e *env) putIn(t *testing.T, ns kv.Namespace, rank uint32, hs []kv.Hash) {
 	t.Helper()
-	tag := ipc.Tag{0x78, byte(rank)}
+	tag := kv.Tag{0x78, byte(rank)}
 	sizes := make([]uint64, len(hs))
 	for i := range sizes {
 		sizes[i] = objSize
@@ -59,13 +59,13 @@ func TestFillRejectsObjectsOfOtherKeys(t *testing.T) {
 	be, err := fs.Open(fs.Config{BasePath: dir}) // only to name the files
 	assert.NilError(t, err)
 	const world = 2
-	path := func(ns ipc.Namespace, rank uint32, h ipc.Hash) string { return be.Path(tier.Key(ns, rank, h)) }
+	path := func(ns kv.Namespace, rank uint32, h kv.Hash) string { return be.Path(tier.Key(ns, rank, h)) }
 	type damage struct {
 		name     string
-		hs       []ipc.Hash
-		damage   func(hs []ipc.Hash) // runs while the server is down
-		bad      []string            // files that must be gone after the fill
-		mismatch int64               // objects that name another key
+		hs       []kv.Hash
+		damage   func(hs []kv.Hash) // runs while the server is down
+		bad      []string           // files that must be gone after the fill
+		mismatch int64              // objects that name another key
 	}
 	other := hashes("other prompt", 4)
 	foreign := hashes("foreign namespace", 4)
@@ -76,22 +76,22 @@ func TestFillRejectsObjectsOfOtherKeys(t *testing.T) {
 		{name: "chunk 1 from another namespace", hs: hashes("namespace", 4), mismatch: 1},
 		{name: "rank 1's chunk 1 over rank 0's", hs: hashes("rank", 4), mismatch: 1},
 	}
-	cases[0].damage = func(hs []ipc.Hash) { copyFile(t, path(ns1, 0, other[1]), path(ns1, 0, hs[1])) }
-	cases[1].damage = func(hs []ipc.Hash) {
+	cases[0].damage = func(hs []kv.Hash) { copyFile(t, path(ns1, 0, other[1]), path(ns1, 0, hs[1])) }
+	cases[1].damage = func(hs []kv.Hash) {
 		p1, p2 := path(ns1, 1, hs[1]), path(ns1, 1, hs[2])
 		assert.NilError(t, os.Rename(p1, p1+".x"))
 		assert.NilError(t, os.Rename(p2, p1))
 		assert.NilError(t, os.Rename(p1+".x", p2))
 	}
-	cases[2].damage = func(hs []ipc.Hash) {
+	cases[2].damage = func(hs []kv.Hash) {
 		st, err := os.Stat(path(ns1, 0, hs[1]))
 		assert.NilError(t, err)
 		assert.NilError(t, os.Truncate(path(ns1, 0, hs[1]), st.Size()/2))
 	}
 	// The same chunk hash in another namespace: only the namespace differs.
 	cases[3].hs = foreign
-	cases[3].damage = func(hs []ipc.Hash) { copyFile(t, path(ns2, 0, hs[1]), path(ns1, 0, hs[1])) }
-	cases[4].damage = func(hs []ipc.Hash) { copyFile(t, path(ns1, 1, hs[1]), path(ns1, 0, hs[1])) }
+	cases[3].damage = func(hs []kv.Hash) { copyFile(t, path(ns2, 0, hs[1]), path(ns1, 0, hs[1])) }
+	cases[4].damage = func(hs []kv.Hash) { copyFile(t, path(ns1, 1, hs[1]), path(ns1, 0, hs[1])) }
 	cases[0].bad = []string{path(ns1, 0, cases[0].hs[1])}
 	cases[1].bad = []string{path(ns1, 1, cases[1].hs[1]), path(ns1, 1, cases[1].hs[2])}
 	// A truncated file is the fs adapter's own miss (its trailer): not
@@ -101,7 +101,7 @@ func TestFillRejectsObjectsOfOtherKeys(t *testing.T) {
 
 	// 1. Store everything, rank by rank, and stop.
 	a := newEnv(t, 8, nil, server.Options{}, cfg)
-	for _, hs := range [][]ipc.Hash{other, cases[0].hs, cases[1].hs, cases[2].hs, cases[3].hs, cases[4].hs} {
+	for _, hs := range [][]kv.Hash{other, cases[0].hs, cases[1].hs, cases[2].hs, cases[3].hs, cases[4].hs} {
 		for r := range uint32(world) {
 			a.put(t, r, hs)
 		}
@@ -190,7 +190,7 @@ func TestFillRejectsBadPayloadChecksum(t *testing.T) {
 	assert.NilError(t, os.Remove(be.Path(tier.Key(ns1, 0, hs[1]))))
 	b := newEnv(t, 4, func(c *server.Config) { c.L2StorePolicy = tier.PolicyNone }, server.Options{}, cfg)
 	ad := b.st.L2Adapters()[0]
-	st := ad.Store(t.Context(), []l2.Key{tier.Key(ns1, 0, hs[1])}, [][]byte{obj})
+	st := ad.Store(t.Context(), []kv.Key{tier.Key(ns1, 0, hs[1])}, [][]byte{obj})
 	<-st.Done()
 	assert.Assert(t, st.Results()[0].OK(), "%v", st.Results()[0].Err)
 	id, n := b.lookup(t, 1, false, hs)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server/l2"
 )
@@ -45,7 +46,7 @@ type PrefetchConfig struct {
 	// BeforeLoad, when set, runs after planning and reserving, right
 	// before the loads are submitted (tests, tracing). keys are the keys
 	// about to be loaded.
-	BeforeLoad func(keys []l2.Key)
+	BeforeLoad func(keys []kv.Key)
 	// Verify is the fill's object check (kvshim.verify): VerifyL2 and
 	// VerifyAlways (the zero value is VerifyL2) check header, key, size and
 	// a set, matching payload CRC; VerifyOff skips the payload (header, key
@@ -220,17 +221,17 @@ func (pc *PrefetchController) Close() {
 // writer sets it before writing) and match. The server does not know the KV
 // layout; the layout fingerprint and chunk tokens are the worker's to
 // check.
-func checkObject(obj []byte, key l2.Key, policy objfmt.VerifyPolicy) error {
+func checkObject(obj []byte, key kv.Key, policy objfmt.VerifyPolicy) error {
 	check := objfmt.Verify
 	if policy == objfmt.VerifyOff {
 		check = objfmt.VerifyHeader
 	}
-	_, err := check(obj, objfmt.Key{Namespace: key.Namespace, Rank: key.Rank, Hash: key.Hash})
+	_, err := check(obj, kv.Key{Namespace: key.Namespace, Rank: key.Rank, Hash: key.Hash})
 	return err
 }
 
 // reject counts and logs an L2 object that failed checkObject.
-func (pc *PrefetchController) reject(a int, key l2.Key, err error) {
+func (pc *PrefetchController) reject(a int, key kv.Key, err error) {
 	pc.chunksRejected[a].Add(1)
 	what := "corrupt"
 	if errors.Is(err, objfmt.ErrKeyMismatch) {
@@ -244,7 +245,7 @@ func (pc *PrefetchController) reject(a int, key l2.Key, err error) {
 // store can write the right bytes under their keys (stores skip keys that
 // exist). A delete that fails (another lookup holds the key, a backend
 // error) is counted and logged; the next fill that reads it retries.
-func (pc *PrefetchController) deleteRejected(bad [][]l2.Key) {
+func (pc *PrefetchController) deleteRejected(bad [][]kv.Key) {
 	for a, keys := range bad {
 		if len(keys) == 0 {
 			continue
@@ -276,12 +277,12 @@ func (pc *PrefetchController) deleteRejected(bad [][]l2.Key) {
 }
 
 // release drops the holds toRelease names (keys[k] is cells[k]'s key).
-func (pc *PrefetchController) release(results [][]l2.Result, keys []l2.Key, cells []cell, from int, others bool) {
+func (pc *PrefetchController) release(results [][]l2.Result, keys []kv.Key, cells []cell, from int, others bool) {
 	for a, idx := range toRelease(results, cells, from, others) {
 		if len(idx) == 0 {
 			continue
 		}
-		rel := make([]l2.Key, len(idx))
+		rel := make([]kv.Key, len(idx))
 		for i, k := range idx {
 			rel[i] = keys[k]
 		}
@@ -289,8 +290,8 @@ func (pc *PrefetchController) release(results [][]l2.Result, keys []l2.Key, cell
 	}
 }
 
-func okKeys(t *l2.Task) []l2.Key {
-	var keys []l2.Key
+func okKeys(t *l2.Task) []kv.Key {
+	var keys []kv.Key
 	for i, r := range t.Results() {
 		if r.OK() {
 			keys = append(keys, t.Keys()[i])

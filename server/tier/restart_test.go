@@ -8,8 +8,7 @@ import (
 
 	"gotest.tools/v3/assert"
 
-	"github.com/kvshim/kvshim/ipc"
-
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/mooncake/mctest"
@@ -87,7 +86,7 @@ func TestRestartHitsFromL2(t *testing.T) {
 			assert.Equal(t, b.stat(t, "kvshim_l1_prefetch_bytes"), 0.0)
 			assert.Equal(t, b.st.L2Adapters()[0].Held(tier.Key(ns1, 0, hs[0])), 0)
 			// A prompt with an unknown suffix: the prefix L2 has.
-			more := append(append([]ipc.Hash{}, hs[:2]...), hashes("other", 2)...)
+			more := append(append([]kv.Hash{}, hs[:2]...), hashes("other", 2)...)
 			_, n = b.lookup(t, world, false, more)
 			assert.Equal(t, n, uint32(2))
 		})

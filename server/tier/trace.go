@@ -3,7 +3,7 @@ package tier
 import (
 	"time"
 
-	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // L2Tracer is implemented by an L1 host that records lifecycle traces
@@ -11,11 +11,11 @@ import (
 type L2Tracer interface {
 	// TraceL2Saved: the L2 write of key (bytes) by adapter ended; err is
 	// nil when it is saved.
-	TraceL2Saved(adapter string, key l2.Key, bytes int, err error)
+	TraceL2Saved(adapter string, key kv.Key, bytes int, err error)
 }
 
 // traceSaved reports one L2 write's end to the host, if it traces.
-func (wr *Writer) traceSaved(a int, key l2.Key, bytes int, err error) {
+func (wr *Writer) traceSaved(a int, key kv.Key, bytes int, err error) {
 	if t, ok := wr.l1.(L2Tracer); ok {
 		t.TraceL2Saved(wr.adapters[a].Name(), key, bytes, err)
 	}

@@ -4,8 +4,7 @@ import (
 	"context"
 	"sync"
 
-	"github.com/kvshim/kvshim/ipc"
-	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/kv"
 )
 
 // L1 is what the controllers need from L1 (the server's Core).
@@ -20,7 +19,7 @@ type L1 interface {
 // Object is an L1 object pinned for an L2 write: Mem stays valid and
 // unchanged until it is unpinned.
 type Object struct {
-	Key l2.Key
+	Key kv.Key
 	Mem []byte
 	Ref uint64 // the core's handle for Unpin
 }
@@ -67,10 +66,10 @@ type Fill interface {
 // FillRequest describes a fill: chunks [Start, Start+len(Hashes)) of a
 // lookup over Ranks storage ranks (1 for MLA).
 type FillRequest struct {
-	Namespace ipc.Namespace
+	Namespace kv.Namespace
 	Ranks     uint32
 	Start     uint32
-	Hashes    []ipc.Hash
+	Hashes    []kv.Hash
 	// Resident[i*Ranks+r]: cell (rank r, chunk Start+i) was resident in L1
 	// when the lookup arrived (nil: none).
 	Resident []bool
@@ -79,8 +78,8 @@ type FillRequest struct {
 }
 
 // Key is the L2 key of (namespace, rank, hash).
-func Key(ns ipc.Namespace, rank uint32, h ipc.Hash) l2.Key {
-	return l2.Key{Namespace: ns, Rank: rank, Hash: h}
+func Key(ns kv.Namespace, rank uint32, h kv.Hash) kv.Key {
+	return kv.Key{Namespace: ns, Rank: rank, Hash: h}
 }
 
 // SizeHints remembers the object size last seen per (namespace, rank), for
@@ -88,19 +87,19 @@ func Key(ns ipc.Namespace, rank uint32, h ipc.Hash) l2.Key {
 type SizeHints struct{ m sync.Map }
 
 type hintKey struct {
-	ns   ipc.Namespace
+	ns   kv.Namespace
 	rank uint32
 }
 
 // Learn records size for (ns, rank).
-func (h *SizeHints) Learn(ns ipc.Namespace, rank uint32, size uint64) {
+func (h *SizeHints) Learn(ns kv.Namespace, rank uint32, size uint64) {
 	if h != nil && size > 0 {
 		h.m.Store(hintKey{ns, rank}, size)
 	}
 }
 
 // Get returns the recorded size or 0.
-func (h *SizeHints) Get(ns ipc.Namespace, rank uint32) uint64 {
+func (h *SizeHints) Get(ns kv.Namespace, rank uint32) uint64 {
 	if h == nil {
 		return 0
 	}

@@ -8,7 +8,7 @@ import (
 
 	"gotest.tools/v3/assert"
 
-	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/tier"
@@ -56,7 +56,7 @@ func TestFillPayloadCheckFollowsVerifyPolicy(t *testing.T) {
 	corrupt := pattern(hs[2], 0)
 	corrupt[objfmt.HeaderSize+1] ^= 1
 	objs := [][]byte{pattern(hs[0], 0), bare(hs[1], 0), corrupt, pattern(hashes("policy other", 1)[0], 0)}
-	keys := make([]l2.Key, len(hs))
+	keys := make([]kv.Key, len(hs))
 	for i, h := range hs {
 		keys[i] = tier.Key(ns1, 0, h)
 	}
@@ -80,7 +80,7 @@ func TestFillPayloadCheckFollowsVerifyPolicy(t *testing.T) {
 			assert.NilError(t, err)
 			t.Cleanup(pc.Close)
 			f := &recordFill{ok: map[uint32]bool{}, done: make(chan struct{})}
-			assert.Assert(t, pc.Fill(tier.FillRequest{Namespace: ns1, Ranks: 1, Hashes: []ipc.Hash(hs)}, f))
+			assert.Assert(t, pc.Fill(tier.FillRequest{Namespace: ns1, Ranks: 1, Hashes: []kv.Hash(hs)}, f))
 			select {
 			case <-f.done:
 			case <-time.After(20 * time.Second):

@@ -11,6 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server/l2"
 )
@@ -228,7 +229,7 @@ func (wr *Writer) Committed(objs []Object) {
 // ends. Each object is prepared (payload CRC) before any adapter reads it.
 func (wr *Writer) write(a int, bs []*batchObj) {
 	defer wr.wg.Done()
-	keys := make([]l2.Key, 0, len(bs))
+	keys := make([]kv.Key, 0, len(bs))
 	bufs := make([][]byte, 0, len(bs))
 	kept := bs[:0:0]
 	for _, b := range bs {
@@ -279,7 +280,7 @@ func (wr *Writer) unref(b *batchObj) {
 func (wr *Writer) prepare(b *batchObj) error {
 	b.prep.Do(func() {
 		k := b.o.Key
-		_, set, err := objfmt.SetPayloadCRC(b.o.Mem, objfmt.Key{Namespace: k.Namespace, Rank: k.Rank, Hash: k.Hash})
+		_, set, err := objfmt.SetPayloadCRC(b.o.Mem, kv.Key{Namespace: k.Namespace, Rank: k.Rank, Hash: k.Hash})
 		switch {
 		case err != nil:
 			b.bad = err

@@ -23,6 +23,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -117,7 +118,7 @@ func evictionKey(cfg *l2.Config, ex *l2.Extras) (set bool) {
 
 // cand is an object file found by a scan: an eviction candidate.
 type cand struct {
-	key      l2.Key
+	key      kv.Key
 	size     int64
 	mtime    int64 // ns
 	dev, ino uint64
@@ -183,7 +184,7 @@ type evictor struct {
 	next   *evictPass
 
 	holdMu sync.Mutex
-	holds  map[l2.Key]hold
+	holds  map[kv.Key]hold
 
 	// The run goroutine's own.
 	cands      []cand // oldest first
@@ -201,7 +202,7 @@ func newEvictor(b *Backend, c Config) *evictor {
 	e := &evictor{b: b, max: c.MaxBytes, low: int64(float64(c.MaxBytes) * lowWater),
 		scanEvery: c.ScanInterval, touchEvery: c.TouchInterval, log: c.Logger,
 		kick: make(chan struct{}, 1), stopped: make(chan struct{}),
-		next: &evictPass{done: make(chan struct{})}, holds: map[l2.Key]hold{}}
+		next: &evictPass{done: make(chan struct{})}, holds: map[kv.Key]hold{}}
 	if e.scanEvery <= 0 {
 		e.scanEvery = DefaultScanInterval
 	}
@@ -515,8 +516,8 @@ func (e *evictor) scan(ctx context.Context) bool {
 			return nil
 		}
 		switch {
-		case strings.HasSuffix(name, suffix) && len(name) == l2.KeyStringLen+len(suffix):
-			k, err := l2.ParseKey(name[:l2.KeyStringLen])
+		case strings.HasSuffix(name, suffix) && len(name) == kv.KeyStringLen+len(suffix):
+			k, err := kv.ParseKey(name[:kv.KeyStringLen])
 			if err != nil || e.b.Path(k) != path {
 				return nil
 			}
@@ -609,7 +610,7 @@ func (e *evictor) touch(f *os.File, st os.FileInfo) {
 
 // hold protects k from this server's eviction until released (a lookup
 // found it and a load may follow), at most holdTTL.
-func (e *evictor) hold(k l2.Key) {
+func (e *evictor) hold(k kv.Key) {
 	e.holdMu.Lock()
 	h := e.holds[k]
 	h.n++
@@ -618,7 +619,7 @@ func (e *evictor) hold(k l2.Key) {
 	e.holdMu.Unlock()
 }
 
-func (e *evictor) release(keys []l2.Key) {
+func (e *evictor) release(keys []kv.Key) {
 	e.holdMu.Lock()
 	for _, k := range keys {
 		if h, ok := e.holds[k]; ok {
@@ -633,7 +634,7 @@ func (e *evictor) release(keys []l2.Key) {
 	e.holdMu.Unlock()
 }
 
-func (e *evictor) held(k l2.Key) bool {
+func (e *evictor) held(k kv.Key) bool {
 	e.holdMu.Lock()
 	defer e.holdMu.Unlock()
 	h, ok := e.holds[k]
@@ -675,7 +676,7 @@ func (b *Backend) Rescan(ctx context.Context) error {
 }
 
 // Release implements l2.Releaser: it drops the holds of a lookup.
-func (b *Backend) Release(keys []l2.Key) {
+func (b *Backend) Release(keys []kv.Key) {
 	if b.ev != nil {
 		b.ev.release(keys)
 	}

@@ -9,9 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
-
-	"github.com/kvshim/kvshim/server/l2"
 )
 
 // The eviction's delete against other servers' changes of the same name,
@@ -27,15 +26,15 @@ func testEvictor(t *testing.T) (*Backend, *evictor) {
 	return b, e
 }
 
-func testKey(i int) l2.Key {
-	k := l2.Key{Rank: 1}
+func testKey(i int) kv.Key {
+	k := kv.Key{Rank: 1}
 	k.Namespace[0], k.Hash[0], k.Hash[5] = 0x3c, byte(i), byte(i>>8)
 	return k
 }
 
 // put writes an object as a store would (through another backend: another
 // server), returning its file's info.
-func put(t *testing.T, b *Backend, k l2.Key, fill byte) os.FileInfo {
+func put(t *testing.T, b *Backend, k kv.Key, fill byte) os.FileInfo {
 	t.Helper()
 	p := make([]byte, 1000)
 	for i := range p {
@@ -49,7 +48,7 @@ func put(t *testing.T, b *Backend, k l2.Key, fill byte) os.FileInfo {
 
 // replace publishes a new file (a new inode) under k's name, as another
 // server healing a broken file does (rename over it).
-func replace(t *testing.T, b *Backend, k l2.Key) os.FileInfo {
+func replace(t *testing.T, b *Backend, k kv.Key) os.FileInfo {
 	t.Helper()
 	other, err := Open(Config{BasePath: t.TempDir()})
 	assert.NilError(t, err)
@@ -68,7 +67,7 @@ func scanOne(t *testing.T, e *evictor) cand {
 	return e.cands[0]
 }
 
-func noneAside(t *testing.T, b *Backend, k l2.Key) {
+func noneAside(t *testing.T, b *Backend, k kv.Key) {
 	t.Helper()
 	ents, err := os.ReadDir(filepath.Dir(b.Path(k)))
 	assert.NilError(t, err)
@@ -121,10 +120,10 @@ func TestEvictSkipsFilesChangedSinceTheScan(t *testing.T) {
 func TestEvictPutsBackAFileChangedDuringTheDelete(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
-		change func(t *testing.T, b *Backend, k l2.Key) os.FileInfo
+		change func(t *testing.T, b *Backend, k kv.Key) os.FileInfo
 	}{
 		{"replaced", replace},
-		{"touched", func(t *testing.T, b *Backend, k l2.Key) os.FileInfo {
+		{"touched", func(t *testing.T, b *Backend, k kv.Key) os.FileInfo {
 			later := time.Now().Add(time.Minute)
 			assert.NilError(t, os.Chtimes(b.Path(k), later, later))
 			st, err := os.Stat(b.Path(k))
@@ -161,9 +160,9 @@ func TestEvictSkipsHeldKeys(t *testing.T) {
 	e.hold(k)
 	assert.Equal(t, e.evictTo(context.Background(), 0), int64(0))
 	assert.Assert(t, e.held(k))
-	e.release([]l2.Key{k})
+	e.release([]kv.Key{k})
 	assert.Assert(t, e.held(k))
-	e.release([]l2.Key{k})
+	e.release([]kv.Key{k})
 	assert.Assert(t, !e.held(k))
 	e.hold(k)
 	e.holdMu.Lock()

@@ -17,6 +17,7 @@ import (
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
 	"github.com/kvshim/kvshim/server/l2/l2test"
@@ -69,7 +70,7 @@ func walkUsage(t *testing.T, dir string) (objects, tmp int64, n int) {
 	return objects, tmp, n
 }
 
-func present(t *testing.T, b *fs.Backend, k l2.Key) bool {
+func present(t *testing.T, b *fs.Backend, k kv.Key) bool {
 	_, err := os.Stat(b.Path(k))
 	if errors.Is(err, os.ErrNotExist) {
 		return false
@@ -78,7 +79,7 @@ func present(t *testing.T, b *fs.Backend, k l2.Key) bool {
 	return true
 }
 
-func storeAll(t *testing.T, a *l2.Adapter, keys []l2.Key, seed int) {
+func storeAll(t *testing.T, a *l2.Adapter, keys []kv.Key, seed int) {
 	t.Helper()
 	bufs := make([][]byte, len(keys))
 	for i := range keys {
@@ -91,21 +92,21 @@ func storeAll(t *testing.T, a *l2.Adapter, keys []l2.Key, seed int) {
 
 // hit loads k (as a prefetch does: lookup with a hold, load, release) and
 // checks its bytes.
-func hit(t *testing.T, a *l2.Adapter, k l2.Key, seed int) {
+func hit(t *testing.T, a *l2.Adapter, k kv.Key, seed int) {
 	t.Helper()
 	ctx := context.Background()
-	look := a.LookupAndHold(ctx, []l2.Key{k})
+	look := a.LookupAndHold(ctx, []kv.Key{k})
 	l2test.Wait(t, look)
 	assert.Equal(t, look.Bitmap().Count(), 1, "%s is not in L2", k)
 	dst := make([]byte, objPayload)
-	res := l2test.Wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
-	a.Release([]l2.Key{k})
+	res := l2test.Wait(t, a.Load(ctx, []kv.Key{k}, [][]byte{dst}))
+	a.Release([]kv.Key{k})
 	assert.Equal(t, res[0].Status, l2.StatusOK, "%v", res[0].Err)
 	assert.Assert(t, bytes.Equal(dst, l2test.Payload(seed, objPayload)))
 }
 
-func keyRange(from, n int) []l2.Key {
-	ks := make([]l2.Key, n)
+func keyRange(from, n int) []kv.Key {
+	ks := make([]kv.Key, n)
 	for i := range ks {
 		ks[i] = l2test.Key(from + i)
 	}
@@ -151,7 +152,7 @@ func TestMaxBytesKeepsRecentlyUsed(t *testing.T) {
 	const room = 12
 	a, b := openAtDir(t, dir, fmt.Sprintf(`,"max_bytes":%d,"touch_interval_ms":0,"eviction":{"eviction_policy":"LRU"}`, room*objFile))
 	hot := l2test.Key(1000)
-	storeAll(t, a, []l2.Key{hot}, 1000)
+	storeAll(t, a, []kv.Key{hot}, 1000)
 	for batch := range 20 {
 		time.Sleep(2 * time.Millisecond) // mtimes from a coarse clock: keep batches apart
 		storeAll(t, a, keyRange(batch*4, 4), batch*4)
@@ -182,7 +183,7 @@ func TestMaxBytesKeepsRecentlyUsed(t *testing.T) {
 func TestRecencyIsTheTouchedMtime(t *testing.T) {
 	a, b := openAtDir(t, t.TempDir(), fmt.Sprintf(`,"max_bytes":%d,"touch_interval_ms":0`, 100*objFile))
 	k := l2test.Key(7)
-	storeAll(t, a, []l2.Key{k}, 7)
+	storeAll(t, a, []kv.Key{k}, 7)
 	past := time.Now().Add(-time.Hour)
 	assert.NilError(t, os.Chtimes(b.Path(k), past, past))
 	hit(t, a, k, 7)
@@ -193,7 +194,7 @@ func TestRecencyIsTheTouchedMtime(t *testing.T) {
 	// Rate-limited: a file touched less than touch_interval_ms ago is not
 	// touched again.
 	a2, b2 := openAtDir(t, t.TempDir(), fmt.Sprintf(`,"max_bytes":%d,"touch_interval_ms":3600000`, 100*objFile))
-	storeAll(t, a2, []l2.Key{k}, 7)
+	storeAll(t, a2, []kv.Key{k}, 7)
 	recent := time.Now().Add(-time.Minute)
 	assert.NilError(t, os.Chtimes(b2.Path(k), recent, recent))
 	hit(t, a2, k, 7)
@@ -202,7 +203,7 @@ func TestRecencyIsTheTouchedMtime(t *testing.T) {
 	assert.Equal(t, st.ModTime().Unix(), recent.Unix())
 	// A store of an object already present is a use too.
 	assert.NilError(t, os.Chtimes(b.Path(k), past, past))
-	storeAll(t, a, []l2.Key{k}, 7)
+	storeAll(t, a, []kv.Key{k}, 7)
 	st, err = os.Stat(b.Path(k))
 	assert.NilError(t, err)
 	assert.Assert(t, time.Since(st.ModTime()) < time.Minute)
@@ -260,7 +261,7 @@ func TestCapacitySurvivesRestart(t *testing.T) {
 func TestFullStoresFail(t *testing.T) {
 	a, b := openAtDir(t, t.TempDir(), fmt.Sprintf(`,"max_bytes":%d`, 4*objFile))
 	ctx := context.Background()
-	res := l2test.Wait(t, a.Store(ctx, []l2.Key{l2test.Key(99)}, [][]byte{l2test.Payload(99, 4*objFile)}))
+	res := l2test.Wait(t, a.Store(ctx, []kv.Key{l2test.Key(99)}, [][]byte{l2test.Payload(99, 4*objFile)}))
 	assert.Equal(t, res[0].Status, l2.StatusFailed)
 	assert.Assert(t, errors.Is(res[0].Err, fs.ErrFull), "%v", res[0].Err)
 
@@ -268,7 +269,7 @@ func TestFullStoresFail(t *testing.T) {
 	storeAll(t, a, held, 0)
 	l2test.Wait(t, a.LookupAndHold(ctx, held))
 	start := time.Now()
-	res = l2test.Wait(t, a.Store(ctx, []l2.Key{l2test.Key(5)}, [][]byte{l2test.Payload(5, objPayload)}))
+	res = l2test.Wait(t, a.Store(ctx, []kv.Key{l2test.Key(5)}, [][]byte{l2test.Payload(5, objPayload)}))
 	assert.Equal(t, res[0].Status, l2.StatusFailed)
 	assert.Assert(t, errors.Is(res[0].Err, fs.ErrFull), "%v", res[0].Err)
 	assert.Assert(t, time.Since(start) < 5*time.Second)
@@ -277,7 +278,7 @@ func TestFullStoresFail(t *testing.T) {
 	}
 	// Released, they can go (one, to make room for the new one).
 	a.Release(held)
-	storeAll(t, a, []l2.Key{l2test.Key(5)}, 5)
+	storeAll(t, a, []kv.Key{l2test.Key(5)}, 5)
 	assert.Assert(t, present(t, b, l2test.Key(5)))
 	kept := 0
 	for _, k := range held {
@@ -303,7 +304,7 @@ func TestSharedDirectoryTwoServers(t *testing.T) {
 	b, bb := openAtDir(t, dir, cfg)
 	ctx := context.Background()
 	hot := l2test.Key(5000)
-	storeAll(t, a, []l2.Key{hot}, 5000)
+	storeAll(t, a, []kv.Key{hot}, 5000)
 	for round := range 12 {
 		time.Sleep(2 * time.Millisecond)
 		storeAll(t, a, keyRange(round*8, 4), round*8)

@@ -22,6 +22,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -347,13 +348,13 @@ func (b *Backend) SweepTmp(ctx context.Context, age time.Duration) (int, error) 
 }
 
 // Path is the object file of k.
-func (b *Backend) Path(k l2.Key) string {
+func (b *Backend) Path(k kv.Key) string {
 	h := hex.EncodeToString(k.Hash[:2])
 	return filepath.Join(b.base, h[:2], h[2:4], k.String()+suffix)
 }
 
 // Store implements l2.Backend.
-func (b *Backend) Store(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
+func (b *Backend) Store(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) {
 	for i, k := range keys {
 		if err := ctx.Err(); err != nil {
 			r.FailAll(len(keys), err)
@@ -367,7 +368,7 @@ func (b *Backend) Store(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.
 	}
 }
 
-func (b *Backend) store(ctx context.Context, k l2.Key, payload []byte) (err error) {
+func (b *Backend) store(ctx context.Context, k kv.Key, payload []byte) (err error) {
 	final := b.Path(k)
 	// An intact object of this size is the same object (content-addressed
 	// keys): skip (a store of it is a use: with max_bytes its mtime is
@@ -511,7 +512,7 @@ func openObject(path string) (f *os.File, st os.FileInfo, n int64, crc uint32, e
 
 // Exists implements l2.Backend: a file that cannot be an object (see
 // openObject) is a miss, as Load would find it.
-func (b *Backend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
+func (b *Backend) Exists(ctx context.Context, keys []kv.Key, r l2.Reporter) {
 	for i, k := range keys {
 		if err := ctx.Err(); err != nil {
 			r.FailAll(len(keys), err)
@@ -534,7 +535,7 @@ func (b *Backend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
 }
 
 // Load implements l2.Backend.
-func (b *Backend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
+func (b *Backend) Load(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) {
 	for i, k := range keys {
 		if err := ctx.Err(); err != nil {
 			r.FailAll(len(keys), err)
@@ -544,7 +545,7 @@ func (b *Backend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.R
 	}
 }
 
-func (b *Backend) load(k l2.Key, dst []byte) l2.Result {
+func (b *Backend) load(k kv.Key, dst []byte) l2.Result {
 	path := b.Path(k)
 	f, st, n, crc, err := openObject(path)
 	switch {
@@ -587,7 +588,7 @@ func (b *Backend) discard(path string, st os.FileInfo) {
 }
 
 // Delete implements l2.Backend.
-func (b *Backend) Delete(ctx context.Context, keys []l2.Key, r l2.Reporter) {
+func (b *Backend) Delete(ctx context.Context, keys []kv.Key, r l2.Reporter) {
 	for i, k := range keys {
 		if err := ctx.Err(); err != nil {
 			r.FailAll(len(keys), err)

@@ -15,6 +15,7 @@ import (
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
 	"github.com/kvshim/kvshim/server/l2/l2test"
@@ -30,7 +31,7 @@ func open(t testing.TB, extra string) (*l2.Adapter, *fs.Backend, string) {
 
 // breakShard makes k's shard directory a plain file: storing k fails, and
 // only k (the contract's keys have a shard each).
-func breakShard(t testing.TB, a *l2.Adapter, k l2.Key) {
+func breakShard(t testing.TB, a *l2.Adapter, k kv.Key) {
 	t.Helper()
 	shard := filepath.Dir(a.Backend().(*fs.Backend).Path(k))
 	assert.NilError(t, os.MkdirAll(filepath.Dir(shard), 0o755))
@@ -39,7 +40,7 @@ func breakShard(t testing.TB, a *l2.Adapter, k l2.Key) {
 
 // flipPayloadByte damages k's object in place: a payload byte, which only
 // the checksum can tell.
-func flipPayloadByte(t testing.TB, a *l2.Adapter, k l2.Key) {
+func flipPayloadByte(t testing.TB, a *l2.Adapter, k kv.Key) {
 	t.Helper()
 	flip(t, a.Backend().(*fs.Backend).Path(k), 10)
 }
@@ -78,7 +79,7 @@ func TestContract(t *testing.T) {
 func TestCorruptAndTruncatedAreMissesAndDeleted(t *testing.T) {
 	a, b, _ := open(t, "")
 	ctx := context.Background()
-	keys := []l2.Key{l2test.Key(1), l2test.Key(2), l2test.Key(3), l2test.Key(4)}
+	keys := []kv.Key{l2test.Key(1), l2test.Key(2), l2test.Key(3), l2test.Key(4)}
 	src := [][]byte{l2test.Payload(1, 4096), l2test.Payload(2, 4096), l2test.Payload(3, 4096), l2test.Payload(4, 4096)}
 	l2test.Wait(t, a.Store(ctx, keys, src))
 
@@ -107,7 +108,7 @@ func TestConcurrentWritersPublishOnce(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for _, r := range l2test.Wait(t, a.Store(context.Background(), []l2.Key{k, k}, [][]byte{src, src})) {
+			for _, r := range l2test.Wait(t, a.Store(context.Background(), []kv.Key{k, k}, [][]byte{src, src})) {
 				assert.Equal(t, r.Status, l2.StatusOK, "%v", r.Err)
 			}
 		}()
@@ -118,7 +119,7 @@ func TestConcurrentWritersPublishOnce(t *testing.T) {
 	assert.Equal(t, len(ents), 1)
 	assert.Assert(t, !strings.HasPrefix(ents[0].Name(), ".tmp."))
 	dst := make([]byte, len(src))
-	assert.Equal(t, l2test.Wait(t, a.Load(context.Background(), []l2.Key{k}, [][]byte{dst}))[0].Status, l2.StatusOK)
+	assert.Equal(t, l2test.Wait(t, a.Load(context.Background(), []kv.Key{k}, [][]byte{dst}))[0].Status, l2.StatusOK)
 	assert.Assert(t, bytes.Equal(dst, src))
 }
 

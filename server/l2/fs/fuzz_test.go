@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
 	"github.com/kvshim/kvshim/server/l2/l2test"
@@ -52,7 +53,7 @@ func FuzzLoad(f *testing.F) {
 			t.Fatal(err)
 		}
 		dst := make([]byte, n)
-		res, err := a.Load(context.Background(), []l2.Key{k}, [][]byte{dst}).Wait(context.Background())
+		res, err := a.Load(context.Background(), []kv.Key{k}, [][]byte{dst}).Wait(context.Background())
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -19,6 +19,7 @@ import (
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
 	"github.com/kvshim/kvshim/server/l2/l2test"
@@ -73,14 +74,14 @@ func TestModesWhateverTheUmask(t *testing.T) {
 				healed := l2test.Key(2)
 				assert.NilError(t, os.MkdirAll(filepath.Dir(be.Path(healed)), 0o700))
 				assert.NilError(t, os.WriteFile(be.Path(healed), nil, 0o600))
-				for _, r := range l2test.Wait(t, a.Store(ctx, []l2.Key{l2test.Key(1), healed}, [][]byte{l2test.Payload(1, 64), l2test.Payload(2, 64)})) {
+				for _, r := range l2test.Wait(t, a.Store(ctx, []kv.Key{l2test.Key(1), healed}, [][]byte{l2test.Payload(1, 64), l2test.Payload(2, 64)})) {
 					assert.Equal(t, r.Status, l2.StatusOK, "%v", r.Err)
 				}
 				for _, d := range []string{base,
 					filepath.Dir(filepath.Dir(be.Path(l2test.Key(1)))), filepath.Dir(be.Path(l2test.Key(1)))} {
 					assert.Equal(t, modeOf(t, d), tc.dir, "directory %s", d)
 				}
-				for _, k := range []l2.Key{l2test.Key(1), healed} {
+				for _, k := range []kv.Key{l2test.Key(1), healed} {
 					assert.Equal(t, modeOf(t, be.Path(k)), tc.fileMode, "file of %s", k)
 				}
 			})
@@ -95,7 +96,7 @@ func TestSetgidBaseIsInherited(t *testing.T) {
 	base := t.TempDir()
 	assert.NilError(t, os.Chmod(base, 0o770|os.ModeSetgid))
 	a := openAt(t, base, `,"dir_mode":"0770","file_mode":"0640"`, nil)
-	l2test.Wait(t, a.Store(context.Background(), []l2.Key{l2test.Key(1)}, [][]byte{l2test.Payload(1, 8)}))
+	l2test.Wait(t, a.Store(context.Background(), []kv.Key{l2test.Key(1)}, [][]byte{l2test.Payload(1, 8)}))
 	p := a.Backend().(*fs.Backend).Path(l2test.Key(1))
 	assert.Equal(t, modeOf(t, filepath.Dir(p)), 0o770|os.ModeSetgid)
 	assert.Equal(t, modeOf(t, p), os.FileMode(0o640))
@@ -222,7 +223,7 @@ func TestOtherUidCannotReadL2Files(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			base := filepath.Join(top, strings.ReplaceAll(tc.name, " ", "_"))
 			a := openAt(t, base, tc.extra, nil)
-			assert.Equal(t, l2test.Wait(t, a.Store(context.Background(), []l2.Key{l2test.Key(7)}, [][]byte{src}))[0].Status, l2.StatusOK)
+			assert.Equal(t, l2test.Wait(t, a.Store(context.Background(), []kv.Key{l2test.Key(7)}, [][]byte{src}))[0].Status, l2.StatusOK)
 			p := a.Backend().(*fs.Backend).Path(l2test.Key(7))
 			st, err := os.Stat(p)
 			assert.NilError(t, err)
@@ -277,17 +278,17 @@ func TestBrokenFileIsMissAndHealsOnStore(t *testing.T) {
 				assert.NilError(t, os.WriteFile(path, tc.file, 0o600))
 			}
 			plant()
-			look := l2test.Wait(t, a.LookupAndHold(ctx, []l2.Key{k}))
-			a.Release([]l2.Key{k})
+			look := l2test.Wait(t, a.LookupAndHold(ctx, []kv.Key{k}))
+			a.Release([]kv.Key{k})
 			assert.Equal(t, look[0].Status, l2.StatusMiss, "Exists: %v", look[0].Err)
 
 			dst := make([]byte, n)
-			res := l2test.Wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
+			res := l2test.Wait(t, a.Load(ctx, []kv.Key{k}, [][]byte{dst}))
 			assert.Equal(t, res[0].Status, l2.StatusMiss, "Load: %v", res[0].Err)
 			assert.Assert(t, errors.Is(res[0].Err, fs.ErrCorrupt), "%v", res[0].Err)
 
 			plant() // Load discarded it; a store must heal it without that
-			assert.Equal(t, l2test.Wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{src}))[0].Status, l2.StatusOK)
+			assert.Equal(t, l2test.Wait(t, a.Store(ctx, []kv.Key{k}, [][]byte{src}))[0].Status, l2.StatusOK)
 			got, err := os.ReadFile(path)
 			assert.NilError(t, err)
 			assert.Assert(t, bytes.Equal(got, valid), "store did not replace the broken file (%d bytes)", len(got))
@@ -295,18 +296,18 @@ func TestBrokenFileIsMissAndHealsOnStore(t *testing.T) {
 			assert.NilError(t, err)
 			assert.Equal(t, len(ents), 1, "temporary file left")
 
-			look = l2test.Wait(t, a.LookupAndHold(ctx, []l2.Key{k}))
-			a.Release([]l2.Key{k})
+			look = l2test.Wait(t, a.LookupAndHold(ctx, []kv.Key{k}))
+			a.Release([]kv.Key{k})
 			assert.Equal(t, look[0].Status, l2.StatusOK)
 			assert.Equal(t, look[0].Bytes, n)
 			clear(dst)
-			res = l2test.Wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
+			res = l2test.Wait(t, a.Load(ctx, []kv.Key{k}, [][]byte{dst}))
 			assert.Equal(t, res[0].Status, l2.StatusOK, "%v", res[0].Err)
 			assert.Assert(t, bytes.Equal(dst, src))
 
 			before, err := os.Stat(path)
 			assert.NilError(t, err)
-			assert.Equal(t, l2test.Wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{src}))[0].Status, l2.StatusOK)
+			assert.Equal(t, l2test.Wait(t, a.Store(ctx, []kv.Key{k}, [][]byte{src}))[0].Status, l2.StatusOK)
 			after, err := os.Stat(path)
 			assert.NilError(t, err)
 			assert.Assert(t, os.SameFile(before, after), "a valid object was rewritten")
@@ -321,18 +322,18 @@ func TestOtherLengthObjectIsReplacedOnStore(t *testing.T) {
 	a, b, _ := open(t, "")
 	ctx := context.Background()
 	k := l2test.Key(4)
-	l2test.Wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{l2test.Payload(4, 100)}))
-	look := l2test.Wait(t, a.LookupAndHold(ctx, []l2.Key{k}))
-	a.Release([]l2.Key{k})
+	l2test.Wait(t, a.Store(ctx, []kv.Key{k}, [][]byte{l2test.Payload(4, 100)}))
+	look := l2test.Wait(t, a.LookupAndHold(ctx, []kv.Key{k}))
+	a.Release([]kv.Key{k})
 	assert.Equal(t, look[0].Status, l2.StatusOK)
 	assert.Equal(t, look[0].Bytes, 100)
 	dst := make([]byte, 200)
-	res := l2test.Wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
+	res := l2test.Wait(t, a.Load(ctx, []kv.Key{k}, [][]byte{dst}))
 	assert.Assert(t, errors.Is(res[0].Err, l2.ErrBufferSize), "%v", res[0].Err)
 
 	src := l2test.Payload(4, 200)
-	assert.Equal(t, l2test.Wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{src}))[0].Status, l2.StatusOK)
-	res = l2test.Wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
+	assert.Equal(t, l2test.Wait(t, a.Store(ctx, []kv.Key{k}, [][]byte{src}))[0].Status, l2.StatusOK)
+	res = l2test.Wait(t, a.Load(ctx, []kv.Key{k}, [][]byte{dst}))
 	assert.Equal(t, res[0].Status, l2.StatusOK, "%v", res[0].Err)
 	assert.Assert(t, bytes.Equal(dst, src))
 	_, err := os.Stat(b.Path(k))

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -36,14 +37,14 @@ type Target struct {
 	// Mooncake: a key is a name on a server that accepts any) leave it nil:
 	// the store case of that rule is skipped, the load and delete cases
 	// still run.
-	BreakStore func(t testing.TB, a *l2.Adapter, k l2.Key)
+	BreakStore func(t testing.TB, a *l2.Adapter, k kv.Key)
 
 	// Corrupt, when set, damages k's stored object in place (its bytes,
 	// not its presence), to check that a corrupt object is a miss that is
 	// not served again. Backends that store the bytes without a checksum
 	// (Redis, Mooncake) cannot tell a damaged object and leave it nil: the
 	// rule is skipped.
-	Corrupt func(t testing.TB, a *l2.Adapter, k l2.Key)
+	Corrupt func(t testing.TB, a *l2.Adapter, k kv.Key)
 }
 
 // LeaseSlack is the time allowed past Target.Lease for the backend to drop
@@ -87,14 +88,14 @@ type suite struct {
 }
 
 // keys returns n keys that no other call of this Run returns.
-func (s *suite) keys(n int) []l2.Key {
+func (s *suite) keys(n int) []kv.Key {
 	s.mu.Lock()
 	s.next++
 	space := s.next
 	s.mu.Unlock()
-	ks := make([]l2.Key, n)
+	ks := make([]kv.Key, n)
 	for i := range ks {
-		k := l2.Key{Rank: uint32(i % 2)}
+		k := kv.Key{Rank: uint32(i % 2)}
 		k.Namespace[0] = 0xc7
 		for b := range 8 {
 			k.Namespace[8+b] = byte(s.run >> (8 * b))
@@ -148,7 +149,7 @@ func pick[T any](idx []int, s []T) []T {
 }
 
 // store writes keys and requires every key to succeed.
-func (s *suite) store(t *testing.T, a *l2.Adapter, keys []l2.Key, src [][]byte) {
+func (s *suite) store(t *testing.T, a *l2.Adapter, keys []kv.Key, src [][]byte) {
 	t.Helper()
 	for i, r := range Wait(t, a.Store(context.Background(), keys, src)) {
 		eq(t, r.Status, l2.StatusOK, "store of key %d: %v", i, r.Err)
@@ -156,7 +157,7 @@ func (s *suite) store(t *testing.T, a *l2.Adapter, keys []l2.Key, src [][]byte) 
 }
 
 // present looks keys up and releases them at once.
-func (s *suite) present(t *testing.T, keys []l2.Key) []l2.Status {
+func (s *suite) present(t *testing.T, keys []kv.Key) []l2.Status {
 	t.Helper()
 	res := Wait(t, s.a.LookupAndHold(context.Background(), keys))
 	s.a.Release(keys)
@@ -165,11 +166,11 @@ func (s *suite) present(t *testing.T, keys []l2.Key) []l2.Status {
 
 // deleteReleased deletes a key that was looked up and released: at once
 // without a lease, within the lease's time with one.
-func (s *suite) deleteReleased(t *testing.T, k l2.Key) l2.Result {
+func (s *suite) deleteReleased(t *testing.T, k kv.Key) l2.Result {
 	t.Helper()
 	deadline := time.Now().Add(s.tg.Lease + LeaseSlack)
 	for {
-		r := Wait(t, s.a.Delete(context.Background(), []l2.Key{k}))[0]
+		r := Wait(t, s.a.Delete(context.Background(), []kv.Key{k}))[0]
 		if r.Status != l2.StatusFailed || s.tg.Lease == 0 || time.Now().After(deadline) {
 			return r
 		}
@@ -227,14 +228,14 @@ func (s *suite) eachKeyReportedOnce(t *testing.T) {
 	even := func(i int) bool { return i%2 == 0 }
 	for _, tc := range []struct {
 		name string
-		run  func(keys []l2.Key) *l2.Task
+		run  func(keys []kv.Key) *l2.Task
 		want func(i int) l2.Status // the even keys are stored beforehand
 	}{
-		{"store", func(k []l2.Key) *l2.Task { return s.a.Store(ctx, k, src) },
+		{"store", func(k []kv.Key) *l2.Task { return s.a.Store(ctx, k, src) },
 			func(int) l2.Status { return l2.StatusOK }},
-		{"lookup", func(k []l2.Key) *l2.Task { return s.a.LookupAndHold(ctx, k) }, okIf(even)},
-		{"load", func(k []l2.Key) *l2.Task { return s.a.Load(ctx, k, buffers(src)) }, okIf(even)},
-		{"delete", func(k []l2.Key) *l2.Task { return s.a.Delete(ctx, k) }, okIf(even)},
+		{"lookup", func(k []kv.Key) *l2.Task { return s.a.LookupAndHold(ctx, k) }, okIf(even)},
+		{"load", func(k []kv.Key) *l2.Task { return s.a.Load(ctx, k, buffers(src)) }, okIf(even)},
+		{"delete", func(k []kv.Key) *l2.Task { return s.a.Delete(ctx, k) }, okIf(even)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			keys := s.keys(batchLen)
@@ -299,11 +300,11 @@ func (s *suite) missIsNotFailure(t *testing.T) {
 	want := []l2.Status{l2.StatusOK, l2.StatusMiss, l2.StatusOK, l2.StatusMiss}
 	for _, tc := range []struct {
 		name string
-		run  func(keys []l2.Key) *l2.Task
+		run  func(keys []kv.Key) *l2.Task
 	}{
-		{"lookup", func(k []l2.Key) *l2.Task { return s.a.LookupAndHold(ctx, k) }},
-		{"load", func(k []l2.Key) *l2.Task { return s.a.Load(ctx, k, buffers(src)) }},
-		{"delete", func(k []l2.Key) *l2.Task { return s.a.Delete(ctx, k) }},
+		{"lookup", func(k []kv.Key) *l2.Task { return s.a.LookupAndHold(ctx, k) }},
+		{"load", func(k []kv.Key) *l2.Task { return s.a.Load(ctx, k, buffers(src)) }},
+		{"delete", func(k []kv.Key) *l2.Task { return s.a.Delete(ctx, k) }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			keys := s.keys(4)
@@ -330,16 +331,16 @@ func (s *suite) storeExistingKeySucceeds(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		// write stores keys (with src) and returns every result
-		write func(t *testing.T, keys []l2.Key, src [][]byte) []l2.Result
+		write func(t *testing.T, keys []kv.Key, src [][]byte) []l2.Result
 	}{
-		{"again", func(t *testing.T, k []l2.Key, src [][]byte) []l2.Result {
+		{"again", func(t *testing.T, k []kv.Key, src [][]byte) []l2.Result {
 			first := Wait(t, s.a.Store(ctx, k, src))
 			return append(first, Wait(t, s.a.Store(ctx, k, src))...)
 		}},
-		{"twice in one batch", func(t *testing.T, k []l2.Key, src [][]byte) []l2.Result {
+		{"twice in one batch", func(t *testing.T, k []kv.Key, src [][]byte) []l2.Result {
 			return Wait(t, s.a.Store(ctx, append(k, k...), append(src, src...)))
 		}},
-		{"by concurrent writers", func(t *testing.T, k []l2.Key, src [][]byte) []l2.Result {
+		{"by concurrent writers", func(t *testing.T, k []kv.Key, src [][]byte) []l2.Result {
 			const writers = 4
 			res := make([][]l2.Result, writers)
 			errs := make([]error, writers)
@@ -465,12 +466,12 @@ func (s *suite) partialFailure(t *testing.T) {
 		name string
 		// run makes key bad fail in an operation on keys (src stored, except
 		// where noted) and returns its task
-		run     func(t *testing.T, keys []l2.Key, src [][]byte) *l2.Task
+		run     func(t *testing.T, keys []kv.Key, src [][]byte) *l2.Task
 		wantErr error // nil: any error
 		// after checks the state that the batch left
-		after func(t *testing.T, keys []l2.Key, src [][]byte)
+		after func(t *testing.T, keys []kv.Key, src [][]byte)
 	}{
-		{"load into a short buffer", func(t *testing.T, k []l2.Key, src [][]byte) *l2.Task {
+		{"load into a short buffer", func(t *testing.T, k []kv.Key, src [][]byte) *l2.Task {
 			s.store(t, s.a, k, src)
 			dst := buffers(src)
 			dst[bad] = dst[bad][:len(dst[bad])-1]
@@ -483,7 +484,7 @@ func (s *suite) partialFailure(t *testing.T) {
 			}
 			return task
 		}, l2.ErrBufferSize, s.allLoad},
-		{"load into a long buffer", func(t *testing.T, k []l2.Key, src [][]byte) *l2.Task {
+		{"load into a long buffer", func(t *testing.T, k []kv.Key, src [][]byte) *l2.Task {
 			s.store(t, s.a, k, src)
 			dst := buffers(src)
 			dst[bad] = append(dst[bad], 0)
@@ -496,11 +497,11 @@ func (s *suite) partialFailure(t *testing.T) {
 			}
 			return task
 		}, l2.ErrBufferSize, s.allLoad},
-		{"delete with a held key", func(t *testing.T, k []l2.Key, src [][]byte) *l2.Task {
+		{"delete with a held key", func(t *testing.T, k []kv.Key, src [][]byte) *l2.Task {
 			s.store(t, s.a, k, src)
 			eq(t, Wait(t, s.a.LookupAndHold(ctx, k[bad:bad+1]))[0].Status, l2.StatusOK)
 			return s.a.Delete(ctx, k)
-		}, l2.ErrHeld, func(t *testing.T, k []l2.Key, src [][]byte) {
+		}, l2.ErrHeld, func(t *testing.T, k []kv.Key, src [][]byte) {
 			want := make([]l2.Status, len(k))
 			for i := range want {
 				want[i] = l2.StatusMiss
@@ -509,7 +510,7 @@ func (s *suite) partialFailure(t *testing.T) {
 			s.a.Release(k[bad : bad+1])
 			eqs(t, s.present(t, k), want)
 		}},
-		{"store of a broken key", func(t *testing.T, k []l2.Key, src [][]byte) *l2.Task {
+		{"store of a broken key", func(t *testing.T, k []kv.Key, src [][]byte) *l2.Task {
 			if s.tg.BreakStore == nil {
 				t.Skip("the target has no store fault for one key (Target.BreakStore)")
 			}
@@ -517,9 +518,9 @@ func (s *suite) partialFailure(t *testing.T) {
 			task := s.a.Store(ctx, k, src)
 			Wait(t, task)
 			return task
-		}, nil, func(t *testing.T, k []l2.Key, src [][]byte) {
+		}, nil, func(t *testing.T, k []kv.Key, src [][]byte) {
 			// the broken key's lookup may fail too: only the others count
-			others := append(append([]l2.Key{}, k[:bad]...), k[bad+1:]...)
+			others := append(append([]kv.Key{}, k[:bad]...), k[bad+1:]...)
 			want := make([]l2.Status, len(others))
 			for i := range want {
 				want[i] = l2.StatusOK
@@ -550,7 +551,7 @@ func (s *suite) partialFailure(t *testing.T) {
 
 // allLoad checks that every key still loads (a failed load removes
 // nothing).
-func (s *suite) allLoad(t *testing.T, keys []l2.Key, src [][]byte) {
+func (s *suite) allLoad(t *testing.T, keys []kv.Key, src [][]byte) {
 	t.Helper()
 	dst := buffers(src)
 	for i, r := range Wait(t, s.a.Load(context.Background(), keys, dst)) {
@@ -612,10 +613,10 @@ func (s *suite) badBatch(t *testing.T) {
 	ctx := context.Background()
 	for _, tc := range []struct {
 		name string
-		run  func(keys []l2.Key, bufs [][]byte) *l2.Task
+		run  func(keys []kv.Key, bufs [][]byte) *l2.Task
 	}{
-		{"store", func(k []l2.Key, b [][]byte) *l2.Task { return s.a.Store(ctx, k, b) }},
-		{"load", func(k []l2.Key, b [][]byte) *l2.Task { return s.a.Load(ctx, k, b) }},
+		{"store", func(k []kv.Key, b [][]byte) *l2.Task { return s.a.Store(ctx, k, b) }},
+		{"load", func(k []kv.Key, b [][]byte) *l2.Task { return s.a.Load(ctx, k, b) }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			keys := s.keys(3)

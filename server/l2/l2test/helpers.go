@@ -7,6 +7,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -17,8 +18,8 @@ const WaitTimeout = 30 * time.Second
 // Key is test key i: distinct for every i below 1<<24, in namespace 5a…,
 // ranks 0-3, its hash's first two bytes (an fs shard directory) i's low
 // bytes.
-func Key(i int) l2.Key {
-	k := l2.Key{Rank: uint32(i % 4)}
+func Key(i int) kv.Key {
+	k := kv.Key{Rank: uint32(i % 4)}
 	k.Namespace[0] = 0x5a
 	k.Hash[0], k.Hash[1], k.Hash[2], k.Hash[31] = byte(i), byte(i>>8), byte(i>>16), 0xee
 	return k

@@ -9,6 +9,7 @@ import (
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/l2test"
 	"github.com/kvshim/kvshim/server/l2/mooncake/mctest"
@@ -25,8 +26,8 @@ func TestMooncakeEvictsWhenFull(t *testing.T) {
 	const segment, size = 16 << 20, 1 << 20
 	a := l2test.Open(t, mctest.Config(py, m, segment, 16<<20, ""))
 	ctx := context.Background()
-	batch := func(b int) []l2.Key {
-		keys := make([]l2.Key, 4)
+	batch := func(b int) []kv.Key {
+		keys := make([]kv.Key, 4)
 		for i := range keys {
 			keys[i] = l2test.Key(b*4 + i)
 		}
@@ -55,7 +56,7 @@ func TestMooncakeEvictsWhenFull(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	all := make([]l2.Key, 64)
+	all := make([]kv.Key, 64)
 	for i := range all {
 		all[i] = l2test.Key(i)
 	}

@@ -11,6 +11,7 @@ import (
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/l2test"
 	"github.com/kvshim/kvshim/server/l2/mooncake"
@@ -59,7 +60,7 @@ func TestRoundTripBounceAndSegment(t *testing.T) {
 		"num_workers":2,"per_op_workers":{"lookup":1}`))
 	ctx := context.Background()
 	const n, size = 10, 100 << 10
-	keys := make([]l2.Key, n)
+	keys := make([]kv.Key, n)
 	src := make([][]byte, n)
 	for i := range keys {
 		keys[i], src[i] = l2test.Key(i), l2test.Payload(i, size)
@@ -124,7 +125,7 @@ func TestHelperDeathFailsKeysThenRestarts(t *testing.T) {
 	old := b.Pid()
 	assert.NilError(t, unix.Kill(old, unix.SIGKILL))
 	start := time.Now()
-	res := l2test.Wait(t, a.LookupAndHold(context.Background(), []l2.Key{l2test.Key(1), l2test.Key(2)}))
+	res := l2test.Wait(t, a.LookupAndHold(context.Background(), []kv.Key{l2test.Key(1), l2test.Key(2)}))
 	for _, r := range res {
 		assert.Equal(t, r.Status, l2.StatusFailed)
 		assert.Assert(t, errors.Is(r.Err, l2.ErrUnavailable), "%v", r.Err)
@@ -141,7 +142,7 @@ func TestHelperDeathFailsKeysThenRestarts(t *testing.T) {
 	// the master drops the segment succeeds.
 	var st []l2.Result
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(500 * time.Millisecond) {
-		st = l2test.Wait(t, a.Store(ctx, []l2.Key{k}, [][]byte{src}))
+		st = l2test.Wait(t, a.Store(ctx, []kv.Key{k}, [][]byte{src}))
 		if st[0].Status == l2.StatusOK || time.Now().After(deadline) {
 			break
 		}
@@ -150,7 +151,7 @@ func TestHelperDeathFailsKeysThenRestarts(t *testing.T) {
 	assert.Equal(t, st[0].Status, l2.StatusOK, "%v", st[0].Err)
 	assert.Assert(t, b.Pid() != old && b.Pid() != 0)
 	dst := make([]byte, len(src))
-	ld := l2test.Wait(t, a.Load(ctx, []l2.Key{k}, [][]byte{dst}))
+	ld := l2test.Wait(t, a.Load(ctx, []kv.Key{k}, [][]byte{dst}))
 	assert.Equal(t, ld[0].Status, l2.StatusOK, "%v", ld[0].Err)
 	assert.Assert(t, bytes.Equal(dst, src))
 }

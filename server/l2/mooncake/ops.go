@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"unsafe"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -23,7 +24,7 @@ type staged struct {
 // stage places a prefix of the batch (at least one key) and returns how
 // many keys it placed: it stops before a key that would have to wait for
 // bounce space this batch itself holds.
-func (b *Backend) stage(ctx context.Context, op string, keys []l2.Key, bufs [][]byte, copyIn bool) (*staged, int, error) {
+func (b *Backend) stage(ctx context.Context, op string, keys []kv.Key, bufs [][]byte, copyIn bool) (*staged, int, error) {
 	s := &staged{req: &request{Op: op}, bufs: bufs}
 	n := 0
 	for i, k := range keys {
@@ -109,19 +110,19 @@ func (b *Backend) run(ctx context.Context, s *staged) ([]int64, error) {
 	}
 }
 
-func storeErr(op string, k l2.Key, code int64) error {
+func storeErr(op string, k kv.Key, code int64) error {
 	return fmt.Errorf("%w: %s %s: %d %s", ErrStore, op, k, code, codeName(code))
 }
 
 // Store implements l2.Backend (batch_put_from; an existing key is success).
-func (b *Backend) Store(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
+func (b *Backend) Store(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) {
 	for len(keys) > 0 {
 		n := b.put(ctx, keys, bufs, r)
 		keys, bufs, r = keys[n:], bufs[n:], r.Sub(n)
 	}
 }
 
-func (b *Backend) put(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) int {
+func (b *Backend) put(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) int {
 	s, n, err := b.stage(ctx, "put", keys, bufs, true)
 	if err != nil {
 		r.FailAll(len(keys), err)
@@ -143,14 +144,14 @@ func (b *Backend) put(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Re
 }
 
 // Load implements l2.Backend (batch_get_into).
-func (b *Backend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
+func (b *Backend) Load(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) {
 	for len(keys) > 0 {
 		n := b.get(ctx, keys, bufs, r)
 		keys, bufs, r = keys[n:], bufs[n:], r.Sub(n)
 	}
 }
 
-func (b *Backend) get(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) int {
+func (b *Backend) get(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) int {
 	s, n, err := b.stage(ctx, "get", keys, bufs, false)
 	if err != nil {
 		r.FailAll(len(keys), err)
@@ -176,7 +177,7 @@ func (b *Backend) get(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Re
 	return n
 }
 
-func (b *Backend) keyed(ctx context.Context, op string, keys []l2.Key) ([]int64, error) {
+func (b *Backend) keyed(ctx context.Context, op string, keys []kv.Key) ([]int64, error) {
 	req := &request{Op: op, Keys: make([]string, len(keys))}
 	for i, k := range keys {
 		req.Keys[i] = k.String()
@@ -186,7 +187,7 @@ func (b *Backend) keyed(ctx context.Context, op string, keys []l2.Key) ([]int64,
 
 // Exists implements l2.Backend (batch_is_exist; a hit takes Mooncake's
 // read lease, default_kv_lease_ttl).
-func (b *Backend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
+func (b *Backend) Exists(ctx context.Context, keys []kv.Key, r l2.Reporter) {
 	res, err := b.keyed(ctx, "exists", keys)
 	if err != nil {
 		r.FailAll(len(keys), err)
@@ -206,7 +207,7 @@ func (b *Backend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
 
 // Delete implements l2.Backend (batch_remove without force: a key under a
 // lease fails with OBJECT_HAS_LEASE).
-func (b *Backend) Delete(ctx context.Context, keys []l2.Key, r l2.Reporter) {
+func (b *Backend) Delete(ctx context.Context, keys []kv.Key, r l2.Reporter) {
 	res, err := b.keyed(ctx, "remove", keys)
 	if err != nil {
 		r.FailAll(len(keys), err)

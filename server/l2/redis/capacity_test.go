@@ -15,6 +15,7 @@ import (
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/l2test"
 	"github.com/kvshim/kvshim/server/l2/redis"
@@ -24,7 +25,7 @@ import (
 // Capacity: "ttl_s", and a Redis that is full (doc.go, "Capacity").
 
 // pttl is the key's remaining life in ms (-1: no expiry, -2: absent).
-func pttl(t *testing.T, s *redisserver.Server, k l2.Key) int {
+func pttl(t *testing.T, s *redisserver.Server, k kv.Key) int {
 	t.Helper()
 	reply, err := s.Command("PTTL", k.String())
 	assert.NilError(t, err)
@@ -38,11 +39,11 @@ func TestTTL(t *testing.T) {
 	s := startRedis(t)
 	ctx := context.Background()
 	plain := l2test.Open(t, fmt.Sprintf(`{"type":"redis","addrs":[%q]}`, s.Addr))
-	l2test.Wait(t, plain.Store(ctx, []l2.Key{l2test.Key(1)}, [][]byte{l2test.Payload(1, 1000)}))
+	l2test.Wait(t, plain.Store(ctx, []kv.Key{l2test.Key(1)}, [][]byte{l2test.Payload(1, 1000)}))
 	assert.Equal(t, pttl(t, s, l2test.Key(1)), -1, "without ttl_s objects do not expire")
 
 	a := l2test.Open(t, fmt.Sprintf(`{"type":"redis","addrs":[%q],"ttl_s":2}`, s.Addr))
-	keys := []l2.Key{l2test.Key(2), l2test.Key(3)}
+	keys := []kv.Key{l2test.Key(2), l2test.Key(3)}
 	for _, r := range l2test.Wait(t, a.Store(ctx, keys, [][]byte{l2test.Payload(2, 1000), l2test.Payload(3, 1000)})) {
 		assert.Equal(t, r.Status, l2.StatusOK, "%v", r.Err)
 	}
@@ -115,9 +116,9 @@ func TestOOMIsAFailedStoreNotAStorm(t *testing.T) {
 	b := a.Backend().(*redis.Backend)
 	ctx := context.Background()
 	const size = 256 << 10
-	var stored, failed []l2.Key
+	var stored, failed []kv.Key
 	for batch := range 12 { // 12 MiB into 4 MiB
-		keys := make([]l2.Key, 4)
+		keys := make([]kv.Key, 4)
 		bufs := make([][]byte, 4)
 		for i := range keys {
 			keys[i], bufs[i] = l2test.Key(batch*4+i), l2test.Payload(batch*4+i, size)

@@ -14,7 +14,7 @@
 //	        GETEX <key> EX ttl_s     (with ttl_s: a hit extends the object's life)
 //	delete  DEL <key>                (0 = miss)
 //
-// The Redis key is key_prefix + l2.Key.String(); values are the raw object
+// The Redis key is key_prefix + kv.Key.String(); values are the raw object
 // bytes (binary-safe). A load copies the reply into the caller's buffer once
 // (go-redis has no read-into-buffer call). The connection pool has one
 // connection per lane worker. Every call runs under the task's deadline

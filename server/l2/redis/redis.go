@@ -14,6 +14,7 @@ import (
 
 	goredis "github.com/redis/go-redis/v9"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -143,7 +144,7 @@ func New(cfg *l2.Config, env l2.Env) (l2.Backend, error) {
 // Client is the underlying go-redis client.
 func (b *Backend) Client() goredis.UniversalClient { return b.c }
 
-func (b *Backend) rkey(k l2.Key) string {
+func (b *Backend) rkey(k kv.Key) string {
 	if b.prefix == "" {
 		return k.String()
 	}
@@ -152,7 +153,7 @@ func (b *Backend) rkey(k l2.Key) string {
 
 // pipelined queues cmd(i, key) for every key and sends them in one round
 // trip; each command carries its own result or error.
-func pipelined[C any](ctx context.Context, b *Backend, keys []l2.Key, cmd func(p goredis.Pipeliner, i int, key string) C) []C {
+func pipelined[C any](ctx context.Context, b *Backend, keys []kv.Key, cmd func(p goredis.Pipeliner, i int, key string) C) []C {
 	cmds := make([]C, len(keys))
 	_, _ = b.c.Pipelined(ctx, func(p goredis.Pipeliner) error {
 		for i, k := range keys {
@@ -163,7 +164,7 @@ func pipelined[C any](ctx context.Context, b *Backend, keys []l2.Key, cmd func(p
 	return cmds
 }
 
-func keyErr(op string, k l2.Key, err error) error {
+func keyErr(op string, k kv.Key, err error) error {
 	return fmt.Errorf("redis: %s %s: %w: %w", op, k, l2.ErrUnavailable, err)
 }
 
@@ -171,7 +172,7 @@ func keyErr(op string, k l2.Key, err error) error {
 // its store (SET ... NX EX), unless loads extend it. An OOM answer fails
 // that key with ErrOOM (a full Redis is a lost save, not an outage); for
 // OOMBackoff after one, stores fail with ErrOOM without being sent.
-func (b *Backend) Store(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
+func (b *Backend) Store(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) {
 	if until := b.oomUntil.Load(); until != 0 && time.Now().UnixNano() < until {
 		b.oomSkipped.Add(int64(len(keys)))
 		b.warnOOM()
@@ -222,7 +223,7 @@ func (b *Backend) warnOOM() {
 // Exists implements l2.Backend with STRLEN: as cheap as EXISTS, and it
 // reports the object's size (Result.Bytes), which a prefetch needs to
 // reserve L1 staging. 0 means absent (objects are never empty).
-func (b *Backend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
+func (b *Backend) Exists(ctx context.Context, keys []kv.Key, r l2.Reporter) {
 	cmds := pipelined(ctx, b, keys, func(p goredis.Pipeliner, _ int, k string) *goredis.IntCmd { return p.StrLen(ctx, k) })
 	for i, cmd := range cmds {
 		n, err := cmd.Result()
@@ -240,7 +241,7 @@ func (b *Backend) Exists(ctx context.Context, keys []l2.Key, r l2.Reporter) {
 // Load implements l2.Backend. With ttl_s a hit extends the object's life
 // to ttl_s from now (GETEX ... EX, Redis 6.2 or later), so objects in use
 // do not expire.
-func (b *Backend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.Reporter) {
+func (b *Backend) Load(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) {
 	cmds := pipelined(ctx, b, keys, func(p goredis.Pipeliner, _ int, k string) *goredis.StringCmd {
 		if b.ttl > 0 {
 			return p.GetEx(ctx, k, b.ttl)
@@ -264,7 +265,7 @@ func (b *Backend) Load(ctx context.Context, keys []l2.Key, bufs [][]byte, r l2.R
 }
 
 // Delete implements l2.Backend.
-func (b *Backend) Delete(ctx context.Context, keys []l2.Key, r l2.Reporter) {
+func (b *Backend) Delete(ctx context.Context, keys []kv.Key, r l2.Reporter) {
 	cmds := pipelined(ctx, b, keys, func(p goredis.Pipeliner, _ int, k string) *goredis.IntCmd { return p.Del(ctx, k) })
 	for i, cmd := range cmds {
 		n, err := cmd.Result()

@@ -12,6 +12,7 @@ import (
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/l2test"
 	_ "github.com/kvshim/kvshim/server/l2/redis"
@@ -72,7 +73,7 @@ func TestStoreKeepsTheFirstBytes(t *testing.T) {
 	s := startRedis(t)
 	a := l2test.Open(t, fmt.Sprintf(`{"type":"redis","addrs":[%q]}`, s.Addr))
 	ctx := context.Background()
-	k := []l2.Key{l2test.Key(1)}
+	k := []kv.Key{l2test.Key(1)}
 	src := l2test.Payload(1, 1000)
 	assert.Equal(t, l2test.Wait(t, a.Store(ctx, k, [][]byte{src}))[0].Status, l2.StatusOK)
 	assert.Equal(t, l2test.Wait(t, a.Store(ctx, k, [][]byte{make([]byte, len(src))}))[0].Status, l2.StatusOK)
@@ -88,7 +89,7 @@ func TestKilledMidLoad(t *testing.T) {
 	a := l2test.Open(t, fmt.Sprintf(`{"type":"redis","addrs":%q,"num_workers":4,"op_timeout_ms":5000,
 		"read_timeout_ms":4000,"dial_timeout_ms":500}`, s.Addr))
 	const n, size = 32, 256 << 10
-	keys := make([]l2.Key, n)
+	keys := make([]kv.Key, n)
 	src := make([][]byte, n)
 	dst := make([][]byte, n)
 	for i := range keys {
@@ -123,10 +124,10 @@ func TestKilledMidLoad(t *testing.T) {
 func TestHungServerTimesOut(t *testing.T) {
 	s := startRedis(t)
 	a := l2test.Open(t, fmt.Sprintf(`{"type":"redis","addrs":%q,"op_timeout_ms":300}`, s.Addr))
-	l2test.Wait(t, a.Store(context.Background(), []l2.Key{l2test.Key(1)}, [][]byte{l2test.Payload(1, 10)}))
+	l2test.Wait(t, a.Store(context.Background(), []kv.Key{l2test.Key(1)}, [][]byte{l2test.Payload(1, 10)}))
 	s.Pause()
 	start := time.Now()
-	res := l2test.Wait(t, a.LookupAndHold(context.Background(), []l2.Key{l2test.Key(1), l2test.Key(2)}))
+	res := l2test.Wait(t, a.LookupAndHold(context.Background(), []kv.Key{l2test.Key(1), l2test.Key(2)}))
 	assert.Equal(t, res[0].Status, l2.StatusFailed)
 	assert.Equal(t, res[1].Status, l2.StatusFailed)
 	assert.Assert(t, time.Since(start) < 3*time.Second, "took %v", time.Since(start))
