@@ -116,7 +116,7 @@ var codeTable = []sentinel{
 	// server: the embedded server's configuration and start, and its
 	// answers. The kernel's ENOSPC (a trace directory on a full disk at
 	// kvshim_open, memory for L1) is KVSHIM_ENOSPC wherever it is wrapped
-	// with %w, so it ranks before server.ErrSegment. A save that finds L1
+	// with %w, so it ranks before l1.ErrSegment. A save that finds L1
 	// full is skipped by design (ipc.StatusNoSpace), never an error.
 	{"server.ErrConfig", server.ErrConfig, codeInval},
 	{"server.ErrLookupLimit", server.ErrLookupLimit, codeInval},
@@ -134,7 +134,7 @@ var codeTable = []sentinel{
 	// backend is ENOSPC.
 	{"l2.ErrBadConfig", l2.ErrBadConfig, codeInval},
 	{"l2.ErrUnknownType", l2.ErrUnknownType, codeInval},
-	{"kv.ErrBadKey", kv.ErrBadKey, codeInval}, // also l2.ErrBadKey (the same value)
+	{"kv.ErrBadKey", kv.ErrBadKey, codeInval}, // a key string that does not parse (L2 names)
 	{"l2.ErrBufferSize", l2.ErrBufferSize, codeInval},
 	{"l2.ErrBadBatch", l2.ErrBadBatch, codeInval},
 	{"l2.ErrNotSupported", l2.ErrNotSupported, codeNotSup},
