@@ -220,11 +220,7 @@ func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, e
 // request's hit is the fold of all answers (foldHits).
 func (s *Scheduler) poll(r *schedReq) {
 	read := func(id uint64) (lookupState, int) {
-		var res *ipc.LookupResultResp
-		err := s.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
-			res, err = c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: id})
-			return err
-		})
+		res, err := s.lookupResult(id)
 		switch {
 		case err != nil || res.Status == ipc.StatusUnknown:
 			return lookupNone, 0
@@ -405,17 +401,22 @@ func (s *Scheduler) freeGroup(r *schedReq, i int, from uint32) {
 	}
 }
 
+// lookupResult asks the server for lookup id's answer.
+func (s *Scheduler) lookupResult(id uint64) (res *ipc.LookupResultResp, err error) {
+	err = s.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
+		res, err = c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: id})
+		return err
+	})
+	return res, err
+}
+
 // reapOrphans reads the answers of lookups given up while pending (request
 // aborted, or pending past the timeout) once they are final, and frees what
 // they hold, so the server forgets them. Called once per step.
 func (s *Scheduler) reapOrphans() {
 	keep := s.orphans[:0]
 	for _, id := range s.orphans {
-		var res *ipc.LookupResultResp
-		err := s.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
-			res, err = c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: id})
-			return err
-		})
+		res, err := s.lookupResult(id)
 		switch {
 		case err != nil || res.Status == ipc.StatusUnknown:
 			// server gone (its session with us too) or already forgotten
