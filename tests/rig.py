@@ -1,22 +1,22 @@
-"""Drives the connector's two roles through the C ABI with no vLLM: one
-scheduler handle (which starts the embedded server) and one worker handle
-over CPU tensors (this machine has no GPU)."""
+"""Drives the connector's two roles through the typed binding with no vLLM:
+one scheduler (which starts the embedded server) and one worker over CPU
+tensors (this machine has no GPU)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from kvshim import native
 
 BLOCK, CHUNK, LAYERS, HEADS, HEAD = 16, 32, 2, 2, 16
 
 
-def fa_cache(blocks: int = 32) -> list[tuple[np.ndarray, dict[str, Any]]]:
+def fa_cache(blocks: int = 32) -> list[tuple[npt.NDArray[np.float16], dict[str, Any]]]:
     """Per-layer FlashAttention NHD caches (2, blocks, 16, 2, 16) of fp16."""
     out = []
     for i in range(LAYERS):
@@ -27,21 +27,19 @@ def fa_cache(blocks: int = 32) -> list[tuple[np.ndarray, dict[str, Any]]]:
 
 
 class Rig:
-    """One scheduler handle (embedded server) and one worker handle over a
-    small FlashAttention-shaped CPU cache."""
+    """One scheduler (embedded server) and one worker over a small
+    FlashAttention-shaped CPU cache."""
 
-    def __init__(self, engine: str, tensors: list[tuple[Any, dict[str, Any]]], l2: list[dict] | None = None,
+    def __init__(self, engine: str, tensors: list[tuple[Any, dict[str, Any]]], l2: list[dict[str, Any]] | None = None,
                  mla: bool = False) -> None:
-        self.lib = native.library()
         ns = {"model": "t", "dtype": "float16", "layout": "x", "world_size": 1, "chunk_size": CHUNK, "mla": mla}
         common = {"server": "embedded", "engine_id": engine, "namespace": ns, "timeout_ms": 3000}
-        self.sched = native.Handle(json.dumps({**common, "role": "scheduler", "block_size": BLOCK, "l1_size_gb": 0.0625,
-                                               "l2_adapters": [json.dumps(a) for a in l2 or []]}))
-        self.worker = native.Handle(json.dumps({**common, "role": "worker", "rank": 0}))
+        self.sched = native.Scheduler({**common, "block_size": BLOCK, "l1_size_gb": 0.0625,
+                                       "l2_adapters": [json.dumps(a) for a in l2 or []]})
+        self.worker = native.Worker({**common, "rank": 0})
         self.kv = [t for t, _ in tensors]
-        descs = [d for _, d in tensors]
         try:
-            self.worker.check(self.lib.kvshim_worker_register(self.worker.value, json.dumps(descs).encode()))
+            self.worker.register([d for _, d in tensors])
         except BaseException:
             self.close()
             raise
@@ -50,54 +48,44 @@ class Rig:
         self.worker.close()
         self.sched.close()
 
-    def match(self, req: str, tokens: np.ndarray) -> int:
-        out = ctypes.c_int64(-1)
+    def match(self, req: str, tokens: npt.NDArray[np.uint32]) -> int:
         for _ in range(2000):
-            self.sched.check(self.lib.kvshim_sched_match(self.sched.value, req.encode(),
-                                                         tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), len(tokens),
-                                                         None, 0, ctypes.byref(out)))
-            if out.value >= 0:
-                return out.value
+            n = self.sched.match(req, tokens)
+            if n is not None:
+                return n
             time.sleep(0.002)
         raise AssertionError("lookup still pending")
 
     def alloc(self, req: str, blocks: list[int], n: int) -> None:
-        ids = np.array(blocks, dtype=np.int64)
-        self.sched.check(self.lib.kvshim_sched_after_alloc(self.sched.value, req.encode(),
-                                                           ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), len(ids), -1, n))
+        self.sched.after_alloc(req, blocks, n)
 
-    def step(self, requests: list[dict], saves: bool) -> dict:
-        meta = self.sched.output("kvshim_sched_build_meta", json.dumps({"requests": requests}).encode())
-        buf = ctypes.create_string_buffer(meta, len(meta))
-        self.worker.check(self.lib.kvshim_worker_bind(self.worker.value, buf, len(meta), 3000))
-        self.worker.check(self.lib.kvshim_worker_start_loads(self.worker.value))
+    def step(self, requests: list[native.StepRequest], saves: bool) -> native.Finished:
+        self.worker.bind(self.sched.build_meta({"requests": requests}), 3000)
+        self.worker.start_loads()
         if saves:
-            self.worker.check(self.lib.kvshim_worker_start_saves(self.worker.value, 0))
-        return json.loads(self.worker.output("kvshim_worker_poll"))
+            self.worker.start_saves()
+        return self.worker.poll()
 
-    def drain(self, want: str, key: str) -> dict:
+    def drain(self, want: str, key: Literal["sending", "recving"]) -> native.Finished:
         for _ in range(1000):
             p = self.step([], saves=False)
-            if want in (p[key] or ()):
+            if want in getattr(p, key):
                 return p
             time.sleep(0.003)
         raise AssertionError(f"{want} never reported in {key}")
 
-    def stats(self) -> dict:
-        return json.loads(self.sched.output("kvshim_stats"))
-
+    def stats(self) -> native.SchedulerStats:
+        return self.sched.stats()
 
     def finished(self, req: str) -> bool:
-        delay = ctypes.c_int()
-        self.sched.check(self.lib.kvshim_sched_finished(self.sched.value, req.encode(), ctypes.byref(delay)))
-        return bool(delay.value)
+        return self.sched.finished(req)
 
     def accounted_saves(self) -> int:
         """Chunks the worker has finished with: saved, skipped or failed."""
-        w = json.loads(self.worker.output("kvshim_stats"))["worker"]
+        w = self.worker.stats().counters
         return w["SavedChunks"] + w["SkippedChunks"] + w["FailedSaves"]
 
-    def save(self, req: str, tokens: np.ndarray, blocks: list[int]) -> None:
+    def save(self, req: str, tokens: npt.NDArray[np.uint32], blocks: list[int]) -> None:
         """A request that misses, is computed into blocks, is saved, finishes;
         returns once its chunks are committed (or failed)."""
         before = self.accounted_saves()
@@ -113,11 +101,11 @@ class Rig:
             assert time.monotonic() < deadline, "saves not accounted for within 5 s"
             time.sleep(0.002)
 
-    def restore(self, req: str, tokens: np.ndarray, blocks: list[int]) -> tuple[int, list[int]]:
+    def restore(self, req: str, tokens: npt.NDArray[np.uint32], blocks: list[int]) -> tuple[int, list[int]]:
         """A request that hits: its prefix is loaded into blocks; returns the
         loaded tokens and the blocks that failed."""
         n = self.match(req, tokens)
         self.alloc(req, blocks, n)
-        errors = self.drain(req, "recving")["error_blocks"] or [] if n else []
+        errors = self.drain(req, "recving").error_blocks if n else []
         self.finished(req)
         return n, errors

@@ -1,11 +1,10 @@
-"""The connector's two roles through the C ABI against the embedded server,
+"""The connector's two roles through the typed binding against the embedded server,
 with no vLLM: the demo end to end, and L2 surviving a server restart.
 
 CPU memory stands in for GPU memory (this machine has no GPU)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import subprocess
 import sys
@@ -44,16 +43,16 @@ def test_l2_serves_hits_after_a_restart_with_empty_l1(tmp_path):
         # The store controller writes to L2 in the background.
         key = "kvshim_l2_store_saved_objects_total{adapter=fs}"
         deadline = time.monotonic() + 10
-        while rig.stats()["server"].get(key, 0) < 3 and time.monotonic() < deadline:
+        while server_stats(rig).get(key, 0) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert rig.stats()["server"][key] == 3
+        assert server_stats(rig)[key] == 3
     finally:
         rig.close()
 
     # A new server: L1 is empty, L2 (the same directory) has the chunks.
     rig = Rig(f"t-{uuid.uuid4().hex[:8]}", fa_cache(), l2)
     try:
-        assert rig.stats()["server"]["kvshim_l1_used_bytes"] == 0
+        assert server_stats(rig)["kvshim_l1_used_bytes"] == 0
         dst = list(range(20, 26))
         n, errors = rig.restore("b", tokens, dst)
         assert n == 3 * CHUNK and errors == []
@@ -63,8 +62,14 @@ def test_l2_serves_hits_after_a_restart_with_empty_l1(tmp_path):
         rig.close()
 
 
+def server_stats(rig: Rig) -> dict[str, float]:
+    st = rig.stats()
+    assert st.server is not None, st.server_error
+    return st.server
+
+
 def test_unknown_connector_config_key_is_refused():
     from kvshim.errors import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="unknown field \"bogus\""):
-        native.Handle(json.dumps({"role": "scheduler", "server": "embedded", "engine_id": "x", "bogus": 1}))
+        native.Scheduler({"server": "embedded", "engine_id": "x", "bogus": 1})

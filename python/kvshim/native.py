@@ -6,13 +6,22 @@ time a caller needs it, in the process that needs it (after any fork).
 
 from __future__ import annotations
 
+import array
 import ctypes
+import enum
+import json
 import os
+import sys
 import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, Union
 
-from kvshim.errors import EBADH, ERANGE, error_for
+from kvshim.errors import EBADH, ERANGE, InvalidArgumentError, error_for
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+
 
 ABI_VERSION = 2  # kvshim.h's KVSHIM_ABI_VERSION
 
@@ -126,7 +135,7 @@ def version() -> str:
 def run_main(argv: list[str]) -> int:
     """Runs the Go command line (doctor, serve, stat) in this process."""
     args = (ctypes.c_char_p * (len(argv) + 1))(*[a.encode() for a in argv], None)
-    return library().kvshim_main(len(argv), args)
+    return int(library().kvshim_main(len(argv), args))
 
 
 class Handle:
@@ -159,7 +168,7 @@ class Handle:
         self.check(rc)
         return self._buf.raw[: n.value]
 
-    def __enter__(self) -> "Handle":
+    def __enter__(self) -> Handle:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -192,3 +201,239 @@ def tokens_from_list(tokens: list, out: int, cap: int) -> bool:
         fn.restype = ctypes.c_int
         _from_list = fn
     return fn(tokens, out, cap, _from_list_len) == 0
+
+
+# ---------------------------------------------------------------- typed roles
+#
+# Scheduler and Worker are the connector's two roles as Python objects: one
+# method per C function, Python values in (str, int, sequences, dicts) and
+# out (ints, bytes, the dataclasses below). They only marshal: what a value
+# means is decided in Go and documented in kvshim.h.
+
+
+class _ArrayInterface(Protocol):
+    """What a numpy array exposes without numpy being imported here (the
+    demo with --device cuda runs without numpy)."""
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+
+
+# Token and block ids: an array('I') / array('q'), a contiguous 1-D numpy
+# array of uint32 / int64 (both passed without a copy), or any sequence of
+# ints (packed into an array first).
+IntArray = Union["array.array[int]", _ArrayInterface, Sequence[int]]
+
+_NATIVE_ORDER = "<" if sys.byteorder == "little" else ">"
+# array typecode -> numpy's typestr for the same C type.
+_TYPESTR = {"I": f"{_NATIVE_ORDER}u4", "q": f"{_NATIVE_ORDER}i8"}
+if array.array("I").itemsize != 4 or array.array("q").itemsize != 8:  # pragma: no cover - every platform vLLM runs on
+    raise ImportError("kvshim needs array('I') of 4 bytes and array('q') of 8")
+
+
+def _c_array(values: IntArray, typecode: str, ctype: type[ctypes._SimpleCData[int]]) -> tuple[Any, int, object]:
+    """values as (pointer, length, owner) for a `const T *, size_t` pair.
+    The pointer holds no reference to the memory: the caller keeps owner in
+    a local variable until the call has returned. Raises OverflowError or
+    TypeError for a value the C type cannot hold."""
+    pointer = ctypes.POINTER(ctype)
+    if isinstance(values, array.array) and values.typecode == typecode:
+        address, n = values.buffer_info()
+        return ctypes.cast(address, pointer), n, values
+    iface = getattr(values, "__array_interface__", None)
+    if (iface is not None and iface["typestr"] == _TYPESTR[typecode] and len(iface["shape"]) == 1
+            and iface.get("strides") is None):  # C-contiguous
+        return ctypes.cast(iface["data"][0], pointer), iface["shape"][0], values
+    packed = array.array(typecode, values)  # type: ignore[arg-type]  # any iterable of ints
+    address, n = packed.buffer_info()
+    return ctypes.cast(address, pointer), n, packed
+
+
+class Direction(enum.IntEnum):
+    """kvshim_worker_engine_copy's direction."""
+
+    SAVE = 1  # KV cache -> objects
+    LOAD = 2  # objects -> KV cache
+
+
+class StepRequest(TypedDict, total=False):
+    """One scheduled request of a step (kvshim_sched_build_meta's step_json):
+    req, and either blocks (all its block ids: new or resumed) or new_blocks
+    (the blocks added this step), computed and scheduled tokens."""
+
+    req: str
+    blocks: list[int]
+    new_blocks: list[int]
+    computed: int
+    scheduled: int
+
+
+class Step(TypedDict, total=False):
+    """One engine step as the scheduler role reads it."""
+
+    requests: list[StepRequest]
+    preempted: list[str]
+
+
+@dataclass(frozen=True)
+class FinishedTokens:
+    """Scheduler.finished_tokens' answer: delay (vLLM keeps the blocks until
+    the workers report the request in finished_sending), and why the
+    request's computed chunks were not saved (tokens that do not fit the
+    request), None when they were. The request is finished either way."""
+
+    delay: bool
+    not_saved: InvalidArgumentError | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """kvshim_stats of a scheduler handle."""
+
+    requests: int  # requests the scheduler still tracks
+    server: dict[str, float] | None  # the server's counters by metric name; None when unreachable
+    server_error: str | None  # why the server's counters are missing
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """kvshim_stats of a worker handle."""
+
+    counters: dict[str, int]  # shim.WorkerStats by Go field name (SavedChunks, LoadedBytes, ...)
+    jobs: int  # copy jobs still running
+
+
+@dataclass(frozen=True)
+class Finished:
+    """kvshim_worker_poll: what ended since the last poll."""
+
+    sending: list[str]  # delay-freed requests whose saves have read their blocks
+    recving: list[str]  # requests whose loads ended
+    error_blocks: list[int]  # blocks whose loads failed
+
+
+class _Role:
+    """A handle opened for one role; close() (or a with-block) releases it.
+    Not shareable across threads: output of one call may be taken by
+    another's (see kvshim_take_output)."""
+
+    role: ClassVar[str]
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self.handle = Handle(json.dumps({**config, "role": self.role}))
+
+    def close(self) -> None:
+        self.handle.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(self.handle.output("kvshim_stats"))
+        return out
+
+
+class Scheduler(_Role):
+    """The scheduler-side connector: one per engine. With "server":
+    "embedded" it starts the server inside this process."""
+
+    role = "scheduler"
+
+    def match(self, req_id: str, tokens: IntArray, extras: Mapping[str, Any] | None = None,
+              num_computed: int = 0) -> int | None:
+        """Tokens beyond num_computed that can be loaded, or None while the
+        lookup is pending (ask again next step). extras: the request's
+        cache_salt, lora {name, path} and mm [{hash, offset, length}]."""
+        ptr, n, _owner = _c_array(tokens, "I", ctypes.c_uint32)
+        out = ctypes.c_int64()
+        raw_extras = None if extras is None else json.dumps(extras).encode()
+        self.handle.check(library().kvshim_sched_match(
+            self.handle.value, req_id.encode(), ptr, n, raw_extras, num_computed, ctypes.byref(out)))
+        return None if out.value < 0 else out.value
+
+    def after_alloc(self, req_id: str, blocks: IntArray, num_external: int, num_computed: int | None = None) -> None:
+        """Plans the load of num_external tokens into blocks (all the
+        request's block ids in token order). num_computed None: the local
+        prefix-cache hit given to match."""
+        ptr, n, _owner = _c_array(blocks, "q", ctypes.c_int64)
+        self.handle.check(library().kvshim_sched_after_alloc(
+            self.handle.value, req_id.encode(), ptr, n, -1 if num_computed is None else num_computed, num_external))
+
+    def build_meta(self, step: Step) -> bytes:
+        """The workers' metadata for one step."""
+        return self.handle.output("kvshim_sched_build_meta", json.dumps(step).encode())
+
+    def finished(self, req_id: str) -> bool:
+        """Releases the request; True when vLLM must keep its blocks until
+        the workers report it in finished_sending."""
+        delay = ctypes.c_int()
+        self.handle.check(library().kvshim_sched_finished(self.handle.value, req_id.encode(), ctypes.byref(delay)))
+        return bool(delay.value)
+
+    def finished_tokens(self, req_id: str, tokens: IntArray, first: int, num_computed: int,
+                        blocks: IntArray) -> FinishedTokens:
+        """finished() for a request that finished normally, also saving every
+        full chunk it computed: tokens are its ids from token `first` on,
+        num_computed the tokens whose KV its blocks hold."""
+        tok_ptr, n_tok, _tokens_owner = _c_array(tokens, "I", ctypes.c_uint32)
+        blk_ptr, n_blk, _blocks_owner = _c_array(blocks, "q", ctypes.c_int64)
+        delay = ctypes.c_int()
+        rc = library().kvshim_sched_finished_tokens(
+            self.handle.value, req_id.encode(), tok_ptr, n_tok, first, num_computed, blk_ptr, n_blk,
+            ctypes.byref(delay))
+        try:
+            self.handle.check(rc)
+        except InvalidArgumentError as e:  # delay is set: the request is finished, unsaved
+            return FinishedTokens(bool(delay.value), e)
+        return FinishedTokens(bool(delay.value))
+
+    def stats(self) -> SchedulerStats:
+        st = self._stats()
+        return SchedulerStats(st["requests"], st.get("server"), st.get("server_error"))
+
+
+class Worker(_Role):
+    """The worker-side connector: one per rank."""
+
+    role = "worker"
+
+    def register(self, tensors: Sequence[Mapping[str, Any]]) -> None:
+        """Registers the KV cache tensors (layer, group, backend, device,
+        data_ptr, dtype_size, shape, stride_bytes, ...)."""
+        self.handle.check(library().kvshim_worker_register(self.handle.value, json.dumps(tensors).encode()))
+
+    def bind(self, meta: bytes, timeout_ms: int) -> None:
+        """Binds one step's metadata; waits at most timeout_ms for the copies
+        of the requests it lists as preempted."""
+        buf = ctypes.create_string_buffer(meta, len(meta))
+        self.handle.check(library().kvshim_worker_bind(self.handle.value, buf, len(meta), timeout_ms))
+
+    def start_loads(self) -> None:
+        self.handle.check(library().kvshim_worker_start_loads(self.handle.value))
+
+    def start_saves(self, stream_event: int = 0) -> None:
+        """stream_event: a CUevent recorded on vLLM's stream after the forward
+        pass (0 for CPU caches)."""
+        self.handle.check(library().kvshim_worker_start_saves(self.handle.value, stream_event))
+
+    def poll(self) -> Finished:
+        p = json.loads(self.handle.output("kvshim_worker_poll"))
+        return Finished(p["sending"] or [], p["recving"] or [], p["error_blocks"] or [])
+
+    def stats(self) -> WorkerStats:
+        st = self._stats()
+        return WorkerStats(st["worker"], st["jobs"])
+
+    def engine_copy(self, direction: Direction, objects: int, object_stride: int, block_ids: IntArray,
+                    timeout_ms: int) -> float:
+        """The copy engine alone (no server, no checks) between the blocks and
+        caller memory at address `objects`, one object per chunk every
+        object_stride bytes; returns the seconds from planning to the end."""
+        ptr, n, _owner = _c_array(block_ids, "q", ctypes.c_int64)
+        elapsed_ns = ctypes.c_uint64()
+        self.handle.check(library().kvshim_worker_engine_copy(
+            self.handle.value, int(direction), objects, object_stride, ptr, n, timeout_ms, ctypes.byref(elapsed_ns)))
+        return elapsed_ns.value / 1e9
