@@ -18,7 +18,7 @@ BLOCK, CHUNK, LAYERS, HEADS, HEAD = 16, 32, 2, 2, 16
 
 def fa_cache(blocks: int = 32) -> list[tuple[npt.NDArray[np.float16], dict[str, Any]]]:
     """Per-layer FlashAttention NHD caches (2, blocks, 16, 2, 16) of fp16."""
-    out = []
+    out: list[tuple[npt.NDArray[np.float16], dict[str, Any]]] = []
     for i in range(LAYERS):
         t = np.zeros((2, blocks, BLOCK, HEADS, HEAD), dtype=np.float16)
         out.append((t, {"layer": f"l{i}", "group": 0, "backend": "flash_attn", "device": "cpu", "data_ptr": t.ctypes.data,
@@ -47,6 +47,12 @@ class Rig:
     def close(self) -> None:
         self.worker.close()
         self.sched.close()
+
+    def __enter__(self) -> Rig:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def match(self, req: str, tokens: npt.NDArray[np.uint32]) -> int:
         for _ in range(2000):

@@ -32,7 +32,7 @@ def test_demo_restores_and_verifies(repo_root):
 def test_l2_serves_hits_after_a_restart_with_empty_l1(tmp_path):
     l2 = [{"type": "fs", "base_path": str(tmp_path / "l2")}]
     tokens = np.arange(1000, 1000 + 3 * CHUNK + 5, dtype=np.uint32)
-    src = list(range(0, 7))
+    src = list(range(7))
     rig = Rig(f"t-{uuid.uuid4().hex[:8]}", fa_cache(), l2)
     try:
         rng = np.random.default_rng(3)

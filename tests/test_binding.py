@@ -1,0 +1,90 @@
+"""The typed binding (native.Scheduler, native.Worker): how Python values
+become the C ABI's arrays, and the role objects' lifetime."""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvshim import native
+from kvshim.errors import InvalidArgumentError
+from rig import BLOCK, CHUNK, HEAD, HEADS, LAYERS, Rig, fa_cache
+
+
+def _read(ptr: Any, n: int, ctype: type[ctypes.c_uint32]) -> list[int]:
+    return list(ctypes.cast(ptr, ctypes.POINTER(ctype))[:n])
+
+
+@pytest.mark.parametrize("typecode, ctype, dtype", [("I", ctypes.c_uint32, np.uint32), ("q", ctypes.c_int64, np.int64)])
+def test_arrays_of_the_c_type_pass_without_a_copy(typecode, ctype, dtype):
+    a = array.array(typecode, [1, 2, 3])
+    ptr, n, owner = native._c_array(a, typecode, ctype)
+    assert owner is a and n == 3 and ctypes.cast(ptr, ctypes.c_void_p).value == a.buffer_info()[0]
+    x = np.arange(5, dtype=dtype)
+    ptr, n, owner = native._c_array(x, typecode, ctype)
+    assert owner is x and n == 5 and ctypes.cast(ptr, ctypes.c_void_p).value == x.ctypes.data
+
+
+@pytest.mark.parametrize("values", [[7, 8, 9], (7, 8, 9), np.array([7, 8, 9], dtype=np.int64), np.arange(14)[7:13:2] - np.array([0, 1, 2]),
+                                    array.array("q", [7, 8, 9]), range(7, 10)])
+def test_other_integer_sequences_are_packed(values):
+    ptr, n, owner = native._c_array(values, "I", ctypes.c_uint32)
+    assert n == 3 and isinstance(owner, array.array)
+    assert _read(ptr, n, ctypes.c_uint32) == [7, 8, 9]
+
+
+def test_a_value_the_c_type_cannot_hold_is_an_error_not_a_wrap():
+    with pytest.raises(OverflowError):
+        native._c_array([1, -1], "I", ctypes.c_uint32)
+    with pytest.raises(OverflowError):
+        native._c_array([2**32], "I", ctypes.c_uint32)
+    with pytest.raises(TypeError):
+        native._c_array([1.5], "q", ctypes.c_int64)  # type: ignore[list-item]  # the point
+
+
+def test_roles_close_their_handles():
+    lib = native.library()
+    before = lib.kvshim_handle_count()
+    rig = Rig(f"bind-{uuid.uuid4().hex[:8]}", fa_cache())
+    assert lib.kvshim_handle_count() == before + 2
+    rig.close()
+    assert lib.kvshim_handle_count() == before
+
+
+def test_a_round_trip_through_the_role_objects_with_python_values():
+    """Lists in (tokens, blocks), ints, bools, bytes and dataclasses out."""
+    with Rig(f"bind-{uuid.uuid4().hex[:8]}", fa_cache()) as rig:
+        tokens = list(range(100, 100 + 2 * CHUNK))
+        blocks = list(range(2 * CHUNK // BLOCK))
+        assert rig.sched.match("a", tokens) in (None, 0)
+        assert rig.match("a", np.array(tokens, dtype=np.uint32)) == 0
+        rig.sched.after_alloc("a", blocks, 0)
+        meta = rig.sched.build_meta({"requests": [{"req": "a", "blocks": blocks, "computed": 0, "scheduled": len(tokens)}]})
+        assert isinstance(meta, bytes) and meta
+        rig.worker.bind(meta, 3000)
+        rig.worker.start_loads()
+        rig.worker.start_saves()
+        assert rig.sched.finished("a") is True
+        done = rig.drain("a", "sending")
+        assert isinstance(done, native.Finished) and done.error_blocks == []
+        st = rig.sched.stats()
+        assert st.requests == 0 and st.server is not None and st.server_error is None
+        ws = rig.worker.stats()
+        assert set(ws.counters) >= {"SavedChunks", "LoadedChunks"} and ws.jobs >= 0
+
+
+def test_engine_copy_takes_a_direction():
+    with Rig(f"bind-{uuid.uuid4().hex[:8]}", fa_cache()) as rig:
+        payload = CHUNK // BLOCK * LAYERS * 2 * BLOCK * HEADS * HEAD * 2  # a chunk's blocks, K and V, fp16
+        obj_size = payload + 4096  # and room for the object header
+        objects = np.zeros(2 * obj_size, dtype=np.uint8)
+        ids = list(range(2 * CHUNK // BLOCK))
+        s = rig.worker.engine_copy(native.Direction.SAVE, objects.ctypes.data, obj_size, ids, 3000)
+        assert s >= 0
+        with pytest.raises(InvalidArgumentError):
+            rig.worker.engine_copy(native.Direction.LOAD, objects.ctypes.data, obj_size, [1], 3000)
