@@ -72,7 +72,7 @@ exec {base} "$@"
     return req, env
 
 
-def run_venv_sh(repo_root: Path, req: Path, env: dict[str, str]) -> subprocess.Popen:
+def run_venv_sh(repo_root: Path, req: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen([str(repo_root / "build" / "venv.sh"), str(req)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=repo_root)
 
@@ -179,7 +179,7 @@ def test_deps_announces_first_and_leaves_no_service_enabled(repo_root: Path, tmp
     executable(bin_dir / "dpkg-query", """#!/bin/bash
 [ "$2" = redis-server ] && printf '/lib/systemd/system/redis-server.service\\n/lib/systemd/system/redis-server@.service\\n/etc/init.d/redis-server\\n'
 exit 0
-""")
+""")  # noqa: E501
     executable(bin_dir / "deb-systemd-helper", """#!/bin/bash
 echo "deb-systemd-helper $*" >> "$STATE/events"
 [ "$1" = disable ] && rm -f "$STATE/enabled.$2"

@@ -9,23 +9,26 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 SMALL = ["--requests", "4", "--doc-tokens", "512", "--l1-size-gb", "1"]
 
 
-def demo(repo_root, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def demo(repo_root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvshim", "demo", *args], capture_output=True, text=True, timeout=300,
                           cwd=repo_root, env=env)
 
 
-def last_json(r: subprocess.CompletedProcess) -> dict:
+def last_json(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    return result
 
 
-def check_measured(result: dict) -> None:
+def check_measured(result: dict[str, Any]) -> None:
     assert result["verified_ok"] is True and result["engine_verified_ok"] is True
     assert result["hit_tokens"] > 0 and result["bytes_restored"] > 0
     assert result["restore_gbps"] > 0 and result["engine_restore_gbps"] > 0
@@ -57,7 +60,7 @@ def test_demo_torch_tensors_blnhc(repo_root):
     assert result["tensors"] == "torch" and result["layout"] == "BLNHC"
 
 
-def refused(r: subprocess.CompletedProcess) -> str:
+def refused(r: subprocess.CompletedProcess[str]) -> str:
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stdout == ""
     lines = r.stderr.strip().splitlines()

@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,12 +60,13 @@ def flag(argv: list[str], name: str) -> str | None:
     return None
 
 
-def check_kv_transfer(raw: str | dict) -> dict:
+def check_kv_transfer(raw: str | dict[str, Any] | None) -> dict[str, Any]:
     """What vLLM and the connector make of a --kv-transfer-config."""
     from vllm.config import KVTransferConfig
 
     from kvshim.vllm import read_config
 
+    assert raw is not None, "no --kv-transfer-config"
     d = json.loads(raw) if isinstance(raw, str) else raw
     kv = KVTransferConfig(**d)
     assert kv.kv_connector == "KVShimConnector"

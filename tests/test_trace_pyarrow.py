@@ -13,7 +13,7 @@ import pytest
 pa = pytest.importorskip(
     "pyarrow", reason="pyarrow is not in the test venv (python/requirements-test.txt does not list it yet)")
 pd = pytest.importorskip("pandas", reason="pandas is not in the test venv")
-import pyarrow.ipc  # noqa: E402
+import pyarrow.ipc  # noqa: E402, F401 - makes pa.ipc importable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ from kvshim.errors import (
     KVShimError,
     NoSpaceError,
     NotSupportedError,
-    TimeoutError,
+    TimeoutError,  # noqa: A004 - kvshim.TimeoutError subclasses the builtin
 )
 
 __all__ = [

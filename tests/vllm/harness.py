@@ -49,8 +49,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -68,8 +66,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.forward_context import get_forward_context, set_forward_context
-from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
 from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
@@ -86,6 +84,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
+
+from vllm import SamplingParams
 
 EOS_TOKEN_ID = 2
 NUM_LAYERS = 2
@@ -872,7 +872,7 @@ class ServerProcess:
         self.l1_size_gb = l1_size_gb
         self.proc: Any = None
 
-    def start(self, timeout_s: float = 30.0) -> "ServerProcess":
+    def start(self, timeout_s: float = 30.0) -> ServerProcess:
         import subprocess
         import sys
         import time

@@ -130,7 +130,7 @@ class RecordingConnector(KVConnectorBase_V1):
 class TwoArgConnector(KVConnectorBase_V1):
     """Old-style 2-argument constructor: vLLM 0.33 refuses it."""
 
-    def __init__(self, vllm_config, role):  # noqa: D107
+    def __init__(self, vllm_config, role):
         raise AssertionError("must not be constructed")
 
     start_load_kv = wait_for_layer_load = save_kv_layer = wait_for_save = None  # type: ignore[assignment]

@@ -21,7 +21,7 @@ def main(conn: Any, model_dir: str, engine_id: str, rank: int, tp: int, num_bloc
         kvc = make_kv_cache_config(num_blocks=num_blocks, num_kv_heads=NUM_KV_HEADS // tp)
         runner = ModelRunner(cfg, kvc, rank=rank)
         conn.send(("ready", os.getpid()))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
+    except BaseException as e:
         conn.send(("error", f"{e!r}\n{traceback.format_exc()}"))
         return
     while True:
@@ -53,7 +53,7 @@ def main(conn: Any, model_dir: str, engine_id: str, rank: int, tp: int, num_bloc
             else:
                 raise ValueError(f"unknown command {cmd!r}")
             conn.send(("ok", res))
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
+        except BaseException as e:
             conn.send(("error", f"{e!r}\n{traceback.format_exc()}"))
 
 

@@ -17,25 +17,22 @@ from kvshim.
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.request import RequestStatus
 
 from harness import (
     CHUNK,
-    ModelRunner,
     kvshim_config,
     loads_of,
     make_kv_cache_config,
     new_req_data,
-    run_until_scheduled,
-    store,
     prompt,
+    run_until_scheduled,
     server_stats,
+    store,
     wait_stat,
 )
-from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.request import RequestStatus
 
 BLOCK = 16
 

@@ -10,13 +10,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from harness import make_kv_cache_config, make_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
+
+from harness import make_kv_cache_config, make_vllm_config
 
 PYTHON_DIR = Path(__file__).resolve().parents[2] / "python"
 

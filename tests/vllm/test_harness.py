@@ -3,11 +3,11 @@
 import os
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.request import RequestStatus
 
 from harness import SchedulerHarness, make_vllm_config
 from kvshim_test_connectors import RecordingConnector, RecordingMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.request import RequestStatus
 
 BLOCK = 16
 

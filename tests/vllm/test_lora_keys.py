@@ -20,10 +20,10 @@ import ctypes
 import json
 
 import pytest
+from vllm.lora.request import LoRARequest
 
 from harness import (
     CHUNK,
-    ModelRunner,
     new_req_data,
     prompt,
     run_until_scheduled,
@@ -33,9 +33,6 @@ from harness import (
 )
 from kvshim.errors import InvalidArgumentError
 from kvshim.vllm import _extras
-from vllm.lora.request import LoRARequest
-
-
 
 
 def test_lora_name_and_path_never_share_kv(kv):

@@ -7,8 +7,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from harness import SchedulerHarness, kvshim_config
 
+from harness import SchedulerHarness, kvshim_config
 from kvshim import native
 from kvshim.vllm import read_config
 
@@ -50,5 +50,5 @@ def test_metrics_port_default_off_and_checked():
     assert read_config({})["kvshim.metrics_port"] == 0
     assert read_config({"kvshim.metrics_port": "9400"})["kvshim.metrics_port"] == 9400
     for bad in (-1, 65536, "port", True, 1.5):
-        with pytest.raises(ValueError, match="kvshim.metrics_port"):
+        with pytest.raises(ValueError, match=r"kvshim\.metrics_port"):
             read_config({"kvshim.metrics_port": bad})

@@ -12,6 +12,7 @@ byte with what the model computes.
 from __future__ import annotations
 
 import pytest
+from vllm.v1.request import RequestStatus
 
 from harness import (
     CHUNK,
@@ -24,7 +25,6 @@ from harness import (
     wait_stat,
 )
 from kvshim.vllm import read_meta
-from vllm.v1.request import RequestStatus
 
 BLOCK = 16
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from vllm.v1.request import RequestStatus
 
 from harness import (
     CHUNK,
@@ -33,7 +34,6 @@ from harness import (
     store,
     wait_stat,
 )
-from vllm.v1.request import RequestStatus
 
 TIMEOUT_MS = 300
 REDIAL_S = 1.0  # shim/link.go: a failed dial is retried after this long

@@ -3,7 +3,6 @@ report, and vLLM's aggregation across workers sums them. CPU tensors stand
 in for GPU memory (no GPU here)."""
 
 from harness import CHUNK, ModelRunner, SchedulerHarness, kvshim_config, make_kv_cache_config, prompt, wait_stat
-
 from kvshim.vllm import KVShimConnector, KVShimStats
 
 

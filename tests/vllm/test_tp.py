@@ -12,6 +12,7 @@ the byte check. Nothing of vLLM is stubbed.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import uuid
 
@@ -58,7 +59,7 @@ class RemoteRunner:
         if not self.conn.poll(timeout):
             raise AssertionError(f"rank {self.rank}: no answer in {timeout}s")
         status, res = self.conn.recv()
-        if status != "ok" and status != "ready":
+        if status not in ("ok", "ready"):
             raise AssertionError(f"rank {self.rank}: {res}")
         return res
 
@@ -74,10 +75,8 @@ class RemoteRunner:
 
     def close(self):
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(Exception):  # the rank is gone already: join it below
                 self.call("close", timeout=15)
-            except Exception:  # noqa: BLE001 - the process is killed below
-                pass
         self.proc.join(timeout=15)
         if self.proc.is_alive():
             self.proc.kill()
