@@ -46,9 +46,10 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -75,7 +76,9 @@ from vllm.v1.core.kv_cache_utils import (
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -85,7 +88,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from vllm import SamplingParams
+from kvshim.vllm import KVShimConnector, KVShimMetadata, read_meta
 
 EOS_TOKEN_ID = 2
 NUM_LAYERS = 2
@@ -110,7 +113,7 @@ TINY_LLAMA_CONFIG: dict[str, Any] = {
 }
 
 
-def write_tiny_model_dir(path: str | os.PathLike) -> Path:
+def write_tiny_model_dir(path: str | os.PathLike[str]) -> Path:
     """Write the tiny Llama config.json into ``path``; return the directory."""
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
@@ -123,13 +126,13 @@ def layer_names(num_layers: int = NUM_LAYERS) -> list[str]:
 
 
 def make_vllm_config(
-    model_dir: str | os.PathLike,
+    model_dir: str | os.PathLike[str],
     *,
     kv_connector: str = "KVShimConnector",
     kv_connector_module_path: str | None = "kvshim.vllm",
-    kv_role: str = "kv_both",
+    kv_role: Literal["kv_producer", "kv_both", "kv_consumer"] = "kv_both",
     kv_connector_extra_config: dict[str, Any] | None = None,
-    kv_load_failure_policy: str = "recompute",
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute",
     block_size: int = 16,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 512,
@@ -181,7 +184,7 @@ def make_vllm_config(
         kv_role=kv_role,
         kv_connector_extra_config=dict(kv_connector_extra_config or {}),
         kv_load_failure_policy=kv_load_failure_policy,
-        **({"engine_id": engine_id} if engine_id else {}),
+        engine_id=engine_id or None,  # None: vLLM makes a uuid4
     )
     return VllmConfig(
         parallel_config=ParallelConfig(
@@ -309,7 +312,7 @@ class SchedulerHarness:
             hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens
         )
         scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
-        self.scheduler = scheduler_cls(
+        scheduler = scheduler_cls(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
@@ -317,6 +320,10 @@ class SchedulerHarness:
             hash_block_size=hash_block_size,
             log_stats=log_stats,
         )
+        # Scheduler or AsyncScheduler: the harness reads their state
+        # (requests, queues, the block pool) that SchedulerInterface leaves out.
+        assert isinstance(scheduler, Scheduler), scheduler_cls
+        self.scheduler = scheduler
         self.connector: KVConnectorBase_V1 | None = self.scheduler.connector
         self.worker_connector: KVConnectorBase_V1 | None = None
         if with_worker:
@@ -405,10 +412,10 @@ class SchedulerHarness:
         """Every runner executes the step; with TP their connector outputs
         are combined as vLLM's executor does (KVOutputAggregator: a request
         is finished only when every rank reported it)."""
-        outs = [r.execute(scheduler_output) for r in self.runners]
+        outs: list[KVConnectorOutput] = [r.execute(scheduler_output) for r in self.runners]
         if self._aggregator is None:
             return outs[0]
-        mros = [
+        mros: list[ModelRunnerOutput | None] = [
             self.model_runner_output(scheduler_output, kv_connector_output=o)
             for o in outs
         ]
@@ -593,6 +600,12 @@ class SchedulerHarness:
     # ---- checks ------------------------------------------------------------
 
     @property
+    def kvshim(self) -> KVShimConnector:
+        """The scheduler-role connector, checked to be kvshim's (for its own
+        API: stats())."""
+        return as_kvshim(self.connector)
+
+    @property
     def num_free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
@@ -696,6 +709,7 @@ class ModelRunner:
         self.sampled_token = sampled_token
         group = kv_cache_config.kv_cache_groups[0]
         spec = group.kv_cache_spec
+        assert isinstance(spec, AttentionSpec), spec
         self.block_size = spec.block_size
         self.layer_names = list(group.layer_names)
         self.model = KVModel(len(self.layer_names), spec.num_kv_heads, spec.head_size, rank)
@@ -721,6 +735,11 @@ class ModelRunner:
         # in this step (loaded or a local prefix-cache hit), before the
         # forward pass: those blocks must already hold the model's bytes.
         self.prefix_checks: dict[str, tuple[int, list[int]]] = {}
+
+    @property
+    def kvshim(self) -> KVShimConnector:
+        """The worker-role connector, checked to be kvshim's."""
+        return as_kvshim(self.connector)
 
     # -- KV access --
     def scribble(self) -> None:
@@ -834,7 +853,7 @@ CHUNK = 64  # kvshim.chunk_size in the connector tests: 4 blocks of 16 tokens
 
 
 def kvshim_config(
-    model_dir: str | os.PathLike, *, server: str = "embedded", timeout_ms: int = 2000, **kw: Any
+    model_dir: str | os.PathLike[str], *, server: str = "embedded", timeout_ms: int = 2000, **kw: Any
 ) -> VllmConfig:
     """A VllmConfig selecting KVShimConnector with a small L1 and 64-token
     chunks; keyword arguments go to make_vllm_config."""
@@ -848,11 +867,17 @@ def kvshim_config(
     return make_vllm_config(model_dir, kv_connector_extra_config=extra, **kw)
 
 
-def server_stats(connector: KVConnectorBase_V1) -> dict[str, float]:
+def as_kvshim(connector: KVConnectorBase_V1 | None) -> KVShimConnector:
+    assert isinstance(connector, KVShimConnector), connector
+    return connector
+
+
+def server_stats(connector: KVConnectorBase_V1 | None) -> dict[str, float]:
     """The server's counters through the scheduler connector (STATS)."""
-    st = connector.stats()  # type: ignore[attr-defined]
+    st = as_kvshim(connector).stats()
     assert "server" in st, st
-    return st["server"]
+    counters: dict[str, float] = st["server"]
+    return counters
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -867,7 +892,7 @@ class ServerProcess:
     (kvshim_main) run by a fresh Python interpreter that loads
     libkvshim.so itself. ``kill()`` sends SIGKILL (no cleanup runs)."""
 
-    def __init__(self, socket_path: str | os.PathLike, l1_size_gb: float = 0.125) -> None:
+    def __init__(self, socket_path: str | os.PathLike[str], l1_size_gb: float = 0.125) -> None:
         self.socket = str(socket_path)
         self.l1_size_gb = l1_size_gb
         self.proc: Any = None
@@ -923,13 +948,18 @@ def wait_stat(h: SchedulerHarness, name: str, want: float, timeout: float = 5.0)
         time.sleep(0.01)
 
 
+def connector_output(step: StepResult) -> KVConnectorOutput:
+    """The step's connector output (a step with a connector has one)."""
+    assert step.kv_connector_output is not None, "no connector output"
+    return step.kv_connector_output
+
+
 def loads_of(step: StepResult | SchedulerOutput, req_id: str) -> list[dict[str, Any]]:
     """The load specs kvshim put in this step's connector metadata (Go
     writes it in a binary form; read_meta gives its JSON text form:
     {"loads": [{"req", "start", "end", "hashes", "blocks", ...}]})."""
-    from kvshim.vllm import read_meta
-
     so = step.scheduler_output if isinstance(step, StepResult) else step
+    assert isinstance(so.kv_connector_metadata, KVShimMetadata), so.kv_connector_metadata
     meta = read_meta(so.kv_connector_metadata.data)
     return [ld for ld in meta.get("loads", []) if ld["req"] == req_id]
 

@@ -12,7 +12,7 @@ import traceback
 from typing import Any
 
 
-def main(conn: Any, model_dir: str, engine_id: str, rank: int, tp: int, num_blocks: int, cfg_kw: dict) -> None:
+def main(conn: Any, model_dir: str, engine_id: str, rank: int, tp: int, num_blocks: int, cfg_kw: dict[str, Any]) -> None:
     try:
         from harness import NUM_KV_HEADS, ModelRunner, kvshim_config, make_kv_cache_config
 
@@ -37,14 +37,15 @@ def main(conn: Any, model_dir: str, engine_id: str, rank: int, tp: int, num_bloc
             elif cmd == "blocks":
                 res = list(runner.reqs[args[0]].blocks)
             elif cmd == "scribble":
-                res = runner.scribble()
+                runner.scribble()
+                res = None
             elif cmd == "skip_save_in":
                 # Drop this rank's saves in its n-th step from now (a save
                 # lost on one rank only).
                 runner.skip_save_steps.add(runner.step_no + args[0])
                 res = None
             elif cmd == "stats":
-                res = runner.connector.stats()
+                res = runner.kvshim.stats()
             elif cmd == "close":
                 runner.close()
                 conn.send(("ok", None))

@@ -17,6 +17,8 @@ from kvshim.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
@@ -473,10 +475,11 @@ def test_layouts_do_not_share_a_namespace(tiny_model_dir):
     # fingerprint check and recompute).
     from kvshim.vllm import _namespace, read_config
 
-    def ns(layout: str | None) -> dict:
+    def ns(layout: str | None) -> dict[str, Any]:
         cfg = kvshim_config(tiny_model_dir)
         cfg.cache_config.kv_cache_layout = layout
         kvc = make_kv_cache_config()
+        assert cfg.kv_transfer_config is not None
         return _namespace(cfg, kvc, read_config(cfg.kv_transfer_config.kv_connector_extra_config))
 
     assert ns("LBNHC") == ns("LBNHC")

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -19,6 +20,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from harness import make_kv_cache_config, make_vllm_config
 
 PYTHON_DIR = Path(__file__).resolve().parents[2] / "python"
+
+
+def kv_transfer_config(cfg: VllmConfig) -> KVTransferConfig:
+    assert cfg.kv_transfer_config is not None
+    return cfg.kv_transfer_config
 
 
 def test_import_loads_no_native_library():
@@ -59,7 +65,7 @@ def test_factory_creates_kvshim_connector(tiny_model_dir, role):
     )
     kv_cache_config = make_kv_cache_config(num_blocks=64)
 
-    assert KVConnectorFactory.get_connector_class(cfg.kv_transfer_config) is (
+    assert KVConnectorFactory.get_connector_class(kv_transfer_config(cfg)) is (
         KVShimConnector
     )
     conn = KVConnectorFactory.create_connector(cfg, role, kv_cache_config)
@@ -99,7 +105,7 @@ def test_two_argument_constructor_is_rejected(tiny_model_dir):
         disable_hybrid_kv_cache_manager=True,
     )
     with pytest.raises(ValueError, match="2-argument constructor"):
-        KVConnectorFactory.get_connector_class(cfg.kv_transfer_config)
+        KVConnectorFactory.get_connector_class(kv_transfer_config(cfg))
 
 
 def test_module_path_wins_over_a_registered_name(tiny_model_dir):
@@ -112,6 +118,6 @@ def test_module_path_wins_over_a_registered_name(tiny_model_dir):
     )
     from kvshim_test_connectors import RecordingConnector
 
-    assert KVConnectorFactory.get_connector_class(cfg.kv_transfer_config) is (
+    assert KVConnectorFactory.get_connector_class(kv_transfer_config(cfg)) is (
         RecordingConnector
     )

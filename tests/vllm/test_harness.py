@@ -6,7 +6,7 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
-from harness import SchedulerHarness, make_vllm_config
+from harness import SchedulerHarness, connector_output, make_vllm_config
 from kvshim_test_connectors import RecordingConnector, RecordingMetadata
 
 BLOCK = 16
@@ -123,7 +123,7 @@ def test_async_external_hit_with_worker_connector(
     assert rid not in s3.num_scheduled_tokens
     meta = s3.connector_meta
     assert isinstance(meta, RecordingMetadata) and len(meta.loads[rid]) == 64 // BLOCK
-    assert s3.kv_connector_output.finished_recving == {rid}
+    assert connector_output(s3).finished_recving == {rid}
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     s4 = h.step()  # load done: the rest of the prompt is computed
     assert s4.num_scheduled_tokens[rid] == 100 - 64
@@ -165,8 +165,10 @@ def test_vllm_example_connector_scheduler_side(tiny_model_dir, tmp_path):
 
     # What the worker side would have written: the connector's own folder name.
     import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 
     n = (len(prompt) - 2) // BLOCK * BLOCK
+    assert isinstance(h.connector, ExampleConnector), h.connector
     os.makedirs(h.connector._generate_foldername_debug(torch.tensor(prompt[:n]), []))
     b = h.add_request(h.make_request(prompt, max_tokens=2))
     s = h.step()

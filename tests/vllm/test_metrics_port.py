@@ -16,7 +16,8 @@ from kvshim.vllm import read_config
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _get(url: str) -> tuple[int, str]:

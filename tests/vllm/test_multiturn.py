@@ -11,6 +11,8 @@ byte with what the model computes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from vllm.v1.request import RequestStatus
 
@@ -29,7 +31,7 @@ from kvshim.vllm import read_meta
 BLOCK = 16
 
 
-def saves_of(h, req_id: str) -> list[dict]:
+def saves_of(h, req_id: str) -> list[dict[str, Any]]:
     """Every save kvshim dispatched for req_id, in step order."""
     return [
         sv

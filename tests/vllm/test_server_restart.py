@@ -24,6 +24,7 @@ from harness import (
     ModelRunner,
     SchedulerHarness,
     ServerProcess,
+    connector_output,
     kvshim_config,
     loads_of,
     make_kv_cache_config,
@@ -84,7 +85,7 @@ def test_server_killed_mid_run_is_a_miss_then_recovers(tiny_model_dir, server):
         # few steps later, but every block of the load is a load error and
         # is reported no later than the request itself is reported finished
         # (received), so vLLM never runs on the blocks and never waits forever.
-        errors = set().union(*(s.kv_connector_output.invalid_block_ids for s in steps))
+        errors = set().union(*(connector_output(s).invalid_block_ids for s in steps))
         assert errors == meta_blocks
         assert recvd(steps[-1]) and not any(recvd(s) for s in steps[:-1])
         # vLLM (kv_load_failure_policy="recompute") computes B from scratch.
@@ -98,8 +99,8 @@ def test_server_killed_mid_run_is_a_miss_then_recovers(tiny_model_dir, server):
 
         # 3. With the server down: lookups are a miss at once, saves are
         # dropped, nothing hangs.
-        assert "server_error" in h.connector.stats()
-        failed_before = r.connector.stats()["worker"]["FailedSaves"]
+        assert "server_error" in h.kvshim.stats()
+        failed_before = r.kvshim.stats()["worker"]["FailedSaves"]
         t0 = time.monotonic()
         c = h.add_request(h.make_request(prompt(23, 3 * CHUNK + 7), max_tokens=1))
         s = h.step()
@@ -108,7 +109,7 @@ def test_server_killed_mid_run_is_a_miss_then_recovers(tiny_model_dir, server):
         h.settle()
         assert time.monotonic() - t0 < 3 * TIMEOUT_MS / 1000
         h.assert_no_leaks()
-        assert r.connector.stats()["worker"]["FailedSaves"] == failed_before + 3
+        assert r.kvshim.stats()["worker"]["FailedSaves"] == failed_before + 3
 
         # 4. A new server on the same socket: the connector redials by itself.
         server.start()
@@ -123,7 +124,7 @@ def test_server_killed_mid_run_is_a_miss_then_recovers(tiny_model_dir, server):
         d = h.add_request(h.make_request(p + prompt(24, 20), max_tokens=1))
         s = run_until_scheduled(h, d)
         assert new_req_data(s, d.request_id).num_computed_tokens == 3 * CHUNK
-        assert r.check_blocks(d.prompt_token_ids, r.reqs[d.request_id].blocks[:12]) == []
+        assert r.check_blocks(d.prompt_token_ids or [], r.reqs[d.request_id].blocks[:12]) == []
         h.settle()
         h.assert_no_leaks()
         st = server_stats(h.connector)
@@ -153,7 +154,7 @@ def test_server_killed_while_saves_are_in_flight(tiny_model_dir, server):
         t0 = time.monotonic()
         h.settle(timeout_s=5)
         assert time.monotonic() - t0 < 3 * TIMEOUT_MS / 1000
-        assert any(a.request_id in (s.kv_connector_output.finished_sending or ()) for s in h.steps)
+        assert any(a.request_id in (connector_output(s).finished_sending or ()) for s in h.steps)
         h.assert_no_leaks()
     finally:
         h.close()
@@ -181,7 +182,7 @@ def test_no_server_at_all_is_a_miss(tiny_model_dir, tmp_path):
             assert h.outputs[b.request_id] == [7, 7]
         assert time.monotonic() - t0 < 3 * TIMEOUT_MS / 1000
         h.assert_no_leaks()
-        assert "server_error" in h.connector.stats()
-        assert r.connector.stats()["worker"]["FailedSaves"] == 6
+        assert "server_error" in h.kvshim.stats()
+        assert r.kvshim.stats()["worker"]["FailedSaves"] == 6
     finally:
         h.close()

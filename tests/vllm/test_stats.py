@@ -2,6 +2,8 @@
 report, and vLLM's aggregation across workers sums them. CPU tensors stand
 in for GPU memory (no GPU here)."""
 
+from typing import Any
+
 from harness import CHUNK, ModelRunner, SchedulerHarness, kvshim_config, make_kv_cache_config, prompt, wait_stat
 from kvshim.vllm import KVShimConnector, KVShimStats
 
@@ -77,7 +79,7 @@ def test_vllm_aggregates_and_logs_two_tp_workers(tiny_model_dir, monkeypatch):
     from harness import NUM_KV_HEADS
 
     engine_id = "stats-tp2"
-    kw = {"enable_prefix_caching": False, "tensor_parallel_size": 2, "engine_id": engine_id}
+    kw: dict[str, Any] = {"enable_prefix_caching": False, "tensor_parallel_size": 2, "engine_id": engine_id}
     cfgs = [kvshim_config(tiny_model_dir, rank=r, **kw) for r in range(2)]
     kvc = make_kv_cache_config(num_blocks=64, num_kv_heads=NUM_KV_HEADS // 2)
     h = SchedulerHarness(cfgs[0], kvc, runners=[ModelRunner(cfgs[r], kvc, rank=r) for r in range(2)])
@@ -115,14 +117,14 @@ def test_vllm_logs_failed_loads_per_worker_sum(tiny_model_dir, monkeypatch):
     printed sums both workers and both steps."""
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.v1.metrics.loggers import LoggingStatLogger
-    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False)
     h = SchedulerHarness(cfg)
     lines = _Lines(monkeypatch)
     stat_logger = LoggingStatLogger(cfg)
     agg = KVOutputAggregator(2)
-    workers = [
+    workers: list[list[dict[str, Any] | None]] = [
         [{"failed_loads": 1, "loaded_chunks": 2, "loaded_bytes": 200}, {"failed_loads": 2, "failed_saves": 1}],
         [{"saved_chunks": 1, "saved_bytes": 100}, None],
     ]
@@ -130,12 +132,14 @@ def test_vllm_logs_failed_loads_per_worker_sum(tiny_model_dir, monkeypatch):
         h.add_request(h.make_request(prompt(3, 2 * CHUNK), max_tokens=2))
         for step in workers:
             so = h.scheduler.schedule()
-            mros = [
+            mros: list[ModelRunnerOutput | None] = [
                 h.model_runner_output(so, kv_connector_output=KVConnectorOutput(
                     kv_connector_stats=None if d is None else KVShimConnector.build_kv_connector_stats(d)))
                 for d in step
             ]
-            res = h.finish(so, agg.aggregate(mros))
+            mro = agg.aggregate(mros)
+            assert mro is not None
+            res = h.finish(so, mro)
             stat_logger.record(scheduler_stats=_scheduler_stats(res), iteration_stats=None)
         stat_logger.log()
         got = lines.transfer()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import uuid
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,7 @@ from harness import (
 
 TP = 2
 NUM_BLOCKS = 128
-CFG_KW = {"enable_prefix_caching": False, "max_num_batched_tokens": 2 * CHUNK}
+CFG_KW: dict[str, Any] = {"enable_prefix_caching": False, "max_num_batched_tokens": 2 * CHUNK}
 
 
 class RemoteRunner:
