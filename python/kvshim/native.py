@@ -313,9 +313,7 @@ class Finished:
 
 
 class _Role:
-    """A handle opened for one role; close() (or a with-block) releases it.
-    Not shareable across threads: output of one call may be taken by
-    another's (see kvshim_take_output)."""
+    """A handle opened for one role; close() (or a with-block) releases it."""
 
     role: ClassVar[str]
 
