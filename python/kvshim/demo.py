@@ -33,7 +33,6 @@ The demo needs no vLLM (its geometry is the constants below) and, for
 from __future__ import annotations
 
 import argparse
-import ctypes
 import hashlib
 import json
 import random
@@ -42,6 +41,7 @@ import sys
 import time
 import uuid
 from array import array
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvshim import native
@@ -62,7 +62,7 @@ class Refused(Exception):
     """The demo cannot run as asked here: one line, no traceback."""
 
 
-def prefix_digests(tokens: array, blocks: int) -> list[bytes]:
+def prefix_digests(tokens: array[int], blocks: int) -> list[bytes]:
     """SHA-256 of the whole prefix up to the end of each full block."""
     h, out = hashlib.sha256(), []
     raw = tokens.tobytes()
@@ -73,11 +73,11 @@ def prefix_digests(tokens: array, blocks: int) -> list[bytes]:
     return out
 
 
-def workload(requests: int, doc_tokens: int, seed: int) -> list[array]:
+def workload(requests: int, doc_tokens: int, seed: int) -> list[array[int]]:
     """Prompts sharing a system prompt, then one of three documents, then a question."""
     rng = random.Random(seed)
 
-    def toks(n: int) -> array:
+    def toks(n: int) -> array[int]:
         return array("I", (rng.randrange(128_000) for _ in range(n)))
 
     system = toks(1024)
@@ -103,30 +103,47 @@ class Cache:
             return (LAYERS, self.num_blocks, BLOCK_TOKENS, KV_HEADS, CONTENT)
         return (self.num_blocks, LAYERS, BLOCK_TOKENS, KV_HEADS, CONTENT)
 
-    def allocate(self, n: int) -> array:
+    def allocate(self, n: int) -> array[int]:
         if n > len(self.free):
             raise MemoryError(f"demo cache has {len(self.free)} free blocks, request needs {n}")
         ids, self.free = self.free[:n], self.free[n:]
         return array("q", ids)
 
-    def release(self, ids: array) -> None:
+    def release(self, ids: array[int]) -> None:
         self.free.extend(ids)
 
-    def describe(self) -> str:
-        return json.dumps([
+    def describe(self) -> list[dict[str, Any]]:
+        """The per-layer tensors, as native.Worker.register reads them."""
+        return [
             {"layer": f"model.layers.{i}.self_attn.attn", "group": 0, "backend": "paged", "device": self.device,
              "data_ptr": ptr, "dtype_size": 2, "shape": shape, "stride_bytes": strides,
              "storage_ptr": self.storage()[0], "storage_bytes": self.storage()[1]}
             for i, (ptr, shape, strides) in enumerate(self.views())
-        ])
+        ]
 
     # Implemented by the buffers.
-    def views(self) -> list[tuple[int, list[int], list[int]]]: ...
-    def storage(self) -> tuple[int, int]: ...
-    def fill(self, digests: list[bytes], ids: list[int]) -> None: ...
-    def bad_blocks(self, digests: list[bytes], ids: list[int]) -> list[int]: ...
-    def wipe(self, ids: list[int]) -> None: ...
-    def host_buffer(self, nbytes: int) -> tuple[int, Any]: ...
+    def views(self) -> list[tuple[int, list[int], list[int]]]:
+        """Each layer's view: (address, shape, strides in bytes)."""
+        raise NotImplementedError
+
+    def storage(self) -> tuple[int, int]:
+        """The buffer: (address, bytes)."""
+        raise NotImplementedError
+
+    def fill(self, digests: Sequence[bytes], ids: Sequence[int]) -> None:
+        """Writes block ids[i] as the model computes it for prefix digests[i]."""
+        raise NotImplementedError
+
+    def bad_blocks(self, digests: Sequence[bytes], ids: Sequence[int]) -> list[int]:
+        """The indices i where block ids[i] differs from what fill wrote."""
+        raise NotImplementedError
+
+    def wipe(self, ids: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def host_buffer(self, nbytes: int) -> tuple[int, Any]:
+        """Caller memory for the engine-alone copies: (address, owner)."""
+        raise NotImplementedError
 
     def sync(self) -> None:
         """Waits for the device's queued work (the 'forward pass')."""
@@ -148,35 +165,35 @@ class NumpyCache(Cache):
         self.buf = np.zeros(self.shape(), dtype=np.uint16)  # bf16 bits
         self.pattern = np.frombuffer(PATTERN, dtype=np.uint8).reshape(-1, DIGEST)
 
-    def views(self):
+    def views(self) -> list[tuple[int, list[int], list[int]]]:
         out = []
         for i in range(LAYERS):
             v = (self.buf[i] if self.layout == "LBNHC" else self.buf[:, i]).transpose(0, 2, 1, 3)
             out.append((v.ctypes.data, list(v.shape), list(v.strides)))
         return out
 
-    def storage(self):
+    def storage(self) -> tuple[int, int]:
         return self.buf.ctypes.data, self.buf.nbytes
 
-    def _block(self, b: int):
+    def _block(self, b: int) -> Any:
         return self.buf[:, b] if self.layout == "LBNHC" else self.buf[b]  # (layers, tokens, heads, K|V)
 
-    def _expected(self, digest: bytes):
+    def _expected(self, digest: bytes) -> Any:
         x = self.pattern ^ self.np.frombuffer(digest, dtype=self.np.uint8)
         return x.view(self.np.uint16).reshape(LAYERS, BLOCK_TOKENS, KV_HEADS, CONTENT)
 
-    def fill(self, digests, ids):
+    def fill(self, digests: Sequence[bytes], ids: Sequence[int]) -> None:
         for d, b in zip(digests, ids):
             self._block(b)[...] = self._expected(d)
 
-    def bad_blocks(self, digests, ids):
+    def bad_blocks(self, digests: Sequence[bytes], ids: Sequence[int]) -> list[int]:
         return [i for i, (d, b) in enumerate(zip(digests, ids)) if not self.np.array_equal(self._block(b), self._expected(d))]
 
-    def wipe(self, ids):
+    def wipe(self, ids: Sequence[int]) -> None:
         for b in ids:
             self._block(b)[...] = 0
 
-    def host_buffer(self, nbytes):
+    def host_buffer(self, nbytes: int) -> tuple[int, Any]:
         buf = self.np.ones(nbytes, dtype=self.np.uint8)  # faulted in
         return buf.ctypes.data, buf
 
@@ -199,31 +216,31 @@ class TorchCache(Cache):
         self.bdim = 1 if layout == "LBNHC" else 0
         self.pattern = torch.frombuffer(bytearray(PATTERN), dtype=torch.uint8).to(self.dev).reshape(1, -1, DIGEST)
 
-    def views(self):
+    def views(self) -> list[tuple[int, list[int], list[int]]]:
         out = []
         for i in range(LAYERS):
             v = (self.buf[i] if self.layout == "LBNHC" else self.buf[:, i]).permute(0, 2, 1, 3)
             out.append((v.data_ptr(), list(v.shape), [s * v.element_size() for s in v.stride()]))
         return out
 
-    def storage(self):
+    def storage(self) -> tuple[int, int]:
         s = self.buf.untyped_storage()
         return s.data_ptr(), s.nbytes()
 
-    def _index(self, ids):
+    def _index(self, ids: Sequence[int]) -> Any:
         return self.torch.tensor(list(ids), dtype=self.torch.int64, device=self.dev)
 
-    def _expected(self, digests):
+    def _expected(self, digests: Sequence[bytes]) -> Any:
         """(n, layers, tokens, heads, K|V) int16: the pattern XOR each digest."""
         d = self.torch.frombuffer(bytearray(b"".join(digests)), dtype=self.torch.uint8).to(self.dev)
         x = self.pattern ^ d.reshape(-1, 1, DIGEST)
         return x.view(self.torch.int16).reshape(len(digests), LAYERS, BLOCK_TOKENS, KV_HEADS, CONTENT)
 
-    def _batches(self, digests, ids):
+    def _batches(self, digests: Sequence[bytes], ids: Sequence[int]) -> Iterator[tuple[int, Sequence[bytes], Any]]:
         for s in range(0, len(ids), BATCH):
             yield s, digests[s:s + BATCH], self._index(ids[s:s + BATCH])
 
-    def fill(self, digests, ids):
+    def fill(self, digests: Sequence[bytes], ids: Sequence[int]) -> None:
         for _, dg, idx in self._batches(digests, ids):
             exp = self._expected(dg)
             if self.layout == "LBNHC":
@@ -231,8 +248,8 @@ class TorchCache(Cache):
             else:
                 self.i16[idx] = exp
 
-    def bad_blocks(self, digests, ids):
-        bad = []
+    def bad_blocks(self, digests: Sequence[bytes], ids: Sequence[int]) -> list[int]:
+        bad: list[int] = []
         for s, dg, idx in self._batches(digests, ids):
             got = self.i16.index_select(self.bdim, idx)
             if self.layout == "LBNHC":
@@ -243,20 +260,20 @@ class TorchCache(Cache):
                 bad.extend(s + i for i in ne)
         return bad
 
-    def wipe(self, ids):
+    def wipe(self, ids: Sequence[int]) -> None:
         for _, _, idx in self._batches([b""] * len(ids), ids):
             self.i16.index_fill_(self.bdim, idx, 0)
 
-    def host_buffer(self, nbytes):
+    def host_buffer(self, nbytes: int) -> tuple[int, Any]:
         buf = self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=self.cuda)
         buf.fill_(1)  # faulted in
         return buf.data_ptr(), buf
 
-    def sync(self):
+    def sync(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize(self.dev)
 
-    def stream_event(self):
+    def stream_event(self) -> tuple[int, Any]:
         if not self.cuda:
             return 0, None
         ev = self.torch.cuda.Event()
@@ -292,47 +309,41 @@ def progress(done: int, total: int, hit: int, seen: int) -> None:
     sys.stderr.flush()
 
 
-def _ptr(a: array, ctype: Any) -> Any:
-    return ctypes.cast(a.buffer_info()[0], ctypes.POINTER(ctype))
-
-
 class Engine:
-    """The connector's calls, in vLLM's order, against two kvshim handles."""
+    """The connector's calls, in vLLM's order, against a native scheduler and
+    worker."""
 
-    def __init__(self, sched: native.Handle, worker: native.Handle, timeout_s: float) -> None:
-        self.sched, self.worker, self.lib = sched, worker, native.library()
+    def __init__(self, sched: native.Scheduler, worker: native.Worker, timeout_s: float) -> None:
+        self.sched, self.worker = sched, worker
         self.timeout_s = timeout_s
+        self.timeout_ms = int(timeout_s * 1000)
         self.sending: set[str] = set()
         self.recving: set[str] = set()
         self.error_blocks: set[int] = set()
 
-    def match(self, req: str, tokens: array) -> tuple[int, float]:
+    def match(self, req: str, tokens: array[int]) -> tuple[int, float]:
         """get_num_new_matched_tokens until the lookup is final; returns the
         tokens to load and the lookup's latency in µs."""
-        out = ctypes.c_int64()
         t0 = time.perf_counter()
         while True:
-            self.sched.check(self.lib.kvshim_sched_match(
-                self.sched.value, req.encode(), _ptr(tokens, ctypes.c_uint32), len(tokens), None, 0, ctypes.byref(out)))
-            if out.value >= 0:
-                return out.value, (time.perf_counter() - t0) * 1e6
+            n = self.sched.match(req, tokens)
+            if n is not None:
+                return n, (time.perf_counter() - t0) * 1e6
             time.sleep(20e-6)  # vLLM would ask again next step
 
-    def step(self, requests: list[dict], saves: bool, event: int = 0) -> None:
+    def step(self, requests: list[native.StepRequest], saves: bool, event: int = 0) -> None:
         """build_connector_meta, then the worker's bind, start_load_kv and wait_for_save."""
-        meta = self.sched.output("kvshim_sched_build_meta", json.dumps({"requests": requests}).encode())
-        buf = ctypes.create_string_buffer(meta, len(meta))
-        self.worker.check(self.lib.kvshim_worker_bind(self.worker.value, buf, len(meta), int(self.timeout_s * 1000)))
-        self.worker.check(self.lib.kvshim_worker_start_loads(self.worker.value))
+        self.worker.bind(self.sched.build_meta({"requests": requests}), self.timeout_ms)
+        self.worker.start_loads()
         if saves:
-            self.worker.check(self.lib.kvshim_worker_start_saves(self.worker.value, event))
+            self.worker.start_saves(event)
 
     def poll(self) -> None:
         """get_finished + get_block_ids_with_load_errors."""
-        p = json.loads(self.worker.output("kvshim_worker_poll"))
-        self.sending.update(p["sending"] or ())
-        self.recving.update(p["recving"] or ())
-        self.error_blocks.update(p["error_blocks"] or ())
+        done = self.worker.poll()
+        self.sending.update(done.sending)
+        self.recving.update(done.recving)
+        self.error_blocks.update(done.error_blocks)
 
     def wait(self, req: str, done: set[str], steps: bool) -> None:
         """Polls until req is in done. steps: vLLM keeps stepping (finished
@@ -353,10 +364,10 @@ class Engine:
                 time.sleep(50e-6)
         done.discard(req)
 
-    def stats(self) -> dict[str, Any]:
-        return json.loads(self.worker.output("kvshim_stats"))["worker"]
+    def stats(self) -> dict[str, int]:
+        return self.worker.stats().counters
 
-    def settled_saves(self, before: dict[str, Any], chunks: int, timeout_s: float = 10.0) -> dict[str, Any]:
+    def settled_saves(self, before: dict[str, int], chunks: int, timeout_s: float = 10.0) -> dict[str, int]:
         """Worker stats once `chunks` more saves are accounted for (saved,
         skipped or failed), or after timeout_s."""
         deadline = time.monotonic() + timeout_s
@@ -367,17 +378,9 @@ class Engine:
                 return s
             time.sleep(1e-3)
 
-    def engine_copy(self, direction: int, objects: int, stride: int, ids: list[int]) -> float:
+    def engine_copy(self, direction: native.Direction, objects: int, stride: int, ids: list[int]) -> float:
         """The worker's copy engine alone on these blocks; seconds."""
-        a = array("q", ids)
-        ns = ctypes.c_uint64()
-        self.worker.check(self.lib.kvshim_worker_engine_copy(
-            self.worker.value, direction, objects, stride, _ptr(a, ctypes.c_int64), len(a), int(self.timeout_s * 1000),
-            ctypes.byref(ns)))
-        return ns.value / 1e9
-
-
-SAVE, LOAD = 1, 2
+        return self.worker.engine_copy(direction, objects, stride, ids, self.timeout_ms)
 
 
 def phase_counters(stats: dict[str, Any]) -> dict[str, float]:
@@ -400,7 +403,7 @@ def open_device(device: str, tensors: str) -> tuple[str, str]:
     if device == "cpu":
         if tensors == "torch":
             try:
-                import torch  # noqa: F401
+                import torch
             except ImportError as e:
                 raise Refused(f"--tensors torch needs PyTorch: import torch failed ({e})") from None
         return device, tensors or "numpy"
@@ -460,6 +463,7 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
     cache: Cache = TorchCache(args.layout, 2 * max_blocks, device) if tensors == "torch" else NumpyCache(args.layout, 2 * max_blocks)
     raw_h2d = raw_d2h = 0.0
     if cuda:
+        assert isinstance(cache, TorchCache)  # open_device: CUDA is torch's
         raw_h2d, raw_d2h = raw_copies(cache.torch, cache.dev, int(args.raw_copy_gib * 2**30))
     objects, objects_keep = cache.host_buffer((max_blocks // cb + 1) * stride)
 
@@ -469,7 +473,7 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
     engine_id = f"demo-{uuid.uuid4().hex[:12]}"
     common = {"server": "embedded", "engine_id": engine_id, "namespace": namespace, "timeout_ms": 10_000,
               **({"trace_dir": args.trace_dir} if args.trace_dir else {})}
-    sched_cfg = {**common, "role": "scheduler", "block_size": BLOCK_TOKENS, "l1_size_gb": l1_size_gb}
+    sched_cfg = {**common, "block_size": BLOCK_TOKENS, "l1_size_gb": l1_size_gb}
 
     hit_tokens = restored_bytes = seen = saved_bytes = engine_save_bytes = engine_restore_bytes = 0
     restore_s = engine_restore_s = save_s = engine_save_s = save_warm_s = 0.0
@@ -480,9 +484,9 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
     lookup_hit_us = 0.0
     library_phases: dict[str, float] = {}
     verified = engine_verified = True
-    worker_cfg = {**common, "role": "worker", "rank": 0, **({"verify": args.verify} if args.verify else {})}
-    with native.Handle(json.dumps(sched_cfg)) as sched, native.Handle(json.dumps(worker_cfg)) as worker:
-        worker.check(native.library().kvshim_worker_register(worker.value, cache.describe().encode()))
+    worker_cfg = {**common, "rank": 0, **({"verify": args.verify} if args.verify else {})}
+    with native.Scheduler(sched_cfg) as sched, native.Worker(worker_cfg) as worker:
+        worker.register(cache.describe())
         eng = Engine(sched, worker, timeout_s=30.0)
         for n, tokens in enumerate(prompts):
             req = f"req-{n}"
@@ -491,8 +495,7 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
             load, us = eng.match(req, tokens)
             lookup_us.append(us)
             blocks = cache.allocate(-(-len(tokens) // BLOCK_TOKENS))
-            sched.check(native.library().kvshim_sched_after_alloc(
-                sched.value, req.encode(), _ptr(blocks, ctypes.c_int64), len(blocks), -1, load))
+            sched.after_alloc(req, blocks, load)
             if load:
                 before = phase_counters(eng.stats())
                 t0 = time.perf_counter()
@@ -517,10 +520,10 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
                 # The same chunks, the engine alone: save them to caller
                 # memory, wipe the blocks, restore them, verify again.
                 chunk_ids = list(blocks[:-(-loaded // cb) * cb])
-                eng.engine_copy(SAVE, objects, stride, chunk_ids)
+                eng.engine_copy(native.Direction.SAVE, objects, stride, chunk_ids)
                 cache.wipe(chunk_ids)
                 cache.sync()
-                edt = eng.engine_copy(LOAD, objects, stride, chunk_ids)
+                edt = eng.engine_copy(native.Direction.LOAD, objects, stride, chunk_ids)
                 engine_restore_s += edt
                 engine_restore_bytes += len(chunk_ids) * BLOCK_BYTES
                 if len(chunk_ids) == loaded:
@@ -539,9 +542,7 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
             eng.step([{"req": req, "blocks": list(blocks), "computed": load, "scheduled": len(tokens) - load}],
                      saves=True, event=event)
             del keep
-            delay = ctypes.c_int()
-            sched.check(native.library().kvshim_sched_finished(sched.value, req.encode(), ctypes.byref(delay)))
-            if delay.value:
+            if sched.finished(req):
                 eng.wait(req, eng.sending, steps=True)  # the blocks are freed only after the saves read them
                 dt = time.perf_counter() - t0
                 # COMMIT may follow the release of the blocks: count what
@@ -558,17 +559,17 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
                         save_warm_bytes += nbytes
                 # The same new chunks saved by the engine alone.
                 if new_chunks:
-                    engine_save_s += eng.engine_copy(SAVE, objects, stride, new_chunks)
+                    engine_save_s += eng.engine_copy(native.Direction.SAVE, objects, stride, new_chunks)
                     engine_save_bytes += len(new_chunks) * BLOCK_BYTES
             cache.release(blocks)
             seen += len(tokens)
             progress(n + 1, len(prompts), hit_tokens, seen)
-        stats = json.loads(sched.output("kvshim_stats"))
+        stats = sched.stats()
         wstats = eng.stats()
     del objects_keep
 
     total_tokens = sum(len(p) for p in prompts)
-    server = stats.get("server", {})
+    server = stats.server or {}
     restore_gbps = gbps(restored_bytes, restore_s)
     engine_restore_gbps = gbps(engine_restore_bytes, engine_restore_s)
     save_gbps = gbps(saved_bytes, save_s)
