@@ -264,6 +264,10 @@ class StepRequest(TypedDict, total=False):
     req: str
     blocks: list[int]
     new_blocks: list[int]
+    group_blocks: list[list[int]]  # groups 1, 2, ...: as blocks (hybrid models)
+    new_group_blocks: list[list[int]]  # groups 1, 2, ...: as new_blocks
+    tokens: list[int]  # a decoding request's token ids from tokens_from to a chunk boundary (saved as it runs)
+    tokens_from: int
     computed: int
     scheduled: int
 

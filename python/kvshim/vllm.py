@@ -17,7 +17,6 @@ forked its worker processes.
 from __future__ import annotations
 
 import array
-import ctypes
 import json
 import logging
 import uuid
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-
+import numpy.typing as npt
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -37,15 +36,15 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
 
 from kvshim import native
-from kvshim.errors import InvalidArgumentError, KVShimError
+from kvshim.errors import KVShimError
 
 if TYPE_CHECKING:
     import torch
-
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -60,14 +59,14 @@ CONFIG_KEYS: dict[str, tuple[Any, str]] = {
     "kvshim.hold_ttl_s": (1800.0, "embedded server: last-resort release of holds a live client forgot"),
     "kvshim.model": (None, "model identity in the namespace (default: the model name and revision)"),
     "kvshim.l2_adapters": ([], 'embedded server: L2 adapters, each like `kvshim serve --l2-adapter` ({"type": "fs", "base_path": ...})'),
-    "kvshim.verify": ("l2", 'payload checksums: "l2" (checked where bytes enter from L2, never re-read on an L1 restore), '
-                      '"always" (also computed at every save and checked at every load) or "off" (unsafe with L2)'),
-    "kvshim.kv_cache_layout": (None, 'KV cache layout to ask vLLM for: "BLNHC" or "BLHNC" put all layers of a block side by '
-                               "side, so a chunk is copied as one span per block (default: vLLM's choice)"),
-    "kvshim.trace_dir": (None, "directory for lifecycle traces (Arrow IPC files, `kvshim trace DIR` reads them) of the "
-                         "workers and the embedded server (default: off)"),
-    "kvshim.metrics_port": (0, "embedded server: serve Prometheus metrics and /healthz at http://127.0.0.1:PORT "
-                            "(0: off), as `kvshim serve --metrics-port`"),
+    "kvshim.verify": ("l2", ('payload checksums: "l2" (checked where bytes enter from L2, never re-read on an L1 restore), '
+                             '"always" (also computed at every save and checked at every load) or "off" (unsafe with L2)')),
+    "kvshim.kv_cache_layout": (None, ('KV cache layout to ask vLLM for: "BLNHC" or "BLHNC" put all layers of a block side by '
+                                      "side, so a chunk is copied as one span per block (default: vLLM's choice)")),
+    "kvshim.trace_dir": (None, ("directory for lifecycle traces (Arrow IPC files, `kvshim trace DIR` reads them) of the "
+                                "workers and the embedded server (default: off)")),
+    "kvshim.metrics_port": (0, ("embedded server: serve Prometheus metrics and /healthz at http://127.0.0.1:PORT "
+                                "(0: off), as `kvshim serve --metrics-port`")),
 }
 
 KV_CACHE_LAYOUTS = tuple(m.name for m in KVCacheLayout)
@@ -479,7 +478,7 @@ if array.array("I").itemsize != 4 or array.array("q").itemsize != 8:  # pragma: 
     raise ImportError("kvshim needs array('I') of 4 bytes and array('q') of 8")
 
 
-def _u32(tokens: Any) -> np.ndarray:
+def _u32(tokens: Any) -> npt.NDArray[np.uint32]:
     """Token ids as a contiguous uint32 array: what Go reads (a pointer and a
     length, no copy on its side).
 
@@ -514,10 +513,10 @@ def _u32(tokens: Any) -> np.ndarray:
         raise ValueError(f"token ids must be one-dimensional, got shape {a.shape}")
     if a.dtype.kind not in "iu":
         raise TypeError(f"token ids must be integers, got an array of {a.dtype}")
-    if a.dtype != np.uint32 and a.size and (a.dtype.kind == "i" or a.dtype.itemsize > 4):
-        if int(a.min()) < 0 or int(a.max()) > _U32_MAX:
-            (i, *_) = np.flatnonzero((a < 0) | (a > _U32_MAX))
-            raise ValueError(f"token id {int(a[i])} at position {i} is outside [0, 2**32)")
+    wider = a.dtype != np.uint32 and a.size and (a.dtype.kind == "i" or a.dtype.itemsize > 4)
+    if wider and (int(a.min()) < 0 or int(a.max()) > _U32_MAX):
+        (i, *_) = np.flatnonzero((a < 0) | (a > _U32_MAX))
+        raise ValueError(f"token id {int(a[i])} at position {i} is outside [0, 2**32)")
     return np.ascontiguousarray(a, dtype=np.uint32)
 
 
@@ -534,7 +533,7 @@ def _bad_token(tokens: list[Any], cause: Exception) -> Exception:
     return ValueError(f"token ids are not uint32: {cause}")
 
 
-def _i64(ids: Any) -> np.ndarray:
+def _i64(ids: Any) -> npt.NDArray[np.int64]:
     """Block ids as a contiguous int64 array (a list: packed by array('q'),
     about 10 % faster than numpy at 1K-8K ids)."""
     if isinstance(ids, (list, tuple)):
@@ -542,86 +541,52 @@ def _i64(ids: Any) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(ids, dtype=np.int64))
 
 
-def _ptr(a: np.ndarray, ctype: type) -> Any:
-    return a.ctypes.data_as(ctypes.POINTER(ctype))
-
-
-class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
-    """vLLM's connector API on top of libkvshim.so (see the module doc).
-
-    SupportsHMA: vLLM's hybrid KV-cache manager stays on (models with sliding
-    windows or chunked local attention keep their smaller KV caches); every
-    KV-cache group is saved and restored by its own protocol
-    (shim/groups.go)."""
-
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
-        super().__init__(vllm_config, role, kv_cache_config)
-        tc = vllm_config.kv_transfer_config
-        self._cfg = read_config(dict(tc.kv_connector_extra_config or {}))
-        self._timeout_ms = int(self._cfg["kvshim.timeout_ms"])
-        open_cfg = {
-            "server": self._cfg["kvshim.server"],
-            "engine_id": str(tc.engine_id),
-            "instance": str(uuid.uuid4()),
-            "namespace": _namespace(vllm_config, kv_cache_config, self._cfg),
-            "timeout_ms": self._timeout_ms,
-            **({} if self._cfg["kvshim.trace_dir"] is None else {"trace_dir": self._cfg["kvshim.trace_dir"]}),
+def _open_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, cfg: dict[str, Any],
+                 role: KVConnectorRole) -> dict[str, Any]:
+    """What native.Scheduler / native.Worker are opened with: the same server,
+    engine and namespace in every role, and each role's own settings."""
+    tc = vllm_config.kv_transfer_config
+    assert tc is not None  # vLLM builds connectors only from a kv_transfer_config
+    common = {
+        "server": cfg["kvshim.server"],
+        "engine_id": str(tc.engine_id),
+        "instance": str(uuid.uuid4()),
+        "namespace": _namespace(vllm_config, kv_cache_config, cfg),
+        "timeout_ms": int(cfg["kvshim.timeout_ms"]),
+        **({} if cfg["kvshim.trace_dir"] is None else {"trace_dir": cfg["kvshim.trace_dir"]}),
+    }
+    if role == KVConnectorRole.SCHEDULER:
+        return common | {
+            # The scheduler's block: DCP ranks each hold a slice of it.
+            "block_size": vllm_config.cache_config.block_size * common["namespace"]["dcp_size"],
+            "l1_size_gb": float(cfg["kvshim.l1_size_gb"]),
+            **({} if cfg["kvshim.l1_prefault_gb"] is None else {"l1_prefault_gb": cfg["kvshim.l1_prefault_gb"]}),
+            "hold_ttl_s": float(cfg["kvshim.hold_ttl_s"]),
+            "l2_adapters": [a if isinstance(a, str) else json.dumps(a) for a in cfg["kvshim.l2_adapters"]],
+            "metrics_port": int(cfg["kvshim.metrics_port"]),
         }
-        if role == KVConnectorRole.SCHEDULER:
-            open_cfg |= {
-                "role": "scheduler",
-                # The scheduler's block: DCP ranks each hold a slice of it.
-                "block_size": vllm_config.cache_config.block_size * open_cfg["namespace"]["dcp_size"],
-                "l1_size_gb": float(self._cfg["kvshim.l1_size_gb"]),
-                **({} if self._cfg["kvshim.l1_prefault_gb"] is None else {"l1_prefault_gb": self._cfg["kvshim.l1_prefault_gb"]}),
-                "hold_ttl_s": float(self._cfg["kvshim.hold_ttl_s"]),
-                "l2_adapters": [a if isinstance(a, str) else json.dumps(a) for a in self._cfg["kvshim.l2_adapters"]],
-                "metrics_port": int(self._cfg["kvshim.metrics_port"]),
-            }
-        else:
-            open_cfg |= {"role": "worker", "rank": int(vllm_config.parallel_config.rank),
-                         "verify": str(self._cfg["kvshim.verify"])}
-        # The first native call of this process: after vLLM's fork.
-        self._h = native.Handle(json.dumps(open_cfg))
-        self._lib = native.library()
-        # One line that says kvshim is active, and with what.
-        logger.info(
-            "kvshim %s active: role=%s server=%s chunk_size=%d verify=%s%s",
-            native.version(), open_cfg["role"], self._cfg["kvshim.server"], int(self._cfg["kvshim.chunk_size"]),
-            self._cfg["kvshim.verify"],
-            f" l1_size_gb={self._cfg['kvshim.l1_size_gb']:g} l2_adapters={len(self._cfg['kvshim.l2_adapters'])}"
-            f" kv_cache_layout={open_cfg['namespace'].get('layout', '?')[:120]}" if open_cfg["role"] == "scheduler" else
-            f" rank={open_cfg.get('rank')}",
-        )
-        self._tokens: dict[str, np.ndarray] = {}
-        # scheduler: rid -> [request, tokens Go keyed (a chunk boundary), num_preemptions when keyed]
+    return common | {"rank": int(vllm_config.parallel_config.rank), "verify": str(cfg["kvshim.verify"])}
+
+
+class KVShimScheduler:
+    """The scheduler side of the connector (vLLM's scheduler process, one per
+    engine): vLLM's requests as the native scheduler's arguments."""
+
+    def __init__(self, sched: native.Scheduler, chunk_size: int) -> None:
+        self.native = sched
+        self._chunk = chunk_size
+        self._tokens: dict[str, npt.NDArray[np.uint32]] = {}  # request -> its prompt as uint32, converted once
+        # rid -> [request, tokens Go keyed (a chunk boundary), num_preemptions when keyed]
         self._decoding: dict[str, list[Any]] = {}
-        self._bound: KVShimMetadata | None = None
-        self._load_errors: set[int] = set()
-        self._reported: dict[str, int] = {}  # worker counters already in a stats report
-        self._hits = {"hit_tokens": 0, "hit_requests": 0}  # scheduler: since the last stats report
+        self._hits = {"hit_tokens": 0, "hit_requests": 0}  # since the last stats report
         self._match_errors = 0
-        self._chunk = int(self._cfg["kvshim.chunk_size"])
-        self._delay_freed: set[str] = set()  # scheduler: finished, blocks kept until finished_sending
-
-    @property
-    def requires_kv_delivery(self) -> bool:
-        # A best-effort cache: a dropped save is a future miss.
-        return False
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        # A wish: vLLM drops it, with a warning, if a backend cannot use it.
-        tc = vllm_config.kv_transfer_config
-        return read_config(dict(tc.kv_connector_extra_config or {}) if tc else {})["kvshim.kv_cache_layout"]
-
-    # ---------------------------------------------------------------- scheduler
+        self._delay_freed: set[str] = set()  # finished, blocks kept until finished_sending
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         tokens = self._tokens.get(rid)
         dec = self._decoding.get(rid)
-        if tokens is None or dec is not None and dec[2] != request.num_preemptions:
+        if tokens is None or (dec is not None and dec[2] != request.num_preemptions):
             # Once per request, and once more each time it is resumed after a
             # preemption: vLLM asks again while a lookup is pending. A resumed
             # request is looked up over all its tokens, prompt and generated:
@@ -635,16 +600,13 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
             self._tokens[rid] = tokens
             if not embeds:
                 self._decoding[rid] = [request, len(tokens) // self._chunk * self._chunk, request.num_preemptions]
-        out = ctypes.c_int64()
         try:
-            self._h.check(self._lib.kvshim_sched_match(
-                self._h.value, rid.encode(), _ptr(tokens, ctypes.c_uint32), len(tokens),
-                _extras(request), num_computed_tokens, ctypes.byref(out)))
+            n = self.native.match(rid, tokens, _extras(request), num_computed_tokens)
         except KVShimError as e:
             return self._miss(rid, e)
-        if out.value < 0:
+        if n is None:
             return None, False  # pending: vLLM asks again next step
-        return out.value, out.value > 0
+        return n, n > 0
 
     @staticmethod
     def _lookup_ids(request: Request) -> Any:
@@ -666,34 +628,40 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens > 0:
             self._hits["hit_tokens"] += num_external_tokens
             self._hits["hit_requests"] += 1
-        ids = _i64(_flat_groups(blocks.get_block_ids()))
-        # -1: Go uses the local prefix-cache hit it was given in get_num_new_matched_tokens.
-        self._h.check(self._lib.kvshim_sched_after_alloc(
-            self._h.value, request.request_id.encode(), _ptr(ids, ctypes.c_int64), len(ids), -1, num_external_tokens))
+        # num_computed left out: Go uses the local prefix-cache hit it was given at the match.
+        self.native.after_alloc(request.request_id, _i64(_flat_groups(blocks.get_block_ids())), num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVShimMetadata:
         sched = scheduler_output.num_scheduled_tokens
-        reqs = [
-            {"req": r.req_id, "blocks": list(r.block_ids[0]), "computed": r.num_computed_tokens,
-             "scheduled": sched.get(r.req_id, 0), **_more_groups("group_blocks", r.block_ids)}
-            for r in scheduler_output.scheduled_new_reqs
-        ]
+        reqs: list[native.StepRequest] = []
+        for r in scheduler_output.scheduled_new_reqs:
+            entry: native.StepRequest = {"req": r.req_id, "blocks": list(r.block_ids[0]), "computed": r.num_computed_tokens,
+                                         "scheduled": sched.get(r.req_id, 0)}
+            if len(r.block_ids) > 1:
+                entry["group_blocks"] = _more_groups(r.block_ids)
+            reqs.append(entry)
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
             new = cached.new_block_ids[i]
             ids = list(new[0]) if new is not None else []
             entry = {"req": rid, "computed": cached.num_computed_tokens[i], "scheduled": sched.get(rid, 0)}
-            entry["blocks" if rid in resumed else "new_blocks"] = ids
-            if rid not in resumed and rid in self._decoding:
-                self._decoded_chunks(rid, entry)
-            if new is not None:
-                entry |= _more_groups("group_blocks" if rid in resumed else "new_group_blocks", new)
+            more = _more_groups(new) if new is not None and len(new) > 1 else None
+            if rid in resumed:
+                entry["blocks"] = ids
+                if more is not None:
+                    entry["group_blocks"] = more
+            else:
+                entry["new_blocks"] = ids
+                if more is not None:
+                    entry["new_group_blocks"] = more
+                if rid in self._decoding:
+                    self._decoded_chunks(rid, entry)
             reqs.append(entry)
-        step = {"requests": reqs, "preempted": sorted(scheduler_output.preempted_req_ids or ())}
-        return KVShimMetadata(self._h.output("kvshim_sched_build_meta", json.dumps(step).encode()))
+        step: native.Step = {"requests": reqs, "preempted": sorted(scheduler_output.preempted_req_ids or ())}
+        return KVShimMetadata(self.native.build_meta(step))
 
-    def _decoded_chunks(self, rid: str, entry: dict[str, Any]) -> None:
+    def _decoded_chunks(self, rid: str, entry: native.StepRequest) -> None:
         """A running request whose KV crossed a chunk boundary since Go
         keyed its tokens: its token ids up to the last boundary go with its
         step entry (Go keys and saves the new full chunks). Only tokens
@@ -720,25 +688,25 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         # preempting a running request (Scheduler.schedule).
         return bool(self._delay_freed)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._delay_freed.difference_update(connector_output.finished_sending or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        delay, params = self._request_finished(request, block_ids)
+        delay = self._finish(request, block_ids)
         if delay:
             self._delay_freed.add(request.request_id)
-        return delay, params
+        return delay, None
 
-    def _request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def _finish(self, request: Request, block_ids: list[int]) -> bool:
+        """Tells the native scheduler the request finished; whether vLLM
+        must keep its blocks until finished_sending."""
         rid = request.request_id
         prompt = self._tokens.pop(rid, None)
         self._decoding.pop(rid, None)
-        delay = ctypes.c_int()
         if prompt is None or request.status not in _SAVED_AT_FINISH or getattr(request, "prompt_embeds", None) is not None:
             # Never looked up, aborted (or failed), or a prompt of embeddings
             # (its token ids are placeholders): nothing new is saved.
-            self._h.check(self._lib.kvshim_sched_finished(self._h.value, rid.encode(), ctypes.byref(delay)))
-            return bool(delay.value), None
+            return self.native.finished(rid)
         # Every full chunk the request computed, prompt and generated alike,
         # is saved (the next turn of a conversation hits its answer too).
         # Go needs the token ids only from the prompt's last full chunk on
@@ -748,43 +716,58 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         # basis); the last sampled token has none yet, rejected draft tokens
         # are already rolled back.
         first = len(prompt) // self._chunk * self._chunk
-        tokens = _u32(request.all_token_ids[first:])
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
-        ids = _i64(block_ids)
-        rc = self._lib.kvshim_sched_finished_tokens(
-            self._h.value, rid.encode(), _ptr(tokens, ctypes.c_uint32), len(tokens), first, computed,
-            _ptr(ids, ctypes.c_int64), len(ids), ctypes.byref(delay))
-        try:
-            self._h.check(rc)
-        except InvalidArgumentError as e:
-            # The request is finished either way (delay is set): tokens that
-            # do not fit it skip the save, never an error in vLLM's scheduler.
-            logger.warning("kvshim: the computed chunks of request %s are not saved: %s", rid, e)
-        return bool(delay.value), None
+        done = self.native.finished_tokens(rid, _u32(request.all_token_ids[first:]), first, computed, _i64(block_ids))
+        if done.not_saved is not None:
+            # The request is finished either way: tokens that do not fit it
+            # skip the save, never an error in vLLM's scheduler.
+            logger.warning("kvshim: the computed chunks of request %s are not saved: %s", rid, done.not_saved)
+        return done.delay
 
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        # SupportsHMA: every KV-cache group's blocks (vLLM 0.33 calls this
-        # instead of request_finished, scheduler.py _connector_finished).
-        return self.request_finished(request, _flat_groups(block_ids))
+    def get_stats(self) -> KVShimStats | None:
+        """The scheduler's part of the stats: vLLM calls this after every
+        step's update_from_output and adds it to the workers' stats."""
+        hits, self._hits = self._hits, {"hit_tokens": 0, "hit_requests": 0}
+        st = KVShimStats(data=hits)
+        return None if st.is_empty() else st
 
-    # ------------------------------------------------------------------- worker
+    def stats(self) -> native.SchedulerStats:
+        return self.native.stats()
+
+    def shutdown(self) -> None:
+        self.native.close()
+
+
+class KVShimWorker:
+    """The worker side of the connector (one per rank): vLLM's KV tensors,
+    step metadata and stream as the native worker's arguments."""
+
+    def __init__(self, worker: native.Worker, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+                 timeout_ms: int) -> None:
+        self.native = worker
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._timeout_ms = timeout_ms
+        self._bound: KVShimMetadata | None = None
+        self._load_errors: set[int] = set()
+        self._reported: dict[str, int] = {}  # counters already in a stats report
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        group_of, block_of = {}, {}
+        group_of: dict[str, int] = {}
+        block_of: dict[str, int | None] = {}
         if self._kv_cache_config is not None:
-            for g, grp in enumerate(self._kv_cache_config.kv_cache_groups):
-                group_of |= {name: g for name in grp.layer_names}
-                block_of |= {name: getattr(grp.kv_cache_spec, "block_size", None) for name in grp.layer_names}
-        descs, seen = [], set()
+            for i, grp in enumerate(self._kv_cache_config.kv_cache_groups):
+                group_of |= dict.fromkeys(grp.layer_names, i)
+                block_of |= dict.fromkeys(grp.layer_names, getattr(grp.kv_cache_spec, "block_size", None))
+        descs: list[dict[str, Any]] = []
+        seen: set[tuple[int | None, int]] = set()
         # Layers of a group first: with several KV-cache groups, the i-th
         # layers of all groups view one tensor (vLLM's hybrid allocator),
         # and each group copies its blocks through its own layers. A layer
         # in no group reads another's KV (KV sharing): copied once, with it.
         for name, t in sorted(kv_caches.items(), key=lambda kv: kv[0] not in group_of):
             g = group_of.get(name)
-            if (g, t.data_ptr()) in seen or g is None and any(p == t.data_ptr() for _, p in seen):
+            if (g, t.data_ptr()) in seen or (g is None and any(p == t.data_ptr() for _, p in seen)):
                 continue  # layers that share one KV tensor (KV sharing) are copied once
             seen.add((g, t.data_ptr()))
             block_size = block_of.get(name) or self._vllm_config.cache_config.block_size
@@ -792,39 +775,22 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
                 descs.append(_kernel_split_desc(name, t, block_size, g or 0))
             else:
                 descs.append(_tensor_desc(name, t, g or 0))
-        self._h.check(self._lib.kvshim_worker_register(self._h.value, json.dumps(descs).encode()))
+        self.native.register(descs)
 
-    def _bind(self, meta: KVConnectorMetadata) -> None:
+    def bind(self, meta: KVConnectorMetadata) -> None:
+        """Binds a step's metadata once (handle_preemptions and
+        bind_connector_metadata both pass it)."""
         if meta is self._bound or not isinstance(meta, KVShimMetadata):
             return
-        buf = ctypes.create_string_buffer(meta.data, len(meta.data))
-        self._h.check(self._lib.kvshim_worker_bind(self._h.value, buf, len(meta.data), self._timeout_ms))
+        self.native.bind(meta.data, self._timeout_ms)
         self._bound = meta
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # Waits for the copies of preempted requests before vLLM reuses their blocks.
-        self._bind(kv_connector_metadata)
-
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        self._bind(connector_metadata)
-
-    def clear_connector_metadata(self) -> None:
-        super().clear_connector_metadata()
+    def clear(self) -> None:
         self._bound = None
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self) -> None:
         if self._bound is not None:
-            self._h.check(self._lib.kvshim_worker_start_loads(self._h.value))
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous: vLLM schedules a request only after
-        # get_finished reported its load, so no layer waits here.
-        return None
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        # Saves are submitted once per step, in wait_for_save.
-        return None
+            self.native.start_loads()
 
     def wait_for_save(self) -> None:
         if self._bound is None:
@@ -832,8 +798,7 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         # The event only has to live through the call: the library enqueues
         # the save stream's wait on it before returning.
         ev = self._stream_event()
-        handle = int(ev.cuda_event) if ev is not None else 0
-        self._h.check(self._lib.kvshim_worker_start_saves(self._h.value, handle))
+        self.native.start_saves(int(ev.cuda_event) if ev is not None else 0)
 
     def _stream_event(self) -> Any:
         """A torch.cuda.Event recorded on vLLM's current stream after the
@@ -849,38 +814,167 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         ev.record()
         return ev
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        p = json.loads(self._h.output("kvshim_worker_poll"))
-        self._load_errors.update(p["error_blocks"] or ())
-        return set(p["sending"] or ()) or None, set(p["recving"] or ()) or None
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        done = self.native.poll()
+        self._load_errors.update(done.error_blocks)
+        return set(done.sending) or None, set(done.recving) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
         return errs
 
-    def stats(self) -> dict[str, Any]:
-        """The connector's counters (and the server's, scheduler side)."""
-        return json.loads(self._h.output("kvshim_stats"))
-
-    def get_kv_connector_stats(self) -> KVShimStats | None:
-        if self.role != KVConnectorRole.WORKER:
-            # The scheduler's part: vLLM calls this after every step's
-            # update_from_output and adds it to the workers' stats.
-            hits, self._hits = self._hits, {"hit_tokens": 0, "hit_requests": 0}
-            st = KVShimStats(data=hits)
-            return None if st.is_empty() else st
-        now = self.stats()["worker"]
+    def get_stats(self) -> KVShimStats | None:
+        """The counters since the last report, as metric names."""
+        now = self.native.stats().counters
         delta = {_snake(k): v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         st = KVShimStats(data=delta)
         return None if st.is_empty() else st
+
+    def stats(self) -> native.WorkerStats:
+        return self.native.stats()
+
+    def shutdown(self) -> None:
+        self.native.close()
+
+
+class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's connector API on top of libkvshim.so (see the module doc): each
+    call goes to the object of this connector's role, connector_scheduler or
+    connector_worker (as vLLM's OffloadingConnector does).
+
+    SupportsHMA: vLLM's hybrid KV-cache manager stays on (models with sliding
+    windows or chunked local attention keep their smaller KV caches); every
+    KV-cache group is saved and restored by its own protocol
+    (shim/groups.go)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]  # vLLM passes None in tests of its own
+        tc = vllm_config.kv_transfer_config
+        cfg = read_config(dict(tc.kv_connector_extra_config or {}) if tc else {})
+        open_cfg = _open_config(vllm_config, kv_cache_config, cfg, role)
+        self.connector_scheduler: KVShimScheduler | None = None
+        self.connector_worker: KVShimWorker | None = None
+        # The first native call of this process: after vLLM's fork.
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KVShimScheduler(native.Scheduler(open_cfg), int(cfg["kvshim.chunk_size"]))
+            detail = (f" l1_size_gb={cfg['kvshim.l1_size_gb']:g} l2_adapters={len(cfg['kvshim.l2_adapters'])}"
+                      f" kv_cache_layout={open_cfg['namespace'].get('layout', '?')[:120]}")
+        else:
+            self.connector_worker = KVShimWorker(native.Worker(open_cfg), vllm_config, kv_cache_config,
+                                                 int(cfg["kvshim.timeout_ms"]))
+            detail = f" rank={open_cfg['rank']}"
+        # One line that says kvshim is active, and with what.
+        logger.info("kvshim %s active: role=%s server=%s chunk_size=%d verify=%s%s", native.version(),
+                    "scheduler" if self.connector_scheduler else "worker", cfg["kvshim.server"],
+                    int(cfg["kvshim.chunk_size"]), cfg["kvshim.verify"], detail)
+
+    @property
+    def scheduler(self) -> KVShimScheduler:
+        """The scheduler side; an error in a worker-role connector."""
+        if self.connector_scheduler is None:
+            raise RuntimeError(f"a scheduler-side call on a {self.role.name} connector")
+        return self.connector_scheduler
+
+    @property
+    def worker(self) -> KVShimWorker:
+        """The worker side; an error in a scheduler-role connector."""
+        if self.connector_worker is None:
+            raise RuntimeError(f"a worker-side call on a {self.role.name} connector")
+        return self.connector_worker
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped save is a future miss.
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # A wish: vLLM drops it, with a warning, if a backend cannot use it.
+        tc = vllm_config.kv_transfer_config
+        layout: str | None = read_config(dict(tc.kv_connector_extra_config or {}) if tc else {})["kvshim.kv_cache_layout"]
+        return layout
+
+    # ---------------------------------------------------------------- scheduler
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler.has_pending_block_frees()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # SupportsHMA: every KV-cache group's blocks (vLLM 0.33 calls this
+        # instead of request_finished, scheduler.py _connector_finished).
+        return self.scheduler.request_finished(request, _flat_groups(block_ids))
+
+    # ------------------------------------------------------------------- worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Waits for the copies of preempted requests before vLLM reuses their blocks.
+        self.worker.bind(kv_connector_metadata)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.worker.clear()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: vLLM schedules a request only after
+        # get_finished reported its load, so no layer waits here.
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        # Saves are submitted once per step, in wait_for_save.
+        return None
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    # -------------------------------------------------------------------- both
+
+    def get_kv_connector_stats(self) -> KVShimStats | None:
+        if self.connector_scheduler is not None:
+            return self.connector_scheduler.get_stats()
+        return self.worker.get_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVShimStats:
         return KVShimStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
-        self._h.close()
+        for side in (self.connector_scheduler, self.connector_worker):
+            if side is not None:
+                side.shutdown()
 
 
 # How a request must have finished for its computed chunks to be saved at
@@ -891,9 +985,9 @@ _SAVED_AT_FINISH = frozenset(
 )
 
 
-def _more_groups(key: str, block_ids: Any) -> dict[str, Any]:
+def _more_groups(block_ids: Any) -> list[list[int]]:
     """Groups 1, 2, ... of per-group block ids, for Go's StepRequest."""
-    return {key: [list(ids) for ids in block_ids[1:]]} if len(block_ids) > 1 else {}
+    return [list(ids) for ids in block_ids[1:]]
 
 
 def _snake(name: str) -> str:
@@ -901,9 +995,9 @@ def _snake(name: str) -> str:
     return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name))
 
 
-def _extras(request: Request) -> bytes | None:
-    """The request's inputs that change its KV besides the tokens, as the JSON
-    of shim.DecodeExtras. Every input keeps its structure (never a joined
+def _extras(request: Request) -> dict[str, Any] | None:
+    """The request's inputs that change its KV besides the tokens, as
+    shim.DecodeExtras reads them (None: none). Every input keeps its structure (never a joined
     string: "a:b" + "c" and "a" + "b:c" must stay two adapters); Go hashes
     each field length-prefixed.
 
@@ -924,4 +1018,4 @@ def _extras(request: Request) -> bytes | None:
         mm.append({"hash": str(f.identifier), "offset": int(pos.offset), "length": int(pos.length)})
     if mm:
         ex["mm"] = mm
-    return json.dumps(ex).encode() if ex else None
+    return ex or None

@@ -11,7 +11,7 @@ preempted request (vLLM drops its blocks and recomputes prompt + answer on
 resume) is looked up over all its tokens, so the chunks saved during its
 decode are loads. This runs vLLM's real scheduler with KVShimConnector under
 memory pressure (long decodes, a KV cache too small for all requests), with
-the decode-time saves on and off (MODES; off: KVShimConnector._decoded_chunks
+the decode-time saves on and off (MODES; off: KVShimScheduler._decoded_chunks
 does nothing, i.e. the generated chunks are saved only at the finish, as
 before), and reports the tokens the engine computed, the tokens loaded at resumes,
 and, at every preemption, the full chunks of generated tokens the request
@@ -51,16 +51,16 @@ def run(num_blocks: int, n_req: int, prompt_len: int, max_tokens: int, mode: str
         wait_jobs,
         write_tiny_model_dir,
     )
-    from kvshim.vllm import KVShimConnector, read_meta
+    from kvshim.vllm import KVShimScheduler, read_meta
 
     d = write_tiny_model_dir(tempfile.mkdtemp(prefix="kvshim-decode-"))
     cfg = kvshim_config(d, enable_prefix_caching=False, async_scheduling=False)
     kvc = make_kv_cache_config(num_blocks=num_blocks)
-    orig = KVShimConnector.__dict__["_decoded_chunks"], KVShimConnector.__dict__["_lookup_ids"]
+    orig = KVShimScheduler.__dict__["_decoded_chunks"], KVShimScheduler.__dict__["_lookup_ids"]
     if mode != "on":
-        KVShimConnector._decoded_chunks = lambda self, rid, entry: None
+        KVShimScheduler._decoded_chunks = lambda self, rid, entry: None
     if mode == "before":
-        KVShimConnector._lookup_ids = staticmethod(lambda request: request.prompt_token_ids)
+        KVShimScheduler._lookup_ids = staticmethod(lambda request: request.prompt_token_ids)
     h = SchedulerHarness(cfg, kvc)
     h.runners = [ModelRunner(cfg, kvc)]
     try:
@@ -88,7 +88,7 @@ def run(num_blocks: int, n_req: int, prompt_len: int, max_tokens: int, mode: str
               f"= {lost_chunks * CHUNK} tokens = {100 * lost_chunks * CHUNK / total:.1f} % of all computed")
         return total
     finally:
-        KVShimConnector._decoded_chunks, KVShimConnector._lookup_ids = orig
+        KVShimScheduler._decoded_chunks, KVShimScheduler._lookup_ids = orig
         h.close()
 
 

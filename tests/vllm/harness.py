@@ -602,7 +602,7 @@ class SchedulerHarness:
     @property
     def kvshim(self) -> KVShimConnector:
         """The scheduler-role connector, checked to be kvshim's (for its own
-        API: stats())."""
+        API: scheduler.stats())."""
         return as_kvshim(self.connector)
 
     @property
@@ -874,10 +874,9 @@ def as_kvshim(connector: KVConnectorBase_V1 | None) -> KVShimConnector:
 
 def server_stats(connector: KVConnectorBase_V1 | None) -> dict[str, float]:
     """The server's counters through the scheduler connector (STATS)."""
-    st = as_kvshim(connector).stats()
-    assert "server" in st, st
-    counters: dict[str, float] = st["server"]
-    return counters
+    st = as_kvshim(connector).scheduler.stats()
+    assert st.server is not None, st.server_error
+    return st.server
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -990,11 +989,11 @@ def wait_jobs(h: SchedulerHarness, timeout: float = 5.0) -> None:
     import time
 
     deadline = time.monotonic() + timeout
-    for r in getattr(h, "runners", ()):
-        conn = getattr(r, "connector", None)
-        if conn is None or not hasattr(conn, "stats"):
+    for r in h.runners:
+        conn = getattr(r, "connector", None)  # none in a proxy of a runner in another process
+        if not isinstance(conn, KVShimConnector):
             continue
-        while conn.stats().get("jobs", 0):
+        while conn.worker.stats().jobs:
             assert time.monotonic() < deadline, f"worker jobs still running after {timeout}s"
             time.sleep(0.002)
 

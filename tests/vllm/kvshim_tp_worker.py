@@ -45,7 +45,8 @@ def main(conn: Any, model_dir: str, engine_id: str, rank: int, tp: int, num_bloc
                 runner.skip_save_steps.add(runner.step_no + args[0])
                 res = None
             elif cmd == "stats":
-                res = runner.kvshim.stats()
+                st = runner.kvshim.worker.stats()
+                res = {"worker": st.counters, "jobs": st.jobs}  # as kvshim_stats reports them
             elif cmd == "close":
                 runner.close()
                 conn.send(("ok", None))

@@ -85,9 +85,9 @@ def test_store_then_hit_restores_bytes_into_other_blocks(kv):
     assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0
     # B's prompt has no new full chunk: nothing more stored
     assert st["kvshim_l1_objects{state=resident}"] == 3
-    w = r.connector.stats()["worker"]
+    w = r.kvshim.worker.stats().counters
     assert w["LoadedChunks"] == 3 and w["FailedLoads"] == 0 and w["SavedChunks"] == 3
-    assert h.connector.stats()["requests"] == 0
+    assert h.kvshim.scheduler.stats().requests == 0
 
 
 @pytest.mark.parametrize("layout", [m.name for m in KVCacheLayout])
@@ -113,7 +113,7 @@ def test_every_kv_cache_layout_restores_bytes(kv, layout):
     # ids are mostly consecutive; LHBNC 40); block-outermost ones, whose
     # layers tile each block, copy all layers of a block as one span: at
     # most 4 per chunk (10 here; 32 if each layer were copied on its own).
-    w = r.connector.stats()["worker"]
+    w = r.kvshim.worker.stats().counters
     assert w["LoadedChunks"] == 2 and w["SavedChunks"] == 2
     if KVCacheLayout[layout].is_block_outermost:
         assert w["CopySpans"] <= 4 * 4, w
@@ -200,7 +200,7 @@ def test_abort_after_the_load_was_planned_releases_everything(kv):
     st = server_stats(h.connector)
     assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0
     assert st["kvshim_l1_used_bytes"] == base["kvshim_l1_used_bytes"]
-    assert h.connector.stats()["requests"] == 0
+    assert h.kvshim.scheduler.stats().requests == 0
 
 
 def test_abort_of_a_held_hit_that_got_no_blocks_releases_its_holds(kv):
@@ -229,7 +229,7 @@ def test_abort_of_a_held_hit_that_got_no_blocks_releases_its_holds(kv):
     h.assert_no_leaks()
     st = server_stats(h.connector)
     assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0
-    assert h.connector.stats()["requests"] == 0
+    assert h.kvshim.scheduler.stats().requests == 0
 
 
 def test_preempted_request_is_looked_up_again_and_restored(kv):
@@ -257,8 +257,8 @@ def test_preempted_request_is_looked_up_again_and_restored(kv):
     assert h.outputs[a.request_id] == [7] * 60 and h.outputs[b.request_id] == [7] * 60
     h.assert_no_leaks()
     assert server_stats(h.connector)["kvshim_l1_holds"] == 0
-    assert r.connector.stats()["worker"]["LoadedChunks"] == 2
-    assert h.connector.stats()["requests"] == 0
+    assert r.kvshim.worker.stats().counters["LoadedChunks"] == 2
+    assert h.kvshim.scheduler.stats().requests == 0
 
 
 def test_local_prefix_hit_plus_kvshim_loads_only_the_blocks_vllm_lacks(kv):
@@ -322,7 +322,7 @@ def test_hit_with_overlapped_batches(kv):
     h.assert_no_leaks()
     st = server_stats(h.connector)
     assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookup_hit_chunks_total"] == 6
-    assert r.connector.stats()["worker"]["LoadedChunks"] == 6
+    assert r.kvshim.worker.stats().counters["LoadedChunks"] == 6
 
 
 L2_CHUNKS = 24  # enough L2 reads that the fill outlasts the first poll
@@ -444,7 +444,7 @@ def test_abort_while_the_l2_lookup_is_pending_releases_everything(kv, tmp_path):
     h.abort(b.request_id)
     h.settle()
     h.assert_no_leaks()
-    assert h.connector.stats()["requests"] == 0
+    assert h.kvshim.scheduler.stats().requests == 0
     wait_stat(h, "kvshim_lookups_pending", 0)  # the fill ends in the background
     # the engine's next steps (another request) let the connector reap it
     store(h, r, prompt(96, 100), max_tokens=1)
@@ -465,7 +465,7 @@ def test_connector_asks_vllm_for_a_block_outermost_layout(kv):
     p = prompt(13, 2 * CHUNK + 1)
     store(h, r, p, max_tokens=1)
     wait_stat(h, "kvshim_l1_commits_total", 2)
-    w = r.connector.stats()["worker"]
+    w = r.kvshim.worker.stats().counters
     assert w["SavedChunks"] == 2 and w["CopySpans"] <= 2 * (CHUNK // BLOCK), w
 
 

@@ -16,8 +16,8 @@ only kvshim's keys keep the adapters apart. vLLM's own prefix cache is off.
 
 from __future__ import annotations
 
-import ctypes
 import json
+from typing import Any
 
 import pytest
 from vllm.lora.request import LoRARequest
@@ -70,13 +70,17 @@ class _Req:
         self.lora_request, self.cache_salt, self.mm_features = lora_request, cache_salt, mm_features
 
 
-def test_extras_json_keeps_the_lora_structure():
-    assert _extras(_Req()) is None
-    got = json.loads(_extras(_Req(LoRARequest("a:b", 3, "c"), cache_salt="s")))
+def extras_of(**kw: Any) -> dict[str, Any] | None:
+    return _extras(_Req(**kw))  # type: ignore[arg-type]  # a stand-in with the attributes _extras reads
+
+
+def test_extras_keep_the_lora_structure():
+    assert extras_of() is None
+    got = extras_of(lora_request=LoRARequest("a:b", 3, "c"), cache_salt="s")
     assert got == {"cache_salt": "s", "lora": {"name": "a:b", "path": "c"}}
-    assert json.loads(_extras(_Req(LoRARequest("a", 4, "b:c")))) == {"lora": {"name": "a", "path": "b:c"}}
-    # a NUL or a quote inside a field survives the trip to Go
-    got = json.loads(_extras(_Req(LoRARequest('n"\x00', 1, "p"))))
+    assert extras_of(lora_request=LoRARequest("a", 4, "b:c")) == {"lora": {"name": "a", "path": "b:c"}}
+    # a NUL or a quote inside a field survives the trip to Go (JSON)
+    got = json.loads(json.dumps(extras_of(lora_request=LoRARequest('n"\x00', 1, "p"))))
     assert got["lora"] == {"name": 'n"\x00', "path": "p"}
 
 
@@ -92,14 +96,11 @@ def test_extras_json_keeps_the_lora_structure():
     ],
 )
 def test_malformed_extras_are_refused_naming_the_field(kv, extras, field):
-    """Through the C ABI the connector calls: EINVAL and a message that names
-    the field, never a silent key."""
+    """Through the native scheduler the connector calls: EINVAL and a message
+    that names the field, never a silent key."""
     h, _ = kv()
-    c = h.connector
-    toks = (ctypes.c_uint32 * 4)(1, 2, 3, 4)
-    out = ctypes.c_int64()
     with pytest.raises(InvalidArgumentError, match="bad hash extras") as ei:
-        c._h.check(c._lib.kvshim_sched_match(c._h.value, b"bad", toks, 4, extras, 0, ctypes.byref(out)))
+        h.kvshim.scheduler.native.match("bad", [1, 2, 3, 4], json.loads(extras))
     assert field in str(ei.value)
 
 

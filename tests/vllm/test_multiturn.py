@@ -49,7 +49,7 @@ def assert_clean(h) -> None:
     assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0, st
     staged = {k: v for k, v in st.items() if "stag" in k and not k.endswith("_total")}
     assert staged and not any(staged.values()), staged
-    assert h.connector.stats()["requests"] == 0
+    assert h.kvshim.scheduler.stats().requests == 0
 
 
 def turn2(h, r, tokens: list[int], hit_chunks: int):
@@ -99,7 +99,7 @@ def test_turn_two_restores_the_prompt_and_the_answer(kv, pipelined):
     assert any(a.request_id in (s.kv_connector_output.finished_sending or ()) for s in h.steps)
     st = server_stats(h.connector)
     assert st["kvshim_lookup_hit_chunks_total"] == 4
-    w = r.connector.stats()["worker"]
+    w = r.kvshim.worker.stats().counters
     assert w["LoadedChunks"] == 4 and w["FailedLoads"] == 0
     # turn 2 computed no new full chunk: nothing more saved
     assert w["SavedChunks"] == 4

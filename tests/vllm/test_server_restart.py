@@ -99,8 +99,8 @@ def test_server_killed_mid_run_is_a_miss_then_recovers(tiny_model_dir, server):
 
         # 3. With the server down: lookups are a miss at once, saves are
         # dropped, nothing hangs.
-        assert "server_error" in h.kvshim.stats()
-        failed_before = r.kvshim.stats()["worker"]["FailedSaves"]
+        assert h.kvshim.scheduler.stats().server_error is not None
+        failed_before = r.kvshim.worker.stats().counters["FailedSaves"]
         t0 = time.monotonic()
         c = h.add_request(h.make_request(prompt(23, 3 * CHUNK + 7), max_tokens=1))
         s = h.step()
@@ -109,7 +109,7 @@ def test_server_killed_mid_run_is_a_miss_then_recovers(tiny_model_dir, server):
         h.settle()
         assert time.monotonic() - t0 < 3 * TIMEOUT_MS / 1000
         h.assert_no_leaks()
-        assert r.kvshim.stats()["worker"]["FailedSaves"] == failed_before + 3
+        assert r.kvshim.worker.stats().counters["FailedSaves"] == failed_before + 3
 
         # 4. A new server on the same socket: the connector redials by itself.
         server.start()
@@ -182,7 +182,7 @@ def test_no_server_at_all_is_a_miss(tiny_model_dir, tmp_path):
             assert h.outputs[b.request_id] == [7, 7]
         assert time.monotonic() - t0 < 3 * TIMEOUT_MS / 1000
         h.assert_no_leaks()
-        assert "server_error" in h.kvshim.stats()
-        assert r.kvshim.stats()["worker"]["FailedSaves"] == 6
+        assert h.kvshim.scheduler.stats().server_error is not None
+        assert r.kvshim.worker.stats().counters["FailedSaves"] == 6
     finally:
         h.close()
