@@ -849,7 +849,9 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
     (shim/groups.go)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
-        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]  # vLLM passes None in tests of its own
+        # The base declares kv_cache_config required; kvshim also runs without
+        # one (one KV-cache group, the layout from vllm_config).
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         tc = vllm_config.kv_transfer_config
         cfg = read_config(dict(tc.kv_connector_extra_config or {}) if tc else {})
         open_cfg = _open_config(vllm_config, kv_cache_config, cfg, role)
