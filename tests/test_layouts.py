@@ -12,13 +12,17 @@ import ctypes.util
 import json
 import os
 import uuid
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
 from kvshim import errors
 
-torch = pytest.importorskip("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
 vllm_connector = pytest.importorskip("kvshim.vllm")  # _tensor_desc: how the connector reports tensors
 
 from rig import BLOCK, CHUNK, Rig  # noqa: E402

@@ -7,18 +7,18 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
 from kvshim import errors, native
-
 
 # A handle that needs no server: a worker opens without dialling.
 WORKER = json.dumps({"role": "worker", "server": "/nonexistent/kvshim.sock",
                      "namespace": {"model": "t", "dtype": "bfloat16", "layout": "x", "world_size": 1, "chunk_size": 8}})
 
 
-def run_py(code: str, **kw) -> subprocess.CompletedProcess:
+def run_py(code: str, **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, **kw)
 
 
@@ -144,7 +144,7 @@ def test_cli_as_a_tool(repo_root, tmp_path):
     not a traceback; a missing optional package is named."""
     env = dict(os.environ, PYTHONPATH=str(repo_root / "python"))
 
-    def kvshim(*args: str, **kw) -> subprocess.CompletedProcess:
+    def kvshim(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "kvshim", *args], capture_output=True, text=True, timeout=120,
                               env=kw.pop("env", env), **kw)
 

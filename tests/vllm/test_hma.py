@@ -29,22 +29,6 @@ from typing import Any
 
 import pytest
 import torch
-
-from harness import (
-    CHUNK,
-    collect_worker_output,
-    KVModel,
-    SchedulerHarness,
-    kvshim_config,
-    loads_of,
-    new_req_data,
-    prompt,
-    resolve_layout,
-    run_until_scheduled,
-    server_stats,
-    wait_jobs,
-)
-from kvshim.vllm import KVShimConnector, _namespace, read_config, read_meta
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
 from vllm.forward_context import get_forward_context, set_forward_context
@@ -60,6 +44,22 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from harness import (
+    CHUNK,
+    KVModel,
+    SchedulerHarness,
+    collect_worker_output,
+    kvshim_config,
+    loads_of,
+    new_req_data,
+    prompt,
+    resolve_layout,
+    run_until_scheduled,
+    server_stats,
+    wait_jobs,
+)
+from kvshim.vllm import KVShimConnector, _namespace, read_config, read_meta
+
 BLOCK = 16
 HEADS, HEAD = 2, 16
 NUM_BLOCKS = 160
@@ -73,7 +73,7 @@ def gemma3_specs(num_layers: int = 6, window: int = 40) -> dict[str, Any]:
     """Gemma-3's attention: sliding-window layers, every sixth global
     (Gemma3Config.sliding_window_pattern = 6; a window smaller than a chunk
     here, so a window's first block lies inside the hit's last chunk)."""
-    kw = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)
+    kw: dict[str, Any] = {"block_size": BLOCK, "num_kv_heads": HEADS, "head_size": HEAD, "dtype": torch.float16}
     return {
         layer(i): FullAttentionSpec(**kw) if i % 6 == 5 else SlidingWindowSpec(sliding_window=window, **kw)
         for i in range(num_layers)
@@ -83,7 +83,7 @@ def gemma3_specs(num_layers: int = 6, window: int = 40) -> dict[str, Any]:
 def llama4_specs(num_layers: int = 4, attention_chunk: int = 2 * CHUNK) -> dict[str, Any]:
     """Llama-4's attention: chunked local attention, every fourth layer
     global (no_rope_layers: the NoPE layers attend to everything)."""
-    kw = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)
+    kw: dict[str, Any] = {"block_size": BLOCK, "num_kv_heads": HEADS, "head_size": HEAD, "dtype": torch.float16}
     return {
         layer(i): FullAttentionSpec(**kw) if i % 4 == 3 else ChunkedLocalAttentionSpec(attention_chunk_size=attention_chunk, **kw)
         for i in range(num_layers)
@@ -96,6 +96,7 @@ def hma_config(model_dir, specs: dict[str, Any], layout: str = "LBNHC", *, prefi
     get_kv_cache_config_from_groups)."""
     cfg = kvshim_config(model_dir, enable_prefix_caching=prefix_caching)
     # The factory's check: KVShimConnector no longer turns HMA off.
+    assert cfg.kv_transfer_config is not None
     assert KVConnectorFactory.supports_hma_config(cfg.kv_transfer_config)
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on a GPU platform
     cfg.cache_config.kv_cache_layout = layout
@@ -258,7 +259,7 @@ def hybrid(tiny_model_dir):
         h.close()
 
 
-def saves_of(h, req_id: str) -> list[dict]:
+def saves_of(h, req_id: str) -> list[dict[str, Any]]:
     return [
         sv
         for s in h.steps
@@ -275,7 +276,7 @@ def assert_clean(h) -> None:
     assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0, st
     staged = {k: v for k, v in st.items() if "stag" in k and not k.endswith("_total")}
     assert staged and not any(staged.values()), staged
-    assert h.connector.stats()["requests"] == 0
+    assert h.kvshim.scheduler.stats().requests == 0
 
 
 def skipped(spec: Any, n: int) -> int:
@@ -385,7 +386,7 @@ def test_multiturn_restores_the_answer_through_the_windows_it_kept(hybrid):
     fenced = [st for st in h.steps if a.request_id in read_meta(st.scheduler_output.kv_connector_metadata.data).get("preempted", [])]
     assert fenced and not any(st.scheduler_output.preempted_req_ids for st in h.steps)
     assert len(turn1) == 4 * CHUNK + 5
-    saved = {}
+    saved: dict[int, list[int]] = {}
     for sv in saves_of(h, a.request_id):
         saved.setdefault(sv.get("group", 0), []).extend(range(sv["first"], sv["first"] + len(sv["hashes"])))
     for g, spec in enumerate(r.specs):
@@ -487,6 +488,7 @@ def test_single_group_keys_are_unchanged(tiny_model_dir):
 
     cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False)
     cfg.cache_config.kv_cache_layout = "LBNHC"
+    assert cfg.kv_transfer_config is not None
     ns = _namespace(cfg, make_kv_cache_config(), read_config(cfg.kv_transfer_config.kv_connector_extra_config))
     ns.pop("model")
     assert ns == SINGLE_GROUP_NAMESPACE
