@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
 
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
     from harness import (
         HEAD_SIZE,
         TINY_LLAMA_CONFIG,
@@ -52,9 +54,9 @@ def main() -> None:
         SchedulerHarness,
         make_vllm_config,
         prompt,
+        server_stats,
     )
     from kvshim_tp_worker import stage_kv_cache_config, stage_layers
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
     d = Path(tempfile.mkdtemp(prefix="kvshim-bench-"))
     cfg = dict(TINY_LLAMA_CONFIG, num_attention_heads=8, hidden_size=8 * HEAD_SIZE, num_hidden_layers=1,
@@ -84,13 +86,13 @@ def main() -> None:
         h.settle(timeout_s=600)
         n_chunks = a.tokens // a.chunk
         deadline = time.monotonic() + 120
-        while h.connector.stats()["server"]["kvshim_l1_commits_total"] < n_chunks * a.tp:
+        while server_stats(h.connector)["kvshim_l1_commits_total"] < n_chunks * a.tp:
             assert time.monotonic() < deadline, "saves not committed"
             time.sleep(0.01)
         print(f"prefill + save of {a.tokens} tokens on {a.tp} ranks ({n_chunks * a.tp} objects): "
               f"{time.perf_counter() - t0:.1f} s")
 
-        conn = h.connector
+        conn = h.kvshim
         empty = KVCacheBlocks(tuple([] for _ in kvc.kv_cache_groups))
 
         def lookup(tokens, rid):
@@ -112,12 +114,12 @@ def main() -> None:
         for kind, tokens in (("hit", toks), ("miss", prompt(72, a.tokens))):
             rows = [lookup(tokens, f"{kind}-{i}") for i in range(a.reps)]
             n = rows[0][0]
-            med = lambda k: sorted(r[k] for r in rows)[len(rows) // 2]  # noqa: E731
+            med = lambda k: sorted(r[k] for r in rows)[len(rows) // 2]  # noqa: E731, B023 - used at once, in this iteration
             print(f"lookup {kind}: {n} tokens matched; first call (keys + submit) median {med(1) * 1e3:.2f} ms, "
                   f"polls until final median {med(2)} (their CPU {med(3) * 1e3:.2f} ms), "
                   f"wall to the final answer median {med(4) * 1e3:.2f} ms "
                   f"[all: {', '.join(f'{r[4] * 1e3:.1f}' for r in rows)} ms]")
-        st = conn.stats()["server"]
+        st = server_stats(conn)
         assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0, st
     finally:
         h.close()

@@ -86,10 +86,11 @@ def stage_kv_cache_config(num_blocks: int, names: list[str], num_kv_heads: int, 
     """One full-attention group over one stage's layers (MLA: one latent
     of mla_head_size elements a token, vLLM's MLAAttentionSpec)."""
     import torch
-
-    from harness import HEAD_SIZE
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
 
+    from harness import HEAD_SIZE
+
+    spec: FullAttentionSpec
     if mla_head_size:
         spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=mla_head_size, dtype=torch.float16)
     else:
@@ -97,7 +98,7 @@ def stage_kv_cache_config(num_blocks: int, names: list[str], num_kv_heads: int, 
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
 
 
-def make_rank_runner(model_dir: str, engine_id: str, rank: int, par: dict, num_blocks: int, cfg_kw: dict) -> Any:
+def make_rank_runner(model_dir: str, engine_id: str, rank: int, par: dict[str, Any], num_blocks: int, cfg_kw: dict[str, Any]) -> Any:
     """One rank's ModelRunner (harness.ModelRunner, or harness-compatible
     ``runner_cls`` named by "module:Class" in par)."""
     import importlib
@@ -159,12 +160,14 @@ def serve(conn: Any) -> None:
                 elif sub == "blocks":
                     res = list(r.reqs[rest[0]].blocks)
                 elif sub == "scribble":
-                    res = r.scribble()
+                    r.scribble()
+                    res = None
                 elif sub == "skip_save_in":
                     r.skip_save_steps.add(r.step_no + rest[0])
                     res = None
                 elif sub == "stats":
-                    res = r.connector.stats()
+                    st = r.kvshim.worker.stats()
+                    res = {"worker": st.counters, "jobs": st.jobs}  # as kvshim_stats reports them
                 elif sub == "attr":
                     res = getattr(r, rest[0])
                 else:
@@ -183,7 +186,7 @@ def serve(conn: Any) -> None:
             else:
                 raise ValueError(f"unknown command {cmd!r}")
             conn.send(("ok", res))
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
+        except BaseException as e:
             conn.send(("error", f"{e!r}\n{traceback.format_exc()}"))
 
 
@@ -216,9 +219,10 @@ def _dcp_runner_cls() -> Any:
             o, d, i = p % self.vblock, self.dcp, self.interleave
             if (o // i) % d != self.dcp_rank:
                 return None
-            return (o // (d * i)) * i + o % i
+            slot: int = (o // (d * i)) * i + o % i
+            return slot
 
-        def _forward(self, work: list) -> None:
+        def _forward(self, work: list[tuple[str, int, int]]) -> None:
             for rid, start, n in work:
                 r = self.reqs[rid]
                 end = start + n
@@ -239,7 +243,7 @@ def _dcp_runner_cls() -> Any:
             pos = [base + p for p in range(self.vblock) if self._local(base + p) is not None]
             assert len(pos) == self.block_size and pos[-1] < len(tokens), "block beyond the tokens"
             hs = KVModel.prefix_hashes(tokens[: pos[-1] + 1])
-            hs = [hs[p] for p in sorted(pos, key=self._local)]  # slot order
+            hs = [hs[p] for p in sorted(pos, key=lambda p: self._local(p) or 0)]  # slot order (every p has one)
             return torch.stack([self._content(self.model.kv(hs, i)).transpose(0, 1) for i in range(len(self.layer_names))])
 
         def _check_prefix(self, rid: str, num_computed: int) -> None:

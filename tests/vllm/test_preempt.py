@@ -33,6 +33,8 @@ import threading
 import time
 
 import pytest
+from vllm.v1.request import RequestStatus
+
 from harness import (
     CHUNK,
     ModelRunner,
@@ -45,7 +47,6 @@ from harness import (
     wait_jobs,
 )
 from test_multiturn import assert_clean, saves_of, turn2
-from vllm.v1.request import RequestStatus
 
 TIMEOUT_MS = 5000
 
@@ -90,6 +91,7 @@ class ResumeWhenBlockedInBind(threading.Thread):
         self.done = threading.Event()
 
     def in_bind(self) -> bool:
+        assert self.main is not None
         f = sys._current_frames().get(self.main)
         while f is not None:
             if f.f_code.co_name in BIND_CALLS and "kvshim" in f.f_code.co_filename:
@@ -187,7 +189,7 @@ def test_preempted_while_its_save_is_in_flight(pressure):
     h.finish(so, h.execute(so))
     a_blocks = list(r.reqs[a.request_id].blocks)
     assert [(x["first"], len(x["hashes"])) for x in saves_of(h, a.request_id)] == [(0, 2)]
-    assert r.connector.stats()["jobs"] >= 1 and srv.stopped  # the save is in flight
+    assert r.kvshim.worker.stats().jobs >= 1 and srv.stopped  # the save is in flight
     r.watch, r.srv = (a.request_id, set(a_blocks)), srv
 
     # Next step: vLLM preempts A and frees its blocks; the worker's bind
@@ -220,7 +222,7 @@ def test_preempted_while_its_save_is_in_flight(pressure):
     # one included: both chunks load whole, no prompt token is recomputed)
     n, bad = r.prefix_checks.get(a.request_id, (0, None))
     assert n == 2 * CHUNK and bad == [], (n, bad)
-    assert r.connector.stats()["worker"]["LoadedChunks"] == 2 + 2
+    assert r.kvshim.worker.stats().counters["LoadedChunks"] == 2 + 2
     assert all(not e for e in r.load_errors)
     assert resumer.fired, "the worker's bind did not wait for the preempted request's save"
     assert not r.overwritten_while_stopped

@@ -20,14 +20,19 @@ with a ``DraftTokenIds``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from vllm.config import SpeculativeConfig, VllmConfig
+from vllm.v1.outputs import DraftTokenIds
+from vllm.v1.request import RequestStatus
+
 from harness import (
     CHUNK,
     KVModel,
     ModelRunner,
     SchedulerHarness,
-    VllmConfig,
     kvshim_config,
     make_kv_cache_config,
     prompt,
@@ -35,9 +40,6 @@ from harness import (
 )
 from kvshim.vllm import read_meta
 from test_multiturn import BLOCK, assert_clean, saves_of, turn2
-from vllm.config import SpeculativeConfig
-from vllm.v1.outputs import DraftTokenIds
-from vllm.v1.request import RequestStatus
 
 NUM_SPEC = 3
 
@@ -51,7 +53,7 @@ def spec_config(model_dir, method: str, **kw) -> VllmConfig:
     """kvshim_config with vLLM's SpeculativeConfig (plain Scheduler: the
     runner tracks tokens the way a synchronous model runner does)."""
     base = kvshim_config(model_dir, async_scheduling=False, enable_prefix_caching=False, **kw)
-    sk = {"method": method, "num_speculative_tokens": NUM_SPEC}
+    sk: dict[str, Any] = {"method": method, "num_speculative_tokens": NUM_SPEC}
     if method == "ngram":
         sk |= {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
     else:  # a draft model: the tiny model dir again (no weights are read)
@@ -87,6 +89,7 @@ class SpecRunner(ModelRunner):
 
     def _forward(self, work):
         bs = self.block_size
+        assert self._so is not None
         spec = self._so.scheduled_spec_decode_tokens
         for rid, start, n in work:
             r = self.reqs[rid]
@@ -152,7 +155,7 @@ class SpecHarness(SchedulerHarness):
         fq = self.final_q.get(rid, 1 << 30)
         if q > fq or fq - 4 <= q < fq:
             return []
-        good = []
+        good: list[int] = []
         for _ in range(NUM_SPEC):
             good.append(target_next(toks + good))
         wrong = lambda t: 3 + (t + 1) % 997  # noqa: E731
@@ -234,7 +237,7 @@ def test_rejected_drafts_are_never_saved_or_counted(spec, method, lookahead):
     assert b.num_computed_tokens >= len(toks)
     st = server_stats(h.connector)
     assert st["kvshim_lookup_hit_chunks_total"] == 3
-    w = r.connector.stats()["worker"]
+    w = r.kvshim.worker.stats().counters
     assert w["LoadedChunks"] == 3 and w["FailedLoads"] == 0
     h.settle()
     assert_clean(h)

@@ -25,11 +25,16 @@ sees only stage 0's layers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import uuid
+from typing import Any
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.outputs import ModelRunnerOutput
+
 from harness import (
     CHUNK,
     HEAD_SIZE,
@@ -43,11 +48,10 @@ from harness import (
     server_stats,
     wait_stat,
 )
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
 NUM_BLOCKS = 64
 LAYERS = 3
-CFG_KW = {"enable_prefix_caching": False, "max_num_batched_tokens": 2 * CHUNK}
+CFG_KW: dict[str, Any] = {"enable_prefix_caching": False, "max_num_batched_tokens": 2 * CHUNK}
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +90,8 @@ class Proc:
 
     def close(self):
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(Exception):  # killed below
                 self.call("close", timeout=15)
-            except Exception:  # noqa: BLE001 - killed below
-                pass
         self.proc.join(timeout=15)
         if self.proc.is_alive():
             self.proc.kill()
@@ -158,8 +160,10 @@ class WorldHarness(SchedulerHarness):
 
     def runners_step(self, so):
         outs = self.ranks.execute_all(so)
-        mros = [self.model_runner_output(so, kv_connector_output=o) for o in outs]
+        mros: list[ModelRunnerOutput | None] = [self.model_runner_output(so, kv_connector_output=o) for o in outs]
+        assert self._aggregator is not None
         agg = self._aggregator.aggregate(mros)
+        assert agg is not None
         return agg.kv_connector_output
 
     def close(self):
@@ -167,7 +171,7 @@ class WorldHarness(SchedulerHarness):
         super().close()
 
 
-PARALLEL = {
+PARALLEL: dict[str, dict[str, Any]] = {
     "tp4": {"tp": 4, "pp": 1},
     "tp8": {"tp": 8, "pp": 1},
     "tp4pp2": {"tp": 4, "pp": 2},
@@ -189,7 +193,7 @@ def world(request, procs, model8, mla_model):
     w = tp * pp
     engine_id = f"tpl-{uuid.uuid4().hex[:12]}"
     ranks = Ranks(procs, w)
-    for i, p in enumerate(procs):
+    for p in procs:
         mine = [rk for rk in range(w) if ranks.owner[rk] is p]
         p.conn.send(("setup", (str(model), engine_id, mine, par, NUM_BLOCKS, CFG_KW)))
     for p in procs:
@@ -275,7 +279,7 @@ def test_each_rank_restores_its_own_bytes_and_hits_fold(world):
     staged = {k: v for k, v in st.items() if "stag" in k and not k.endswith("_total")}
     assert staged and not any(staged.values()), staged
     assert st["kvshim_lookup_hit_chunks_total"] == 3 + 2
-    assert h.connector.stats()["requests"] == 0
+    assert h.kvshim.scheduler.stats().requests == 0
     loaded = [ranks.call(rk, "stats")["worker"]["LoadedChunks"] for rk in range(w)]
     assert loaded == [5] * w
     if par.get("dcp", 1) > 1:
