@@ -355,7 +355,7 @@ class Engine:
                 raise TimeoutError(f"request {req}: copies not done after {self.timeout_s}s")
             if steps:
                 self.step([], saves=False)
-            elif self.lib.kvshim_worker_wait(self.worker.value, 100) != 0:
+            elif not self.worker.wait(100):
                 # Blocks until the worker has something to report (a load
                 # polled every 50 µs took a P from the copies each time).
                 continue

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, Union
 
-from kvshim.errors import EBADH, ERANGE, InvalidArgumentError, error_for
+from kvshim.errors import EBADH, ERANGE, ETIMEDOUT, InvalidArgumentError, error_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+
@@ -179,7 +179,7 @@ _from_list: Any = None  # kvshim_tokens_from_list, called with the GIL held
 _from_list_len = ctypes.c_size_t()
 
 
-def tokens_from_list(tokens: list, out: int, cap: int) -> bool:
+def tokens_from_list(tokens: list[Any], out: int, cap: int) -> bool:
     """Writes the ids of the list `tokens` as uint32 at address out (room
     for cap ids) in one C loop inside the library, and says whether it did:
     False when an id is no int in [0, 2^32), when the list is longer than
@@ -200,7 +200,8 @@ def tokens_from_list(tokens: list, out: int, cap: int) -> bool:
         fn.argtypes = [ctypes.py_object, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
         fn.restype = ctypes.c_int
         _from_list = fn
-    return fn(tokens, out, cap, _from_list_len) == 0
+    rc: int = fn(tokens, out, cap, _from_list_len)
+    return rc == 0
 
 
 # ---------------------------------------------------------------- typed roles
@@ -424,6 +425,15 @@ class Worker(_Role):
     def poll(self) -> Finished:
         p = json.loads(self.handle.output("kvshim_worker_poll"))
         return Finished(p["sending"] or [], p["recving"] or [], p["error_blocks"] or [])
+
+    def wait(self, timeout_ms: int) -> bool:
+        """Blocks until poll() has something to report (True) or timeout_ms
+        passes (False), instead of calling poll() in a loop."""
+        rc = library().kvshim_worker_wait(self.handle.value, timeout_ms)
+        if rc == ETIMEDOUT:
+            return False
+        self.handle.check(rc)
+        return True
 
     def stats(self) -> WorkerStats:
         st = self._stats()

@@ -89,7 +89,7 @@ def test_hma_stays_on_for_kvshim(tiny_model_dir):
     from kvshim.vllm import KVShimConnector
 
     cfg = make_vllm_config(tiny_model_dir)
-    assert KVConnectorFactory.supports_hma_config(cfg.kv_transfer_config) is True
+    assert KVConnectorFactory.supports_hma_config(kv_transfer_config(cfg)) is True
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
     conn = KVConnectorFactory.create_connector(
         cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config(num_blocks=64)

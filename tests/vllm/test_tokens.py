@@ -50,7 +50,7 @@ def test_list_is_read_by_the_library():
     one and two CPython digits take it too."""
     from kvshim import native
 
-    class Sub(list):
+    class Sub(list[int]):
         pass
 
     ids = [0, 1, True, 2**30 - 1, 2**30, 2**32 - 1, 151_935]
@@ -63,7 +63,7 @@ def test_list_is_read_by_the_library():
     for bad in ([1, -1], [1, 2**32], [1, 2**64], [1, 1.5], [1, "2"], [1, np.int64(2)], [1, 2, 3, 4, 5]):
         assert not native.tokens_from_list(bad, out.ctypes.data, out.size)
     assert out[2:].tolist() == [0, 0]  # a list longer than the buffer: nothing written past it
-    assert not native.tokens_from_list((1, 2), out.ctypes.data, out.size)  # no list
+    assert not native.tokens_from_list((1, 2), out.ctypes.data, out.size)  # type: ignore[arg-type]  # no list
     assert native.tokens_from_list([], out.ctypes.data, 0)
     assert _u32([1, np.int64(2)]).tolist() == [1, 2]  # array('I') takes what the C loop leaves
 
