@@ -26,9 +26,9 @@ import tempfile
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-for p in (str(_HERE.parent.parent / "python"), str(_HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+for path in (str(_HERE.parent.parent / "python"), str(_HERE)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -58,14 +58,14 @@ def run(num_blocks: int, n_req: int, prompt_len: int, max_tokens: int, mode: str
     kvc = make_kv_cache_config(num_blocks=num_blocks)
     orig = KVShimScheduler.__dict__["_decoded_chunks"], KVShimScheduler.__dict__["_lookup_ids"]
     if mode != "on":
-        KVShimScheduler._decoded_chunks = lambda self, rid, entry: None
+        KVShimScheduler._decoded_chunks = lambda self, rid, entry: None  # type: ignore[method-assign]
     if mode == "before":
-        KVShimScheduler._lookup_ids = staticmethod(lambda request: request.prompt_token_ids)
+        KVShimScheduler._lookup_ids = staticmethod(lambda request: request.prompt_token_ids)  # type: ignore[method-assign]
     h = SchedulerHarness(cfg, kvc)
     h.runners = [ModelRunner(cfg, kvc)]
     try:
         reqs = [h.add_request(h.make_request(prompt(80 + i, prompt_len), max_tokens=max_tokens)) for i in range(n_req)]
-        saved = {r.request_id: set() for r in reqs}  # chunk indexes dispatched for saving
+        saved: dict[str, set[int]] = {r.request_id: set() for r in reqs}  # chunk indexes dispatched for saving
         lost_chunks = preemptions = total = loaded = 0
         for _ in range(20000):
             if not h.scheduler.has_requests():
@@ -73,7 +73,7 @@ def run(num_blocks: int, n_req: int, prompt_len: int, max_tokens: int, mode: str
             before = {r.request_id: r.num_computed_tokens for r in reqs}
             s = h.step()
             total += sum(s.num_scheduled_tokens.values())
-            for sv in read_meta(s.scheduler_output.kv_connector_metadata.data).get("saves", []):
+            for sv in read_meta(s.connector_meta.data).get("saves", []):
                 saved[sv["req"]].update(range(sv["first"], sv["first"] + len(sv["hashes"])))
             for r in reqs:
                 loaded += sum((ld["end"] - ld["start"]) * CHUNK for ld in loads_of(s, r.request_id))
@@ -88,7 +88,7 @@ def run(num_blocks: int, n_req: int, prompt_len: int, max_tokens: int, mode: str
               f"= {lost_chunks * CHUNK} tokens = {100 * lost_chunks * CHUNK / total:.1f} % of all computed")
         return total
     finally:
-        KVShimScheduler._decoded_chunks, KVShimScheduler._lookup_ids = orig
+        KVShimScheduler._decoded_chunks, KVShimScheduler._lookup_ids = orig  # type: ignore[method-assign]
         h.close()
 
 

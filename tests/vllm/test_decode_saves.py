@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import CHUNK, loads_of, prompt, server_stats, wait_jobs
-from test_multiturn import BLOCK, assert_clean, saves_of, turn2
 from vllm.v1.request import RequestStatus
+
+from harness import CHUNK, loads_of, prompt, server_stats, wait_jobs
+from test_multiturn import assert_clean, saves_of, turn2
 
 
 def chunks_saved(h, req_id: str) -> list[int]:
@@ -66,7 +67,7 @@ def test_a_preempted_long_decode_resumes_from_its_decode_saves(kv, pipelined):
     assert ld["blocks"] != b_blocks
     st = server_stats(h.connector)
     assert st["kvshim_lookup_hit_chunks_total"] == k  # A's and B's first lookups missed
-    assert r.connector.stats()["worker"]["LoadedChunks"] == k
+    assert r.kvshim.worker.stats().counters["LoadedChunks"] == k
     h.settle(pipelined=pipelined)
     wait_jobs(h)
     assert a.status == b.status == RequestStatus.FINISHED_LENGTH_CAPPED

@@ -389,7 +389,7 @@ def test_multiturn_restores_the_answer_through_the_windows_it_kept(hybrid):
     saved: dict[int, list[int]] = {}
     for sv in saves_of(h, a.request_id):
         saved.setdefault(sv.get("group", 0), []).extend(range(sv["first"], sv["first"] + len(sv["hashes"])))
-    for g, spec in enumerate(r.specs):
+    for g in range(len(r.specs)):
         # every chunk, once: the prompt's during the prefill, the answer's
         # during the decode (a window's blocks are still there then)
         assert sorted(saved[g]) == [0, 1, 2, 3], (g, saved[g])
