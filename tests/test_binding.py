@@ -88,3 +88,34 @@ def test_engine_copy_takes_a_direction():
         assert s >= 0
         with pytest.raises(InvalidArgumentError):
             rig.worker.engine_copy(native.Direction.LOAD, objects.ctypes.data, obj_size, [1], 3000)
+
+
+def test_threads_sharing_a_handle_read_their_own_output():
+    """Output calls from several threads on one handle: each thread has its
+    own buffer (and the library keeps output that did not fit for the thread
+    that asked), so no thread reads bytes another call wrote. The worker's
+    stats and its poll answer differ in shape: a mix-up shows as a decode
+    error or the other answer's fields."""
+    import threading
+
+    with Rig(f"bind-{uuid.uuid4().hex[:8]}", fa_cache()) as rig:
+        errors: list[BaseException] = []
+        start = threading.Barrier(4)
+
+        def hammer(stats: Any, want: str) -> None:
+            try:
+                start.wait(timeout=10)
+                for _ in range(300):
+                    got = stats()
+                    assert hasattr(got, want), got
+            except BaseException as e:  # collected and re-raised in the test's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=hammer, args=(rig.worker.stats, "counters")) for _ in range(2)]
+        threads += [threading.Thread(target=hammer, args=(rig.worker.poll, "sending")) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == []

@@ -145,7 +145,10 @@ class Handle:
         out = _c_handle(0)
         check(library().kvshim_open(config.encode(), ctypes.byref(out)))
         self.value: int = out.value
-        self._buf = ctypes.create_string_buffer(64 << 10)
+        # One output buffer per calling thread: the library keeps output
+        # that did not fit for the thread that asked (kvshim.h), and two
+        # threads sharing a buffer would read each other's bytes.
+        self._local = threading.local()
 
     def close(self) -> None:
         if self.value:
@@ -160,13 +163,15 @@ class Handle:
         last) and returns the bytes, fetching them with kvshim_take_output
         when they did not fit the first buffer."""
         lib = library()
+        buf: ctypes.Array[ctypes.c_char] = getattr(self._local, "buf", None) or ctypes.create_string_buffer(64 << 10)
         n = ctypes.c_size_t(0)
-        rc = getattr(lib, fn_name)(self.value, *args, self._buf, len(self._buf), ctypes.byref(n))
+        rc = getattr(lib, fn_name)(self.value, *args, buf, len(buf), ctypes.byref(n))
         if rc == ERANGE:  # kept on the handle for this thread: fetch it with a buffer that fits
-            self._buf = ctypes.create_string_buffer(max(n.value, 2 * len(self._buf)))
-            rc = lib.kvshim_take_output(self.value, self._buf, len(self._buf), ctypes.byref(n))
+            buf = ctypes.create_string_buffer(max(n.value, 2 * len(buf)))
+            rc = lib.kvshim_take_output(self.value, buf, len(buf), ctypes.byref(n))
+        self._local.buf = buf
         self.check(rc)
-        return self._buf.raw[: n.value]
+        return buf.raw[: n.value]
 
     def __enter__(self) -> Handle:
         return self
