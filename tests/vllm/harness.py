@@ -953,14 +953,31 @@ def connector_output(step: StepResult) -> KVConnectorOutput:
     return step.kv_connector_output
 
 
-def loads_of(step: StepResult | SchedulerOutput, req_id: str) -> list[dict[str, Any]]:
-    """The load specs kvshim put in this step's connector metadata (Go
-    writes it in a binary form; read_meta gives its JSON text form:
-    {"loads": [{"req", "start", "end", "hashes", "blocks", ...}]})."""
+def loads_of(step: StepResult | SchedulerOutput, req_id: str, kind: str = "loads") -> list[dict[str, Any]]:
+    """The load specs (or with kind "saves", the save specs) kvshim put in
+    this step's connector metadata (Go writes it in a binary form; read_meta
+    gives its JSON text form: {"loads": [{"req", "start", "end", "hashes",
+    "blocks", ...}], "saves": [...]})."""
     so = step.scheduler_output if isinstance(step, StepResult) else step
     assert isinstance(so.kv_connector_metadata, KVShimMetadata), so.kv_connector_metadata
     meta = read_meta(so.kv_connector_metadata.data)
-    return [ld for ld in meta.get("loads", []) if ld["req"] == req_id]
+    return [ld for ld in meta.get(kind, []) if ld["req"] == req_id]
+
+
+def saves_of(h: SchedulerHarness, req_id: str) -> list[dict[str, Any]]:
+    """Every save kvshim dispatched for req_id, in step order."""
+    return [sv for s in h.steps for sv in loads_of(s, req_id, "saves")]
+
+
+def assert_clean(h: SchedulerHarness) -> None:
+    """No request, block, hold, staged object or lookup left anywhere."""
+    h.assert_no_leaks()
+    wait_jobs(h)
+    st = server_stats(h.connector)
+    assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0, st
+    staged = {k: v for k, v in st.items() if "stag" in k and not k.endswith("_total")}
+    assert staged and not any(staged.values()), staged
+    assert h.kvshim.scheduler.stats().requests == 0
 
 
 def new_req_data(step: StepResult, req_id: str) -> Any:

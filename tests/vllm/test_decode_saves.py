@@ -18,8 +18,8 @@ import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
-from harness import CHUNK, loads_of, prompt, server_stats, wait_jobs
-from test_multiturn import assert_clean, saves_of, turn2
+from harness import CHUNK, assert_clean, loads_of, prompt, saves_of, server_stats, wait_jobs
+from test_multiturn import turn2
 
 
 def chunks_saved(h, req_id: str) -> list[int]:

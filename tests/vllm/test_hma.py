@@ -48,6 +48,7 @@ from harness import (
     CHUNK,
     KVModel,
     SchedulerHarness,
+    assert_clean,
     collect_worker_output,
     kvshim_config,
     loads_of,
@@ -55,7 +56,7 @@ from harness import (
     prompt,
     resolve_layout,
     run_until_scheduled,
-    server_stats,
+    saves_of,
     wait_jobs,
 )
 from kvshim.vllm import KVShimConnector, _namespace, read_config, read_meta
@@ -258,25 +259,6 @@ def hybrid(tiny_model_dir):
     for h in made:
         h.close()
 
-
-def saves_of(h, req_id: str) -> list[dict[str, Any]]:
-    return [
-        sv
-        for s in h.steps
-        for sv in read_meta(s.scheduler_output.kv_connector_metadata.data).get("saves", [])
-        if sv["req"] == req_id
-    ]
-
-
-def assert_clean(h) -> None:
-    """No request, block, hold, staged object or lookup left anywhere."""
-    h.assert_no_leaks()
-    wait_jobs(h)
-    st = server_stats(h.connector)
-    assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0, st
-    staged = {k: v for k, v in st.items() if "stag" in k and not k.endswith("_total")}
-    assert staged and not any(staged.values()), staged
-    assert h.kvshim.scheduler.stats().requests == 0
 
 
 def skipped(spec: Any, n: int) -> int:

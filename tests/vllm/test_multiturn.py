@@ -11,45 +11,24 @@ byte with what the model computes.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from vllm.v1.request import RequestStatus
 
 from harness import (
     CHUNK,
+    assert_clean,
     loads_of,
     new_req_data,
     prompt,
     run_until_scheduled,
+    saves_of,
     server_stats,
     wait_jobs,
     wait_stat,
 )
-from kvshim.vllm import read_meta
 
 BLOCK = 16
 
-
-def saves_of(h, req_id: str) -> list[dict[str, Any]]:
-    """Every save kvshim dispatched for req_id, in step order."""
-    return [
-        sv
-        for s in h.steps
-        for sv in read_meta(s.scheduler_output.kv_connector_metadata.data).get("saves", [])
-        if sv["req"] == req_id
-    ]
-
-
-def assert_clean(h) -> None:
-    """No request, block, hold, staged object or lookup left anywhere."""
-    h.assert_no_leaks()
-    wait_jobs(h)
-    st = server_stats(h.connector)
-    assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0, st
-    staged = {k: v for k, v in st.items() if "stag" in k and not k.endswith("_total")}
-    assert staged and not any(staged.values()), staged
-    assert h.kvshim.scheduler.stats().requests == 0
 
 
 def turn2(h, r, tokens: list[int], hit_chunks: int):

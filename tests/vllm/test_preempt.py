@@ -40,13 +40,15 @@ from harness import (
     ModelRunner,
     SchedulerHarness,
     ServerProcess,
+    assert_clean,
     kvshim_config,
     make_kv_cache_config,
     prompt,
+    saves_of,
     server_stats,
     wait_jobs,
 )
-from test_multiturn import assert_clean, saves_of, turn2
+from test_multiturn import turn2
 
 TIMEOUT_MS = 5000
 

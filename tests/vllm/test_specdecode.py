@@ -33,13 +33,15 @@ from harness import (
     KVModel,
     ModelRunner,
     SchedulerHarness,
+    assert_clean,
     kvshim_config,
     make_kv_cache_config,
     prompt,
+    saves_of,
     server_stats,
 )
 from kvshim.vllm import read_meta
-from test_multiturn import BLOCK, assert_clean, saves_of, turn2
+from test_multiturn import BLOCK, turn2
 
 NUM_SPEC = 3
 
