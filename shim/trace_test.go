@@ -269,20 +269,11 @@ func TestTraceL2SavedAndCorruptL2Chunk(t *testing.T) {
 	<-st.Done()
 	assert.Assert(t, st.Results()[0].OK())
 
-	n := 0
-	for i := 0; n == 0; i++ { // the scheduler redials too
-		assert.Assert(t, i < 50, "no hit after the restart")
-		time.Sleep(100 * time.Millisecond)
-		req := fmt.Sprint("load", i)
-		if n = r.match(t, req, tokens, Extras{}, 0); n == 0 {
-			r.sched.Finished(req)
-			continue
-		}
-		assert.Equal(t, n, tChunk)
-		assert.NilError(t, r.sched.AfterAlloc(req, seq(20, 6), -1, n))
-		r.step(t, &Step{})
-		r.sched.Finished(req)
-	}
+	req, n := firstHitAfterRestart(t, r, tokens)
+	assert.Equal(t, n, tChunk)
+	assert.NilError(t, r.sched.AfterAlloc(req, seq(20, 6), -1, n))
+	r.step(t, &Step{})
+	r.sched.Finished(req)
 	assert.NilError(t, r.workers[0].CloseTrace())
 	for _, w := range writers {
 		r.srv.Core.SetTrace(nil)

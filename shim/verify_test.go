@@ -139,22 +139,13 @@ func TestL2CorruptChunkIsNeverRestored(t *testing.T) {
 	for _, b := range dst {
 		r.caches[0].fill(int(b), 999)
 	}
-	n := 0
-	for i := 0; n == 0; i++ { // the scheduler redials too
-		assert.Assert(t, i < 50, "no hit after the restart")
-		time.Sleep(100 * time.Millisecond)
-		req := fmt.Sprint("load", i)
-		if n = r.match(t, req, tokens, Extras{}, 0); n == 0 {
-			r.sched.Finished(req)
-			continue
-		}
-		assert.Equal(t, n, tChunk, "the prefix goes past the corrupt chunk")
-		assert.NilError(t, r.sched.AfterAlloc(req, dst, -1, n))
-		recv, errBlocks := r.step(t, &Step{})
-		assert.Equal(t, recv[req], 1)
-		assert.Equal(t, len(errBlocks), 0)
-		r.sched.Finished(req)
-	}
+	req, n := firstHitAfterRestart(t, r, tokens)
+	assert.Equal(t, n, tChunk, "the prefix goes past the corrupt chunk")
+	assert.NilError(t, r.sched.AfterAlloc(req, dst, -1, n))
+	recv, errBlocks := r.step(t, &Step{})
+	assert.Equal(t, recv[req], 1)
+	assert.Equal(t, len(errBlocks), 0)
+	r.sched.Finished(req)
 	ps := r.srv.Core.PrefetchController().Stats()
 	assert.Equal(t, ps.ChunksRejected[0], int64(1))
 	c := r.caches[0]
@@ -168,5 +159,21 @@ func TestL2CorruptChunkIsNeverRestored(t *testing.T) {
 			c.fill(int(b), 999)
 			assert.Assert(t, bytes.Equal(got, c.block(layer, int(b))), "layer %d block %d was written", layer, k)
 		}
+	}
+}
+
+// firstHitAfterRestart asks for tokens until the restarted server's L2 fill
+// gives a hit (the scheduler redials too: up to 5 s), and returns that
+// request and its hit; the misses before it are finished.
+func firstHitAfterRestart(t *testing.T, r *rig, tokens []uint32) (string, int) {
+	t.Helper()
+	for i := 0; ; i++ {
+		assert.Assert(t, i < 50, "no hit after the restart")
+		time.Sleep(100 * time.Millisecond)
+		req := fmt.Sprint("load", i)
+		if n := r.match(t, req, tokens, Extras{}, 0); n > 0 {
+			return req, n
+		}
+		r.sched.Finished(req)
 	}
 }

@@ -12,6 +12,29 @@ import traceback
 from typing import Any
 
 
+def rank_command(runner: Any, cmd: str, args: Any) -> Any:
+    """One rank's command (both loops): check_blocks, blocks, scribble,
+    skip_save_in, stats, attr."""
+    if cmd == "check_blocks":
+        return runner.check_blocks(*args)
+    if cmd == "blocks":
+        return list(runner.reqs[args[0]].blocks)
+    if cmd == "scribble":
+        runner.scribble()
+        return None
+    if cmd == "skip_save_in":
+        # Drop this rank's saves in its n-th step from now (a save lost on
+        # one rank only).
+        runner.skip_save_steps.add(runner.step_no + args[0])
+        return None
+    if cmd == "stats":
+        st = runner.kvshim.worker.stats()
+        return {"worker": st.counters, "jobs": st.jobs}  # as kvshim_stats reports them
+    if cmd == "attr":
+        return getattr(runner, args[0])
+    raise ValueError(f"unknown command {cmd!r}")
+
+
 def main(conn: Any, model_dir: str, engine_id: str, rank: int, tp: int, num_blocks: int, cfg_kw: dict[str, Any]) -> None:
     try:
         from harness import NUM_KV_HEADS, ModelRunner, kvshim_config, make_kv_cache_config
@@ -32,28 +55,13 @@ def main(conn: Any, model_dir: str, engine_id: str, rank: int, tp: int, num_bloc
         try:
             if cmd == "execute":
                 res: Any = runner.execute(*args)
-            elif cmd == "check_blocks":
-                res = runner.check_blocks(*args)
-            elif cmd == "blocks":
-                res = list(runner.reqs[args[0]].blocks)
-            elif cmd == "scribble":
-                runner.scribble()
-                res = None
-            elif cmd == "skip_save_in":
-                # Drop this rank's saves in its n-th step from now (a save
-                # lost on one rank only).
-                runner.skip_save_steps.add(runner.step_no + args[0])
-                res = None
-            elif cmd == "stats":
-                st = runner.kvshim.worker.stats()
-                res = {"worker": st.counters, "jobs": st.jobs}  # as kvshim_stats reports them
             elif cmd == "close":
                 runner.close()
                 conn.send(("ok", None))
                 conn.close()
                 os._exit(0)  # skip torch/vLLM interpreter teardown (seconds)
             else:
-                raise ValueError(f"unknown command {cmd!r}")
+                res = rank_command(runner, cmd, args)
             conn.send(("ok", res))
         except BaseException as e:
             conn.send(("error", f"{e!r}\n{traceback.format_exc()}"))
@@ -154,24 +162,7 @@ def serve(conn: Any) -> None:
                 res = [runners[rk].execute(*args) for rk in sorted(runners)]
             elif cmd == "rank":
                 rk, sub, *rest = args
-                r = runners[rk]
-                if sub == "check_blocks":
-                    res = r.check_blocks(*rest)
-                elif sub == "blocks":
-                    res = list(r.reqs[rest[0]].blocks)
-                elif sub == "scribble":
-                    r.scribble()
-                    res = None
-                elif sub == "skip_save_in":
-                    r.skip_save_steps.add(r.step_no + rest[0])
-                    res = None
-                elif sub == "stats":
-                    st = r.kvshim.worker.stats()
-                    res = {"worker": st.counters, "jobs": st.jobs}  # as kvshim_stats reports them
-                elif sub == "attr":
-                    res = getattr(r, rest[0])
-                else:
-                    raise ValueError(f"unknown rank command {sub!r}")
+                res = rank_command(runners[rk], sub, rest)
             elif cmd == "teardown":
                 for r in runners.values():
                     r.close()

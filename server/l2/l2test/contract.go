@@ -462,6 +462,23 @@ func (s *suite) heldKeyRefusesDelete(t *testing.T) {
 func (s *suite) partialFailure(t *testing.T) {
 	ctx := context.Background()
 	const bad = 2
+	// loadResized stores every key and loads them into buffers of their
+	// size, except key bad's, resized by resize: the others load intact.
+	loadResized := func(resize func([]byte) []byte) func(*testing.T, []kv.Key, [][]byte) *l2.Task {
+		return func(t *testing.T, k []kv.Key, src [][]byte) *l2.Task {
+			s.store(t, s.a, k, src)
+			dst := buffers(src)
+			dst[bad] = resize(dst[bad])
+			task := s.a.Load(ctx, k, dst)
+			Wait(t, task)
+			for i := range k {
+				if i != bad {
+					check(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
+				}
+			}
+			return task
+		}
+	}
 	for _, tc := range []struct {
 		name string
 		// run makes key bad fail in an operation on keys (src stored, except
@@ -471,32 +488,8 @@ func (s *suite) partialFailure(t *testing.T) {
 		// after checks the state that the batch left
 		after func(t *testing.T, keys []kv.Key, src [][]byte)
 	}{
-		{"load into a short buffer", func(t *testing.T, k []kv.Key, src [][]byte) *l2.Task {
-			s.store(t, s.a, k, src)
-			dst := buffers(src)
-			dst[bad] = dst[bad][:len(dst[bad])-1]
-			task := s.a.Load(ctx, k, dst)
-			Wait(t, task)
-			for i := range k {
-				if i != bad {
-					check(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
-				}
-			}
-			return task
-		}, l2.ErrBufferSize, s.allLoad},
-		{"load into a long buffer", func(t *testing.T, k []kv.Key, src [][]byte) *l2.Task {
-			s.store(t, s.a, k, src)
-			dst := buffers(src)
-			dst[bad] = append(dst[bad], 0)
-			task := s.a.Load(ctx, k, dst)
-			Wait(t, task)
-			for i := range k {
-				if i != bad {
-					check(t, bytes.Equal(dst[i], src[i]), "key %d: loaded bytes differ from the stored ones", i)
-				}
-			}
-			return task
-		}, l2.ErrBufferSize, s.allLoad},
+		{"load into a short buffer", loadResized(func(b []byte) []byte { return b[:len(b)-1] }), l2.ErrBufferSize, s.allLoad},
+		{"load into a long buffer", loadResized(func(b []byte) []byte { return append(b, 0) }), l2.ErrBufferSize, s.allLoad},
 		{"delete with a held key", func(t *testing.T, k []kv.Key, src [][]byte) *l2.Task {
 			s.store(t, s.a, k, src)
 			eq(t, Wait(t, s.a.LookupAndHold(ctx, k[bad:bad+1]))[0].Status, l2.StatusOK)
