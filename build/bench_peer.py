@@ -172,6 +172,8 @@ class KvshimSide:
         the list conversion, calls)."""
         out = ctypes.c_int64()
         t0 = time.perf_counter_ns()
+        # As KVShimConnector does: the server wakes while the list is converted and hashed.
+        self.sched.check(self.lib.kvshim_sched_prewake(self.sched.value, len(tokens)))
         a = self.u32(tokens)
         t1 = time.perf_counter_ns()
         ptr = a.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32))

@@ -53,14 +53,21 @@ def test_list_is_read_by_the_library():
     class Sub(list[int]):
         pass
 
-    ids = [0, 1, True, 2**30 - 1, 2**30, 2**32 - 1, 151_935]
-    for src in (ids, Sub(ids), list(range(70_000))):
+    class Int(int):
+        pass
+
+    # The loop reads an exact int's digits in place (a layout the library
+    # checks against ints this interpreter makes); bools and subclasses of
+    # int go through the C API.
+    ids = [0, 1, True, 2**30 - 1, 2**30, 2**31 + 7, 2**32 - 1, 151_935, Int(2**30 + 3)]
+    spread = np.random.default_rng(5).integers(0, 2**32, 100_000, dtype=np.uint64).tolist()
+    for src in (ids, Sub(ids), list(range(70_000)), spread):
         out = np.empty(len(src), dtype=np.uint32)
         assert native.tokens_from_list(src, out.ctypes.data, out.size)
         assert out.tolist() == list(array.array("I", src))
         assert _u32(src).tolist() == out.tolist()
     out = np.zeros(4, dtype=np.uint32)
-    for bad in ([1, -1], [1, 2**32], [1, 2**64], [1, 1.5], [1, "2"], [1, np.int64(2)], [1, 2, 3, 4, 5]):
+    for bad in ([1, -1], [1, -(2**30)], [1, 2**32], [1, 2**32 + 2**31], [1, 2**64], [1, 1.5], [1, "2"], [1, np.int64(2)], [1, 2, 3, 4, 5]):
         assert not native.tokens_from_list(bad, out.ctypes.data, out.size)
     assert out[2:].tolist() == [0, 0]  # a list longer than the buffer: nothing written past it
     assert not native.tokens_from_list((1, 2), out.ctypes.data, out.size)  # type: ignore[arg-type]  # no list
