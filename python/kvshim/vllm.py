@@ -17,6 +17,7 @@ forked its worker processes.
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import logging
 import uuid
@@ -593,10 +594,10 @@ class KVShimScheduler:
             # the chunks saved during its decode are loads, not recompute.
             embeds = getattr(request, "prompt_embeds", None) is not None
             ids = request.prompt_token_ids if embeds else self._lookup_ids(request)
-            try:  # the server wakes while the ids are converted and hashed
+            # The server wakes while the ids are converted and hashed; a hint
+            # only: match below meets the same failure and reports it.
+            with contextlib.suppress(KVShimError):
                 self.native.prewake(len(ids) if ids is not None else 0)
-            except KVShimError:
-                pass  # a hint only; match below meets the same failure and reports it
             try:
                 tokens = _u32(ids if ids is not None else ())
             except (ValueError, TypeError) as e:  # an id that is no uint32
