@@ -133,6 +133,9 @@ func (d Device) String() string {
 //	Dims         optional dimension names; nil = DefaultDims(Backend, rank)
 //	StoragePtr   optional tensor.untyped_storage().data_ptr()
 //	StorageBytes optional tensor.untyped_storage().nbytes(); 0 = unknown
+//	BlockTokens  optional: the tokens one block stands for when its
+//	             block_size dim (size 1) is a state, not tokens (a Mamba/SSM
+//	             layer's page: one recurrent state per block)
 //
 // The JSON form (field names below) is what build/torch_geometry.py writes.
 type TensorDesc struct {
@@ -147,4 +150,5 @@ type TensorDesc struct {
 	Dims         []Dim   `json:"dims,omitempty"`
 	StoragePtr   uint64  `json:"storage_ptr,omitempty"`
 	StorageBytes uint64  `json:"storage_bytes,omitempty"`
+	BlockTokens  int64   `json:"block_tokens,omitempty"`
 }

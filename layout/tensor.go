@@ -152,6 +152,19 @@ func analyze(d *TensorDesc) (*tensor, error) {
 		// a kernel block split: a block is its kernel blocks' tokens
 		t.blockSize *= dims[i].size
 	}
+	if d.BlockTokens != 0 {
+		// A state page (vLLM's MambaSpec view: (blocks, heads, 1, state
+		// bytes)) holds no tokens; the block still stands for BlockTokens of
+		// them in the block table the scheduler's chunks count.
+		_, split := byName[DimKernelBlocks]
+		switch {
+		case d.BlockTokens < 0:
+			return nil, geomErr(name, "block_tokens", "negative %d", d.BlockTokens)
+		case t.blockSize != 1 || split:
+			return nil, geomErr(name, "block_tokens", "%d with a block_size dim of %d tokens (want one state a block)", d.BlockTokens, t.blockSize)
+		}
+		t.blockSize = d.BlockTokens
+	}
 
 	// Dense inner run: the smallest-stride non-block dims that tile memory
 	// with no gaps. The head dim must be inside it.

@@ -26,6 +26,21 @@ import (
 // Each group has its own namespace (NamespaceSpec.KVGroup), so a group's
 // objects can never be restored into another group; a model with one group
 // keeps group 0's namespace, so its keys are those of kvshim before groups.
+//
+// A Mamba/SSM group (MambaSpec with mamba_cache_mode "align") holds no KV
+// per token but one recurrent state per block: block p holds the state after
+// exactly (p+1)*block_size tokens once the request computed that far (vLLM
+// v1/core/sched/scheduler.py:607-610, _mamba_block_aligned_split), or is the
+// null block where no scheduler step ended at that boundary (the manager
+// allocates only the block at a step's end: single_type_kv_cache_manager.py
+// allocate_new_blocks, :1849-1859) or the state was retired
+// (remove_skipped_blocks, 1629-1657). Its manager keeps only the state of the
+// last computed token (get_num_skipped_tokens: n-1, :1971-1976), and a hit of
+// n tokens needs exactly the one block ending at n (find_longest_cache_hit,
+// :1470-1547). So kvshim's object of a Mamba group's chunk c holds only the
+// chunk's last block; a chunk whose last block is null has no object; and a
+// hit must end on a chunk boundary whose object is there (never one token
+// short of the prompt: no state is kept there).
 
 // GroupKind is the attention protocol of a KV-cache group.
 type GroupKind string
@@ -34,6 +49,7 @@ const (
 	GroupFull          GroupKind = "full"           // every token attends to all before it
 	GroupSlidingWindow GroupKind = "sliding_window" // to the last Window tokens
 	GroupChunkedLocal  GroupKind = "chunked_local"  // to the tokens of its Window-sized attention chunk
+	GroupMamba         GroupKind = "mamba"          // one recurrent state per block, no window
 )
 
 // GroupSpec is one KV-cache group as the connector describes it.
@@ -43,15 +59,24 @@ type GroupSpec struct {
 	Window int `json:"window,omitempty"`
 }
 
-// Windowed says whether the group frees blocks behind a window.
+// Windowed says whether the group frees blocks behind a window (a Mamba
+// group's "window" is its last state).
 func (g GroupSpec) Windowed() bool { return g.Kind != GroupFull }
+
+// BoundaryOnly says whether a hit of the group must end exactly on a chunk
+// boundary whose object holds the state there (a Mamba group): the hit of a
+// whole prompt cannot stop one token short of it.
+func (g GroupSpec) BoundaryOnly() bool { return g.Kind == GroupMamba }
 
 // Skipped is the number of leading tokens the group no longer needs once n
 // tokens are computed: vLLM's get_num_skipped_tokens of
-// SlidingWindowManager (max(0, n-W+1)) and ChunkedLocalAttentionManager
-// (n rounded down to the attention chunk).
+// SlidingWindowManager (max(0, n-W+1)), ChunkedLocalAttentionManager
+// (n rounded down to the attention chunk) and MambaManager (n-1: the state
+// of the last token only).
 func (g GroupSpec) Skipped(n int) int {
 	switch g.Kind {
+	case GroupMamba:
+		return max(0, n-1)
 	case GroupSlidingWindow:
 		return max(0, n-g.Window+1)
 	case GroupChunkedLocal:
@@ -68,10 +93,16 @@ func (g GroupSpec) Skipped(n int) int {
 // more blocks, so the object of chunk c also holds what any later boundary
 // needs from chunk c. The result is at least the chunk's first block and
 // may be past its last one (nothing of the chunk is needed).
+//
+// A Mamba group's object holds the chunk's last block alone: the state at
+// the chunk's end (a hit is never one token short there).
 func (g GroupSpec) ObjectFirstBlock(c, chunk, bs int) int {
 	first := c * chunk / bs
-	if !g.Windowed() {
+	switch {
+	case !g.Windowed():
 		return first
+	case g.Kind == GroupMamba:
+		return (c+1)*chunk/bs - 1
 	}
 	return max(first, g.Skipped((c+1)*chunk-1)/bs)
 }
@@ -94,12 +125,16 @@ func (s NamespaceSpec) Groups() ([]GroupSpec, error) {
 	for i, g := range lg.Groups {
 		switch {
 		case g.Kind == GroupFull:
+		case g.Kind == GroupMamba:
+			if g.Window != 0 {
+				return nil, fmt.Errorf("%w: group %d (%s): window %d (a state has none)", ErrBadNamespaceSpec, i, g.Kind, g.Window)
+			}
 		case g.Kind == GroupSlidingWindow || g.Kind == GroupChunkedLocal:
 			if g.Window <= 0 {
 				return nil, fmt.Errorf("%w: group %d (%s): window %d", ErrBadNamespaceSpec, i, g.Kind, g.Window)
 			}
 		default:
-			return nil, fmt.Errorf("%w: group %d: kind %q (want full, sliding_window or chunked_local)", ErrBadNamespaceSpec, i, g.Kind)
+			return nil, fmt.Errorf("%w: group %d: kind %q (want full, sliding_window, chunked_local or mamba)", ErrBadNamespaceSpec, i, g.Kind)
 		}
 	}
 	if len(lg.Groups) >= maxKVGroup {

@@ -48,7 +48,7 @@ func TestGroupsHaveTheirOwnNamespaces(t *testing.T) {
 		assert.Check(t, !dup, "group %d shares a namespace", i)
 		seen[ns] = i
 	}
-	for _, bad := range []string{`{"groups": [{"kind": "mamba"}]}`, `{"groups": [{"kind": "sliding_window"}]}`} {
+	for _, bad := range []string{`{"groups": [{"kind": "ssm"}]}`, `{"groups": [{"kind": "sliding_window"}]}`, `{"groups": [{"kind": "mamba", "window": 4}]}`} {
 		spec.LayoutFingerprint = bad
 		_, _, err := spec.GroupNamespaces()
 		assert.Check(t, is.ErrorIs(err, ErrBadNamespaceSpec), bad)

@@ -284,9 +284,14 @@ func (s *Scheduler) poll(r *schedReq) {
 }
 
 // fullBoundary is the boundary (in chunks) every full-attention group of r
-// can restore: the smallest of their answers.
+// can restore: the smallest of their answers, and, with a Mamba group, a
+// boundary short of the prompt's end (vLLM computes the last prompt token
+// itself, and no state is kept one token short of a boundary).
 func (s *Scheduler) fullBoundary(r *schedReq) int {
 	k := len(r.hashes)
+	if slices.ContainsFunc(s.groups, GroupSpec.BoundaryOnly) {
+		k = min(k, max(0, r.prompt-1)/s.chunk)
+	}
 	for i, gs := range s.groups {
 		if !gs.Windowed() {
 			k = min(k, r.g[i].hits)
@@ -534,11 +539,12 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 			hs = append(hs, kv.Hash(h))
 		}
 		lo, hi := gFirst-base, last-base
-		if gFirst < base {
+		if gFirst < base || gs.BoundaryOnly() && end%s.chunk != 0 {
 			// vLLM loads fewer tokens than Match offered and the window
-			// starts before the chunks held: a load without hashes, so
-			// every block of it is a load error (no object is checked or
-			// copied) and vLLM recomputes them.
+			// starts before the chunks held (or a Mamba group's load ends
+			// off a chunk boundary, where no object holds the state): a
+			// load without hashes, so every block of it is a load error
+			// (no object is checked or copied) and vLLM recomputes them.
 			hs, lo, hi = nil, 0, last-gFirst
 		}
 		// Holds outside the chunks we load are not needed; the workers
@@ -564,14 +570,17 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 }
 
 // groupSave is the save of group i's chunks [g.saved, full) of r from its
-// block table blocks, or nil when there is none; hashes are r's chunk
+// block table blocks (none when nothing is to save); hashes are r's chunk
 // hashes (at least full of them). A full-attention group saves every block
 // of a chunk and stops at the first chunk with a missing block (not
 // allocated yet). A windowed group's object of chunk c holds the blocks
 // from ObjectFirstBlock on (the rest are -1, left out): a chunk whose
 // window has a null block (freed by vLLM) can no longer be saved and is
-// passed over. The blocks a windowed save reads are fenced (see fence).
-func (s *Scheduler) groupSave(r *schedReq, i int, full int, hashes []kv.Hash, blocks []int64) *SaveSpec {
+// passed over. A sliding window passes over leading chunks only; a Mamba
+// group may pass over any chunk (no step ended on its boundary), so the
+// chunks saved are one SaveSpec per run of consecutive chunks. The blocks
+// a windowed save reads are fenced (see fence).
+func (s *Scheduler) groupSave(r *schedReq, i int, full int, hashes []kv.Hash, blocks []int64) []SaveSpec {
 	g, gs := &r.g[i], s.groups[i]
 	bs := s.cfg.BlockSize
 	cb := s.chunk / bs
@@ -581,7 +590,8 @@ func (s *Scheduler) groupSave(r *schedReq, i int, full int, hashes []kv.Hash, bl
 	if full <= g.saved {
 		return nil
 	}
-	sv := &SaveSpec{Req: r.id, Group: uint32(i), First: uint32(g.saved), Blocks: make([]int64, 0, (full-g.saved)*cb)}
+	var out []SaveSpec
+	var sv *SaveSpec
 	c := g.saved
 	for ; c < full; c++ {
 		lo, hi := gs.ObjectFirstBlock(c, s.chunk, bs), (c+1)*cb
@@ -589,12 +599,12 @@ func (s *Scheduler) groupSave(r *schedReq, i int, full int, hashes []kv.Hash, bl
 			break // not allocated yet
 		}
 		if slices.ContainsFunc(blocks[lo:hi], func(id int64) bool { return id < 0 }) {
-			continue // the window moved on: gone
+			sv = nil // the window moved on (or no state there): gone; a later chunk starts a new run
+			continue
 		}
-		if len(sv.Hashes) == 0 {
-			// (chunks passed over come first: a window only moves on, so
-			// the chunks saved are consecutive from here)
-			sv.First = uint32(c)
+		if sv == nil {
+			out = append(out, SaveSpec{Req: r.id, Group: uint32(i), First: uint32(c), Blocks: make([]int64, 0, (full-c)*cb)})
+			sv = &out[len(out)-1]
 		}
 		sv.Hashes = append(sv.Hashes, kv.Hash(hashes[c]))
 		for b := c * cb; b < hi; b++ {
@@ -609,10 +619,7 @@ func (s *Scheduler) groupSave(r *schedReq, i int, full int, hashes []kv.Hash, bl
 		}
 	}
 	g.saved = c
-	if len(sv.Hashes) == 0 {
-		return nil
-	}
-	return sv
+	return out
 }
 
 // StepRequest is one scheduled request of an engine step, as Python
@@ -721,8 +728,8 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 			full = max(full, s.decodedChunks(r, &sr))
 		}
 		for i := range r.g {
-			if sv := s.groupSave(r, i, full, r.hashes, r.g[i].blocks); sv != nil {
-				m.Saves = append(m.Saves, *sv)
+			if svs := s.groupSave(r, i, full, r.hashes, r.g[i].blocks); len(svs) > 0 {
+				m.Saves = append(m.Saves, svs...)
 				r.savesOut = true
 			}
 		}
@@ -890,9 +897,7 @@ func (s *Scheduler) finalSave(r *schedReq, fin *FinishState) ([]SaveSpec, error)
 	}
 	var out []SaveSpec
 	for i := range r.g {
-		if sv := s.groupSave(r, i, full, hashes, blocks[i]); sv != nil {
-			out = append(out, *sv)
-		}
+		out = append(out, s.groupSave(r, i, full, hashes, blocks[i])...)
 	}
 	return out, nil
 }

@@ -303,7 +303,7 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
         # connectors exist (resolve_kv_cache_layout, record_kv_cache_layout).
         "cache_layout": vllm_config.cache_config.kv_cache_layout or getattr(kv_cache_config, "kv_cache_layout", None),
     }
-    groups = _groups(kv_cache_config, model)
+    groups = _groups(kv_cache_config, model, vllm_config)
     if len(groups) > 1:
         # Several KV-cache groups (vLLM's hybrid allocator): the layout
         # names them all, and Go (shim/groups.go) gives each its own
@@ -336,17 +336,20 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
     }
 
 
-def _groups(kv_cache_config: KVCacheConfig | None, model: str) -> list[dict[str, Any]]:
+def _groups(kv_cache_config: KVCacheConfig | None, model: str, vllm_config: VllmConfig) -> list[dict[str, Any]]:
     """The KV-cache groups as shim.GroupSpec reads them: {"kind": "full" |
-    "sliding_window" | "chunked_local", "window": tokens}, plus what else
-    makes a group's bytes differ (its spec, block size, heads, layers).
+    "sliding_window" | "chunked_local" | "mamba", "window": tokens}, plus
+    what else makes a group's bytes differ (its spec, block size, heads or
+    state shapes, layers).
 
     A window is what vLLM's managers free blocks by
     (v1/core/single_type_kv_cache_manager.py, get_num_skipped_tokens):
     SlidingWindowSpec's sliding_window plus its extra_retained_tokens,
     ChunkedLocalAttentionSpec's attention_chunk_size. A FullAttentionSpec
     with a sliding_window (the hybrid allocator turned off) keeps every
-    block: a full group. Mamba/SSM state and other kinds of group are
+    block: a full group. A MambaSpec group next to attention groups is a
+    "mamba" group where vLLM keeps the state at block boundaries
+    (_mamba_state_refusal says when it does not); other kinds of group are
     refused with an error naming the group and the model (see
     tests/vllm/NOTES.md, "Hybrid models")."""
     if kv_cache_config is None:
@@ -363,15 +366,18 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str) -> list[dict[str,
         return (f"KV-cache group {i} ({type(grp.kv_cache_spec).__name__}, layers {names[:3]}"
                 f"{'...' if len(names) > 3 else ''}) of model {model}")
 
-    for i, grp in enumerate(kv_cache_config.kv_cache_groups):
-        if isinstance(grp.kv_cache_spec, MambaSpec):  # a hybrid or an attention-free model alike
-            raise ValueError(f"kvshim: {where(i, grp)} holds Mamba/SSM state, which kvshim does not save or restore: "
-                             "serve this model without kv_connector KVShimConnector")
-    if len(kv_cache_config.kv_cache_groups) <= 1:
+    groups = kv_cache_config.kv_cache_groups
+    for i, grp in enumerate(groups):
+        if isinstance(grp.kv_cache_spec, MambaSpec):
+            why = _mamba_state_refusal(grp.kv_cache_spec, vllm_config, len(groups))
+            if why:
+                raise ValueError(f"kvshim: {where(i, grp)} holds Mamba/SSM state, which kvshim does not save or restore "
+                                 f"here: {why}; serve this model without kv_connector KVShimConnector")
+    if len(groups) <= 1:
         return []
     out = []
     sizes = set()
-    for i, grp in enumerate(kv_cache_config.kv_cache_groups):
+    for i, grp in enumerate(groups):
         spec = grp.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
             g = {"kind": "sliding_window", "window": int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))}
@@ -379,9 +385,15 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str) -> list[dict[str,
             g = {"kind": "chunked_local", "window": int(spec.attention_chunk_size)}
         elif isinstance(spec, FullAttentionSpec):
             g = {"kind": "full"}
+        elif isinstance(spec, MambaSpec):
+            # The state's tensors and dtypes make its bytes; the padding
+            # (page_size_padded) is never copied.
+            g = {"kind": "mamba", "shapes": [list(x) for x in spec.shapes],
+                 "dtypes": [str(x).removeprefix("torch.") for x in spec.dtypes],
+                 "mamba_type": str(getattr(spec.mamba_type, "name", spec.mamba_type))}
         else:
             raise ValueError(f"kvshim: {where(i, grp)}: kvshim restores full, sliding-window and chunked local "
-                             "attention groups only")
+                             "attention groups and Mamba state groups only")
         g |= {"spec": type(spec).__name__, "block_size": spec.block_size,
               "kv_heads": getattr(spec, "num_kv_heads", None), "head_size": getattr(spec, "head_size", None),
               "layers": len(grp.layer_names)}
@@ -391,6 +403,44 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str) -> list[dict[str,
         raise ValueError(f"kvshim: the KV-cache groups of model {model} have blocks of {sorted(sizes)} tokens; "
                          "kvshim needs one block size for all groups")
     return out
+
+
+def _mamba_state_refusal(spec: Any, vllm_config: VllmConfig, num_groups: int) -> str:
+    """Why kvshim cannot restore this MambaSpec group's state ("" when it
+    can). kvshim relies on vLLM's "align" invariant: once a request computed
+    (p+1)*block_size tokens, its block p holds the state after exactly that
+    many tokens or is the null block (v1/core/sched/scheduler.py:607-610;
+    shim/groups.go). Every case below breaks it or is untested."""
+    cc, pc = vllm_config.cache_config, vllm_config.parallel_config
+    if spec.mamba_cache_mode != "align" or cc.mamba_cache_mode != "align":
+        # "none": one running state per request, overwritten in place;
+        # no state of a chunk boundary survives (single_type_kv_cache_manager.py
+        # MambaManager.get_num_blocks_to_allocate, :1713-1727).
+        return (f"mamba_cache_mode is {spec.mamba_cache_mode!r} (cache config {cc.mamba_cache_mode!r}); kvshim needs "
+                "'align' (vLLM's prefix caching on), where a block holds the state at its last token")
+    if spec.num_speculative_blocks:
+        # The running state lives in the last 1+n blocks and vLLM moves
+        # speculative blocks in place (_relocate_speculative_block, :1925).
+        return f"speculative decoding keeps {spec.num_speculative_blocks} speculative state blocks"
+    if vllm_config.speculative_config is not None:
+        # EAGLE's block drop moves a prefill checkpoint one block before the
+        # block it is written to (kv_cache_interface.py:1184-1185,
+        # kv_cache_coordinator.py:181).
+        return "speculative decoding (a prefill checkpoint state may sit in the block after its position)"
+    if getattr(spec, "tokens_per_state", -1) > 0:
+        return f"a block holds several states (tokens_per_state {spec.tokens_per_state})"
+    unit = getattr(cc, "prefix_match_unit", None)
+    if unit not in (None, spec.block_size):
+        # Partial-block prefix hits copy a state that ends inside a block
+        # (MambaManager._cache_partial_tail_block, copy-on-write).
+        return f"prefix_match_unit {unit} is finer than the {spec.block_size}-token block"
+    if int(getattr(pc, "decode_context_parallel_size", 1) or 1) > 1 or int(getattr(pc, "prefill_context_parallel_size", 1) or 1) > 1:
+        return "context parallelism (vLLM itself serves no Mamba prefix hit with DCP/PCP: MambaManager.find_longest_cache_hit)"
+    if num_groups <= 1:
+        # One group keeps kvshim's keys and block handling from before groups,
+        # which read vLLM's null block as a block.
+        return "an attention-free model (kvshim restores Mamba state next to attention groups only)"
+    return ""
 
 
 def _flat_groups(block_ids: Any) -> list[int]:
@@ -472,6 +522,18 @@ def _kernel_split_desc(name: str, t: torch.Tensor, block_size: int, group: int) 
     d["stride_bytes"] = [x * esize for x in (k * s0, s0, s1, s2, s3)]
     d["dims"] = ["blocks", "kernel_blocks", "heads", "block_size", "head"]
     return d
+
+
+def _state_desc(name: str, t: torch.Tensor, block_size: int, group: int) -> dict[str, Any]:
+    """The descriptor of a Mamba/SSM layer's page view: vLLM 0.33 views it
+    as (blocks, num_heads, states, state bytes) int8 (kv_cache_interface.py
+    create_kv_cache_views and compute_layer_kv_cache_shape_bytes: one state
+    a block, page_size_padded left outside the view). The block still
+    stands for block_size tokens of the block table (layout.TensorDesc
+    BlockTokens): kvshim copies the whole state."""
+    if t.dim() != 4 or t.shape[2] != 1:
+        raise ValueError(f"Mamba state tensor {name}: shape {list(t.shape)}, want vLLM 0.33's (blocks, heads, 1, state bytes) view")
+    return _tensor_desc(name, t, group) | {"block_tokens": block_size}
 
 
 _U32_MAX = 0xFFFFFFFF
@@ -760,10 +822,15 @@ class KVShimWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         group_of: dict[str, int] = {}
         block_of: dict[str, int | None] = {}
+        state_layers: set[str] = set()
         if self._kv_cache_config is not None:
+            from vllm.v1.kv_cache_interface import MambaSpec
+
             for i, grp in enumerate(self._kv_cache_config.kv_cache_groups):
                 group_of |= dict.fromkeys(grp.layer_names, i)
                 block_of |= dict.fromkeys(grp.layer_names, getattr(grp.kv_cache_spec, "block_size", None))
+                if isinstance(grp.kv_cache_spec, MambaSpec):
+                    state_layers.update(grp.layer_names)
         descs: list[dict[str, Any]] = []
         seen: set[tuple[int | None, int]] = set()
         # Layers of a group first: with several KV-cache groups, the i-th
@@ -776,7 +843,9 @@ class KVShimWorker:
                 continue  # layers that share one KV tensor (KV sharing) are copied once
             seen.add((g, t.data_ptr()))
             block_size = block_of.get(name) or self._vllm_config.cache_config.block_size
-            if t.dim() == 4 and t.shape[2] != block_size:
+            if name in state_layers:
+                descs.append(_state_desc(name, t, block_size, g or 0))
+            elif t.dim() == 4 and t.shape[2] != block_size:
                 descs.append(_kernel_split_desc(name, t, block_size, g or 0))
             else:
                 descs.append(_tensor_desc(name, t, g or 0))

@@ -5,7 +5,8 @@ group is saved and restored by its own protocol (shim/groups.go).
 The KV-cache configs are vLLM's own: per-layer specs as the model's
 attention layers declare them (a Gemma-3-style model: sliding-window layers
 and every third layer global; a Llama-4-style model: chunked local
-attention and every fourth layer global), grouped by vLLM's
+attention and every fourth layer global; a Jamba-style model: Mamba
+layers in mamba_cache_mode "align" and every fourth layer global), grouped by vLLM's
 get_kv_cache_groups, laid out by get_kv_cache_config_from_groups and
 allocated by allocate_kv_cache (layers of different groups view one buffer,
 as on a GPU). The scheduler is vLLM's real one, one manager per group.
@@ -25,7 +26,7 @@ the test sets HMA on the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -91,11 +92,30 @@ def llama4_specs(num_layers: int = 4, attention_chunk: int = 2 * CHUNK) -> dict[
     }
 
 
-def hma_config(model_dir, specs: dict[str, Any], layout: str = "LBNHC", *, prefix_caching: bool = False) -> tuple[Any, KVCacheConfig]:
+def jamba_specs(num_layers: int = 8, mode: str = "align", **mamba: Any) -> dict[str, Any]:
+    """A Jamba/Granite-4-style hybrid: Mamba layers, every fourth layer
+    full attention. The state (a conv and an SSM tensor, MambaSpec.shapes)
+    is padded to the attention page (page_size_padded, as vLLM pads a
+    hybrid model's Mamba pages: cache_config.mamba_page_size_padded), so
+    get_kv_cache_groups puts the layers of a kind in groups of one page
+    size."""
+    kw: dict[str, Any] = {"block_size": BLOCK, "num_kv_heads": HEADS, "head_size": HEAD, "dtype": torch.float16}
+    page = FullAttentionSpec(**kw).page_size_bytes
+    state: dict[str, Any] = {"block_size": BLOCK, "shapes": ((4, 8), (HEADS, HEAD, 8)), "dtypes": (torch.float16, torch.float16),
+             "page_size_padded": page, "mamba_cache_mode": mode} | mamba
+    return {layer(i): FullAttentionSpec(**kw) if i % 4 == 3 else MambaSpec(**state) for i in range(num_layers)}
+
+
+def hma_config(model_dir, specs: dict[str, Any], layout: str = "LBNHC", *, prefix_caching: bool = False,
+               mamba_cache_mode: Literal["align", "none"] | None = None) -> tuple[Any, KVCacheConfig]:
     """A VllmConfig with the hybrid manager on and vLLM's KVCacheConfig for
     the specs (groups by get_kv_cache_groups, tensors by
-    get_kv_cache_config_from_groups)."""
+    get_kv_cache_config_from_groups). mamba_cache_mode is the cache
+    config's (vLLM derives "align" from prefix caching for a model with
+    Mamba layers; the tiny Llama has none, so it is set here)."""
     cfg = kvshim_config(model_dir, enable_prefix_caching=prefix_caching)
+    if mamba_cache_mode is not None:
+        cfg.cache_config.mamba_cache_mode = mamba_cache_mode
     # The factory's check: KVShimConnector no longer turns HMA off.
     assert cfg.kv_transfer_config is not None
     assert KVConnectorFactory.supports_hma_config(cfg.kv_transfer_config)
@@ -137,6 +157,11 @@ class HybridRunner:
         resolve_layout(cfg, kvc)
         self.groups = [list(g.layer_names) for g in kvc.kv_cache_groups]
         self.specs = [g.kv_cache_spec for g in kvc.kv_cache_groups]
+        # Mamba groups: one state a block, not a KV a token (state()).
+        self.state_groups = {g for g, sp in enumerate(self.specs) if isinstance(sp, MambaSpec)}
+        # (request, tokens) of every step that found a state other than the
+        # model's for its prefix where vLLM reads the running state
+        self.state_errors: list[tuple[str, int]] = []
         names = sorted({n for g in self.groups for n in g}, key=lambda n: int(n.split(".")[2]))
         self.index = {n: i for i, n in enumerate(names)}
         self.model = KVModel(len(names), HEADS, HEAD)
@@ -163,6 +188,18 @@ class HybridRunner:
         hs = KVModel.prefix_hashes(tokens[: (index + 1) * BLOCK])[index * BLOCK :]
         kv = self.model.kv(hs, self.index[name])  # (2, tokens, heads, head)
         return kv.permute(2, 1, 0, 3).reshape(HEADS, BLOCK, 2 * HEAD)
+
+    def state(self, name: str, hashes: list[int], n: int) -> torch.Tensor:
+        """A Mamba layer's state after n tokens: bytes that are a function
+        of the n-token prefix and the layer (int8, the page view's width)."""
+        import numpy as np
+
+        seed = (hashes[n - 1] ^ (self.index[name] + 1) * 0x9E3779B97F4A7C15) & (1 << 64) - 1
+        width = self.kv_caches[name].shape[-1]
+        return torch.from_numpy(np.random.default_rng(seed).integers(-128, 128, width, dtype=np.int8))
+
+    def state_ok(self, group: int, hashes: list[int], block: int, n: int) -> bool:
+        return all(torch.equal(self.kv_caches[name][block, 0, 0], self.state(name, hashes, n)) for name in self.groups[group])
 
     def wrong_blocks(self, group: int, tokens: list[int], blocks: list[int], indices: range) -> list[int]:
         """Block indices in indices whose block does not hold the model's KV
@@ -205,6 +242,10 @@ class HybridRunner:
         r = self.reqs[rid]
         wrong = {}
         for g, blocks in enumerate(r.blocks):
+            if g in self.state_groups:
+                # the state at n, in the block that ends there
+                wrong[g] = [] if self.state_ok(g, r.hashes, blocks[n // BLOCK - 1], n) else [n // BLOCK - 1]
+                continue
             real = [i for i in range(n // BLOCK) if blocks[i] != 0]
             wrong[g] = self.wrong_blocks(g, r.tokens, blocks, range(real[0], n // BLOCK)) if real else []
         r.first_check = (n, wrong)
@@ -216,6 +257,9 @@ class HybridRunner:
                 r.tokens.append(7)
                 r.hashes = KVModel.prefix_hashes(r.tokens)
             for g, names in enumerate(self.groups):
+                if g in self.state_groups:
+                    self._advance_state(rid, g, start, start + n)
+                    continue
                 for p in range(start, start + n):
                     b = r.blocks[g][p // BLOCK]
                     assert b != 0, f"group {g}: token {p} scheduled into the null block"
@@ -223,6 +267,24 @@ class HybridRunner:
                     for name in names:
                         kv = self.model.kv(r.hashes[p : p + 1], self.index[name])  # (2, 1, heads, head)
                         self.kv_caches[name].view(torch.int16)[kb, :, slot] = kv.permute(1, 2, 0, 3).reshape(HEADS, 2 * HEAD)
+
+    def _advance_state(self, rid: str, g: int, start: int, end: int) -> None:
+        """vLLM's align mode on the worker: the step reads the running state
+        from the block holding token start-1 (the hit's block after a load)
+        and leaves the state after end tokens in the block holding token
+        end-1 (v1/core/single_type_kv_cache_manager.py MambaManager
+        allocate_new_blocks; scheduler.py:607-610). A state other than the
+        model's where it is read is recorded."""
+        r = self.reqs[rid]
+        if start > 0:
+            src = r.blocks[g][(start - 1) // BLOCK]
+            assert src != 0, f"group {g}: the state at {start} is in the null block"
+            if not self.state_ok(g, r.hashes, src, start):
+                self.state_errors.append((rid, start))
+        dst = r.blocks[g][(end - 1) // BLOCK]
+        assert dst != 0, f"group {g}: the state at {end} goes into the null block"
+        for name in self.groups[g]:
+            self.kv_caches[name][dst, 0, 0] = self.state(name, r.hashes, end)
 
     def execute(self, so) -> KVConnectorOutput:
         wc, out = self.connector, KVConnectorOutput()
@@ -476,25 +538,186 @@ def test_single_group_keys_are_unchanged(tiny_model_dir):
     assert ns == SINGLE_GROUP_NAMESPACE
 
 
-def test_mamba_group_is_refused_naming_group_and_model(tiny_model_dir):
+@pytest.mark.parametrize(("cache_mode", "mamba", "groups", "why"), [
+    # vLLM keeps one running state, overwritten in place: no boundary state
+    ("none", {"mamba_cache_mode": "none"}, 2, r"mamba_cache_mode is 'none'"),
+    ("align", {"mamba_cache_mode": "none"}, 2, r"mamba_cache_mode is 'none'"),
+    # the running state moves among 1+n blocks (_relocate_speculative_block)
+    ("align", {"mamba_cache_mode": "align", "num_speculative_blocks": 1}, 2, r"speculative decoding keeps 1"),
+    # a speculative config (EAGLE's block drop moves prefill checkpoints)
+    ("align", {"mamba_cache_mode": "align", "spec": True}, 2, r"speculative decoding \(a prefill checkpoint"),
+    ("align", {"mamba_cache_mode": "align", "tokens_per_state": 4}, 2, r"several states"),
+    ("align", {"mamba_cache_mode": "align", "prefix_match_unit": 8}, 2, r"prefix_match_unit 8 is finer"),
+    # an attention-free model: one Mamba group
+    ("align", {"mamba_cache_mode": "align"}, 1, r"attention-free"),
+])
+def test_unsupported_mamba_group_is_refused_naming_group_and_model(tiny_model_dir, cache_mode, mamba, groups, why):
+    from vllm.config import SpeculativeConfig, VllmConfig
+
+    mamba = dict(mamba)
     cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False)
+    if mamba.pop("spec", False):
+        cfg = VllmConfig(parallel_config=cfg.parallel_config, model_config=cfg.model_config, scheduler_config=cfg.scheduler_config,
+                         cache_config=cfg.cache_config, kv_transfer_config=cfg.kv_transfer_config, device_config=cfg.device_config,
+                         speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                                              prompt_lookup_max=4, prompt_lookup_min=2))
+    cfg.cache_config.prefix_match_unit = mamba.pop("prefix_match_unit", None)
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
-    kvc = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec([layer(0)], FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)),
-            KVCacheGroupSpec([layer(1)], MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float16,))),
-        ],
-    )
-    with pytest.raises(ValueError, match=r"KV-cache group 1 \(MambaSpec, layers \['model.layers.1.self_attn.attn'\]\) "
-                       r"of model .*tiny-llama.*@main holds Mamba/SSM state"):
-        KVShimConnector(cfg, KVConnectorRole.WORKER, kvc)
-    # an attention-free model (one Mamba group) too
-    kvc.kv_cache_groups = kvc.kv_cache_groups[1:]
-    with pytest.raises(ValueError, match=r"KV-cache group 0 \(MambaSpec"):
-        KVShimConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
+    cfg.cache_config.mamba_cache_mode = cache_mode
+    full = KVCacheGroupSpec([layer(0)], FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16))
+    state = KVCacheGroupSpec([layer(1)], MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float16,), **mamba))
+    kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[full, state][2 - groups:])
+    where = rf"KV-cache group {groups - 1} \(MambaSpec, layers \['model.layers.1.self_attn.attn'\]\) of model .*tiny-llama.*@main"
+    for role in (KVConnectorRole.WORKER, KVConnectorRole.SCHEDULER):
+        with pytest.raises(ValueError, match=where + r" holds Mamba/SSM state, .*" + why):
+            KVShimConnector(cfg, role, kvc)
+
+
+def test_mamba_groups_are_named_in_the_namespace(tiny_model_dir):
+    import json
+
+    cfg, kvc = hma_config(tiny_model_dir, jamba_specs(), mamba_cache_mode="align")
+    ns = _namespace(cfg, kvc, read_config(cfg.kv_transfer_config.kv_connector_extra_config))
+    groups = json.loads(ns["layout"])["groups"]
+    assert [g["kind"] for g in groups] == ["mamba" if isinstance(g.kv_cache_spec, MambaSpec) else "full" for g in kvc.kv_cache_groups]
+    assert groups[0] | {"layers": 2} == {"kind": "mamba", "spec": "MambaSpec", "block_size": BLOCK, "kv_heads": None, "head_size": None,
+                                         "layers": 2, "shapes": [[4, 8], [HEADS, HEAD, 8]], "dtypes": ["float16", "float16"],
+                                         "mamba_type": "MAMBA2"}
+
+
+def mamba_saved(h, req_id: str, r: HybridRunner) -> dict[int, list[int]]:
+    """The chunks saved per group for req_id."""
+    saved: dict[int, list[int]] = {}
+    for sv in saves_of(h, req_id):
+        saved.setdefault(sv.get("group", 0), []).extend(range(sv["first"], sv["first"] + len(sv["hashes"])))
+    return saved
+
+
+def test_mamba_hybrid_restores_attention_and_state(hybrid):
+    """A Jamba-style model (3 Mamba groups, 1 full attention group) in
+    mamba_cache_mode "align". Request A's prefill stops at 192, the last
+    block boundary before its 197-token prompt's end (vLLM's
+    _mamba_block_aligned_split): the state at 192 is kept, those at 64 and
+    128 never exist (null blocks). kvshim saves the attention group's 3
+    chunks and each Mamba group's chunk 2 alone (its last block). B (A's
+    192 tokens and 9 more) restores every group at 192: the attention KV and
+    the state block, byte for byte, into its own blocks, and its first step
+    reads the restored state. C (A's first 150 tokens) would hit 128 tokens
+    of attention, but no state is stored there: a miss, never a restore
+    of a wrong state."""
+    h, r = hybrid(jamba_specs(), mamba_cache_mode="align")
+    assert [type(sp).__name__ for sp in r.specs].count("MambaSpec") == 3 and len(r.specs) == 4
+    sched = h.scheduler
+    assert sched.need_mamba_block_aligned_split
+    p = prompt(31, 3 * CHUNK + 5)
+    a = h.add_request(h.make_request(p, max_tokens=60))
+    s = run_until_scheduled(h, a)
+    assert s.num_scheduled_tokens[a.request_id] == 3 * CHUNK
+    h.step()  # A's last 5 prompt tokens
+    wait_jobs(h)
+    saved = mamba_saved(h, a.request_id, r)
+    for g in range(len(r.specs)):
+        assert saved[g] == ([2] if g in r.state_groups else [0, 1, 2]), (g, saved)
+    for sv in saves_of(h, a.request_id):
+        if sv.get("group", 0) in r.state_groups:
+            assert sv["blocks"][:3] == [-1, -1, -1] and sv["blocks"][3] > 0, sv  # the block ending at 192
+
+    r.scribble()  # only a load can bring the bytes back
+    q = p[: 3 * CHUNK] + prompt(32, 9)
+    b = h.add_request(h.make_request(q, max_tokens=2))
+    s = run_until_scheduled(h, b)
+    hit = 3 * CHUNK
+    assert new_req_data(s, b.request_id).num_computed_tokens == hit
+    loads = [ld for st in h.steps for ld in loads_of(st, b.request_id)]
+    assert sorted(ld.get("group", 0) for ld in loads) == list(range(len(r.specs)))
+    (ld_full,) = [ld for ld in loads if ld.get("group", 0) not in r.state_groups]
+    assert (ld_full["start"], ld_full["end"]) == (0, 3)
+    for ld in loads:
+        if ld.get("group", 0) in r.state_groups:
+            # chunk 2 alone (a lookup of chunks 2.. : its chunk 0), the state block ending at 192
+            assert ld["hashes"] == ld_full["hashes"][2:] and (ld["start"], ld["end"]) == (0, 1), ld
+            assert ld["blocks"][:3] == [-1, -1, -1] and ld["blocks"][3] > 0, ld
+    rb = r.reqs[b.request_id]
+    a_blocks = [set(ids) - {0} for ids in sched.kv_cache_manager.get_block_ids(a.request_id)]
+    n, wrong = rb.first_check
+    assert n == hit and wrong == {g: [] for g in range(len(r.specs))}, wrong
+    for g in r.state_groups:
+        # vLLM's blocks for a hit of 192: null up to the state block (MambaManager.get_num_skipped_tokens: n-1)
+        assert all(x == 0 for x in rb.blocks[g][: hit // BLOCK - 1]) and rb.blocks[g][hit // BLOCK - 1] not in a_blocks[g] | {0}
+    h.settle(until=lambda st: b.request_id in st.scheduler_output.finished_req_ids)
+    # (A reads the state the scribble wiped: no request but A's is wrong)
+    assert {rid for rid, _ in r.state_errors} <= {a.request_id} and all(not e for e in r.load_errors)
+
+    c = h.add_request(h.make_request(p[:150] + prompt(33, 9), max_tokens=1))
+    s = run_until_scheduled(h, c)
+    assert new_req_data(s, c.request_id).num_computed_tokens == 0
+    assert not [ld for st in h.steps for ld in loads_of(st, c.request_id)]
+    h.abort(a.request_id)
+    h.settle()
+    assert {rid for rid, _ in r.state_errors} <= {a.request_id}
+    assert_clean(h)
+
+
+def test_mamba_multiturn_restores_the_state_saved_during_decode(hybrid):
+    """Turn 1 (133-token prompt, 128 tokens of answer): the prefill keeps
+    the state at 128, the decode passes 192 and 256 one token a step, and
+    each of those states is saved once the step that computed it ran.
+    Turn 2 (turn 1 + a question) restores 256 tokens: the attention group's
+    4 chunks and each Mamba group's state at 256."""
+    h, r = hybrid(jamba_specs(), mamba_cache_mode="align")
+    p = prompt(41, 2 * CHUNK + 5)
+    a = h.add_request(h.make_request(p, max_tokens=2 * CHUNK))
+    h.settle()
+    wait_jobs(h)
+    turn1 = p + h.outputs[a.request_id]
+    assert len(turn1) == 4 * CHUNK + 5
+    saved = mamba_saved(h, a.request_id, r)
+    for g in range(len(r.specs)):
+        assert sorted(saved[g]) == ([1, 2, 3] if g in r.state_groups else [0, 1, 2, 3]), (g, saved)
+
+    r.scribble()
+    b = h.add_request(h.make_request(turn1 + prompt(42, 9), max_tokens=1))
+    s = run_until_scheduled(h, b)
+    assert new_req_data(s, b.request_id).num_computed_tokens == 4 * CHUNK
+    n, wrong = r.reqs[b.request_id].first_check
+    assert n == 4 * CHUNK and wrong == {g: [] for g in range(len(r.specs))}, wrong
+    loads = [ld for st in h.steps for ld in loads_of(st, b.request_id)]
+    (ld_full,) = [ld for ld in loads if ld.get("group", 0) not in r.state_groups]
+    assert (ld_full["start"], ld_full["end"]) == (0, 4)
+    for ld in loads:
+        if ld.get("group", 0) in r.state_groups:
+            assert ld["hashes"] == ld_full["hashes"][3:], ld  # the state at 256 alone
+    h.settle()
+    assert r.state_errors == [] and all(not e for e in r.load_errors)
+    assert_clean(h)
 
 
 def test_connector_supports_hma():
     assert supports_hma(KVShimConnector)
+
+
+def test_mamba_with_vllms_prefix_cache_on(hybrid):
+    """Prefix caching on (vLLM's HybridKVCacheCoordinator: how a Mamba
+    hybrid runs in "align" mode in production): once vLLM evicted its own
+    copy, kvshim restores the attention chunks and the state at 192."""
+    h, r = hybrid(jamba_specs(), prefix_caching=True, mamba_cache_mode="align")
+    assert type(h.scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
+    p = prompt(51, 3 * CHUNK + 5)
+    h.add_request(h.make_request(p, max_tokens=1))
+    h.settle()
+    wait_jobs(h)
+    for i in range(10):  # other prompts fill the pool: vLLM's cached blocks of p are evicted
+        h.add_request(h.make_request(prompt(60 + i, 5 * CHUNK), max_tokens=1))
+        h.settle()
+        wait_jobs(h)
+    r.scribble()
+    b = h.add_request(h.make_request(p[: 3 * CHUNK] + prompt(52, 9), max_tokens=2))
+    s = run_until_scheduled(h, b)
+    assert new_req_data(s, b.request_id).num_computed_tokens == 3 * CHUNK
+    loads = [ld for st in h.steps for ld in loads_of(st, b.request_id)]
+    assert sorted(ld.get("group", 0) for ld in loads) == list(range(len(r.specs)))
+    n, wrong = r.reqs[b.request_id].first_check
+    assert n == 3 * CHUNK and wrong == {g: [] for g in range(len(r.specs))}, wrong
+    h.settle()
+    assert r.state_errors == [] and all(not e for e in r.load_errors)
+    assert_clean(h)
