@@ -24,8 +24,11 @@ import (
 //     only the blocks vLLM allocated there.
 //
 // Each group has its own namespace (NamespaceSpec.KVGroup), so a group's
-// objects can never be restored into another group; a model with one group
-// keeps group 0's namespace, so its keys are those of kvshim before groups.
+// objects can never be restored into another group; a model with one
+// attention group keeps group 0's namespace, so its keys are those of kvshim
+// before groups. An attention-free model's one Mamba group is listed like
+// a hybrid model's (so the Mamba rule below applies to it, and vLLM's null
+// block is no block: asBefore).
 //
 // A Mamba/SSM group (MambaSpec with mamba_cache_mode "align") holds no KV
 // per token but one recurrent state per block: block p holds the state after
@@ -108,8 +111,9 @@ func (g GroupSpec) ObjectFirstBlock(c, chunk, bs int) int {
 }
 
 // layoutGroups is the part of the namespace's layout string that lists
-// groups (python/kvshim/vllm.py, _namespace: a JSON object; one group: no
-// "groups" member, the layout string of kvshim before groups).
+// groups (python/kvshim/vllm.py, _namespace: a JSON object; one attention
+// group: no "groups" member, the layout string of kvshim before groups; one
+// Mamba group: a list of one).
 type layoutGroups struct {
 	Groups []GroupSpec `json:"groups"`
 }
@@ -158,13 +162,20 @@ func (s NamespaceSpec) GroupNamespaces() ([]GroupSpec, []NamespaceSpec, error) {
 	return gs, specs, nil
 }
 
-// splitGroups splits the block ids of n groups, passed as one array of n
-// equal parts (group 0 first, each padded with -1 to the longest), into
-// one list per group. With more than one group, id 0 (vLLM's null block,
-// which windowed groups hold where their window has moved on) becomes -1:
-// no block.
-func splitGroups(ids []int64, n int) ([][]int64, error) {
-	if n <= 1 {
+// asBefore says whether gs is one full-attention group: the model kvshim
+// served before groups, whose block ids are read as they are. Any other
+// model's block id 0 is vLLM's null block, no block: where a window moved
+// on, and, in a Mamba group, where no state is kept (an attention-free
+// model's one Mamba group as much as a hybrid model's).
+func asBefore(gs []GroupSpec) bool { return len(gs) == 1 && gs[0].Kind == GroupFull }
+
+// splitGroups splits the block ids of the groups gs, passed as one array
+// of len(gs) equal parts (group 0 first, each padded with -1 to the
+// longest), into one list per group. Unless the groups are asBefore, id 0
+// (vLLM's null block) becomes -1: no block.
+func splitGroups(ids []int64, gs []GroupSpec) ([][]int64, error) {
+	n := len(gs)
+	if asBefore(gs) {
 		return [][]int64{ids}, nil
 	}
 	if len(ids)%n != 0 {

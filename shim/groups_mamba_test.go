@@ -140,3 +140,64 @@ func TestMambaHitEndsOnAStoredState(t *testing.T) {
 	assert.Check(t, s.Finished("C") == false)
 	assert.Equal(t, holds(t, srv), 0.0)
 }
+
+// An attention-free model: one Mamba group, listed in the layout, and
+// vLLM's block tables in the single-group arrays (Step.Blocks, AfterAlloc)
+// with its null block as id 0. Null blocks are no state: A saves the
+// states at chunks 0 and 2 only (never block 0's bytes as chunk 1's
+// state); B (3 chunks and a token more) loads the state at 24 alone into
+// its own block; C (exactly 3 chunks) falls back to chunk 0, where a state
+// is stored, and never to the missing one at 16.
+func TestLoneMambaGroupNullBlocksHoldNoState(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "kvshim.sock")
+	cfg := server.DefaultConfig()
+	cfg.Socket, cfg.L1SizeGB, cfg.SegmentSize = sock, 0.0625, 16<<20
+	srv, err := server.Start(cfg, nil, server.Options{})
+	assert.NilError(t, err)
+	defer srv.Close()
+	ns := NamespaceSpec{Model: "m", DType: "bfloat16", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk,
+		LayoutFingerprint: `{"groups": [{"kind": "mamba"}]}`}
+	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS, Timeout: 2 * time.Second, Instance: uuid.New()})
+	assert.NilError(t, err)
+	defer s.Close()
+	assert.DeepEqual(t, s.Groups(), []GroupSpec{{Kind: GroupMamba}})
+	w, err := NewWorker(WorkerConfig{Socket: sock, Namespace: ns, Timeout: 2 * time.Second, Instance: uuid.New(), Workers: 2})
+	assert.NilError(t, err)
+	defer w.Close()
+	c := newRankCache(t) // both layers in group 0
+	assert.NilError(t, w.Register(c.descs))
+	r := &rig{cfg: cfg, srv: srv, sched: s, workers: []*Worker{w}, caches: []*rankCache{c}}
+
+	tokens := conversation(3*tChunk+1, 300)
+	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
+	a := []int64{0, 21, 0, 0, 0, 25, 26} // states at 8 and 24, the running one at 25
+	for _, b := range []int{0, 21, 25, 26} {
+		c.fill(b, 11) // the null block too: its bytes must never become a state
+	}
+	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: a, Scheduled: len(tokens)}}})
+	assert.Equal(t, w.Stats().SavedChunks, uint64(2))
+
+	assert.Equal(t, r.match(t, "B", tokens, Extras{}, 0), 3*tChunk)
+	b := []int64{0, 0, 0, 0, 0, 45, 46} // vLLM's blocks for a hit of 24: nulls below the state block
+	assert.NilError(t, s.AfterAlloc("B", b, 0, 3*tChunk))
+	recving, errBlocks := r.step(t, &Step{})
+	assert.DeepEqual(t, recving, map[string]int{"B": 1})
+	assert.Equal(t, len(errBlocks), 0)
+	for l := range tLayers {
+		assert.Check(t, bytes.Equal(c.block(l, 45), c.block(l, 25)), "layer %d", l)
+	}
+	assert.Equal(t, w.Stats().LoadedChunks, uint64(1))
+	assert.Equal(t, holds(t, srv), 0.0)
+
+	assert.Equal(t, r.match(t, "C", tokens[:3*tChunk], Extras{}, 0), tChunk)
+	assert.Check(t, s.Finished("C") == false)
+	assert.Equal(t, holds(t, srv), 0.0)
+
+	// A finishes: its block table still has the null block at chunk 1's
+	// end (and B's at chunks 0 and 1): nothing more is saved.
+	delay, err := s.FinishedSaving("A", &FinishState{Tokens: tokens, Computed: len(tokens), Blocks: a})
+	assert.NilError(t, err)
+	assert.Check(t, delay) // its step's saves were dispatched
+	r.step(t, &Step{})
+	assert.Equal(t, w.Stats().SavedChunks, uint64(2))
+}

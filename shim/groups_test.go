@@ -83,13 +83,17 @@ func TestObjectFirstBlock(t *testing.T) {
 }
 
 func TestSplitGroups(t *testing.T) {
-	one, err := splitGroups([]int64{0, 1, 2}, 1)
+	full, mamba := GroupSpec{Kind: GroupFull}, GroupSpec{Kind: GroupMamba}
+	one, err := splitGroups([]int64{0, 1, 2}, []GroupSpec{full})
 	assert.NilError(t, err)
-	assert.DeepEqual(t, one, [][]int64{{0, 1, 2}}) // one group: as it is
-	two, err := splitGroups([]int64{5, 6, 7, 0, 0, 9, 8, -1, -1}, 3)
+	assert.DeepEqual(t, one, [][]int64{{0, 1, 2}}) // one attention group: as it is
+	lone, err := splitGroups([]int64{0, 1, 0, 2}, []GroupSpec{mamba})
+	assert.NilError(t, err)
+	assert.DeepEqual(t, lone, [][]int64{{-1, 1, -1, 2}}) // one Mamba group: null blocks are no state
+	two, err := splitGroups([]int64{5, 6, 7, 0, 0, 9, 8, -1, -1}, []GroupSpec{full, mamba, full})
 	assert.NilError(t, err)
 	assert.DeepEqual(t, two, [][]int64{{5, 6, 7}, {-1, -1, 9}, {8}})
-	_, err = splitGroups([]int64{1, 2, 3}, 2)
+	_, err = splitGroups([]int64{1, 2, 3}, []GroupSpec{full, full})
 	assert.Check(t, is.ErrorIs(err, ErrBadMeta))
 }
 

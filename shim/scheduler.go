@@ -457,7 +457,7 @@ func (s *Scheduler) reapOrphans() {
 // setBlocks records the request's block tables from one array of all
 // groups (splitGroups).
 func (s *Scheduler) setBlocks(r *schedReq, blocks []int64) error {
-	parts, err := splitGroups(blocks, len(s.groups))
+	parts, err := splitGroups(blocks, s.groups)
 	if err != nil {
 		return err
 	}
@@ -654,10 +654,10 @@ type Step struct {
 }
 
 // groupIDs returns the ids of group i (0: the first list, i > 0: others[i-1]),
-// with vLLM's null block (0) as -1 in a hybrid model.
+// with vLLM's null block (0) as -1 unless the groups are asBefore.
 func (s *Scheduler) groupIDs(i int, first []int64, others [][]int64) []int64 {
 	if i == 0 {
-		if len(s.groups) == 1 {
+		if asBefore(s.groups) {
 			return first
 		}
 		return nullToNone(first)
@@ -720,7 +720,7 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 		r.computed = sr.Computed + sr.Scheduled
 		// Prompt chunks only: their keys are known from the lookup.
 		full := min(min(r.computed, r.prompt)/s.chunk, len(r.hashes))
-		if len(s.groups) == 1 {
+		if asBefore(s.groups) {
 			full = min(full, len(r.g[0].blocks)/cb)
 		}
 		if sr.Tokens != nil {
@@ -870,12 +870,12 @@ func (s *Scheduler) finalSave(r *schedReq, fin *FinishState) ([]SaveSpec, error)
 	if end < r.prompt {
 		return nil, fmt.Errorf("%w: finish of %q: %d tokens, fewer than its %d-token prompt", ErrBadMeta, r.id, end, r.prompt)
 	}
-	blocks, err := splitGroups(fin.Blocks, len(s.groups))
+	blocks, err := splitGroups(fin.Blocks, s.groups)
 	if err != nil {
 		return nil, err
 	}
 	full := min(fin.Computed, end) / s.chunk
-	if len(s.groups) == 1 {
+	if asBefore(s.groups) {
 		full = min(full, len(fin.Blocks)/(s.chunk/s.cfg.BlockSize))
 	}
 	need := false

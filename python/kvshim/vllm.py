@@ -304,11 +304,12 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
         "cache_layout": vllm_config.cache_config.kv_cache_layout or getattr(kv_cache_config, "kv_cache_layout", None),
     }
     groups = _groups(kv_cache_config, model, vllm_config)
-    if len(groups) > 1:
-        # Several KV-cache groups (vLLM's hybrid allocator): the layout
-        # names them all, and Go (shim/groups.go) gives each its own
-        # namespace. One group adds nothing: its keys stay those of kvshim
-        # before groups.
+    if groups:
+        # Several KV-cache groups (vLLM's hybrid allocator), or the one
+        # Mamba group of an attention-free model: the layout names them
+        # all, and Go (shim/groups.go) gives each its own namespace and
+        # reads vLLM's null block as no block. One attention group adds
+        # nothing: its keys stay those of kvshim before groups.
         layout["groups"] = groups
     if pc.pipeline_parallel_size > 1:
         # Pipeline stages hold different layers, and the scheduler sees only
@@ -347,11 +348,15 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str, vllm_config: Vllm
     SlidingWindowSpec's sliding_window plus its extra_retained_tokens,
     ChunkedLocalAttentionSpec's attention_chunk_size. A FullAttentionSpec
     with a sliding_window (the hybrid allocator turned off) keeps every
-    block: a full group. A MambaSpec group next to attention groups is a
-    "mamba" group where vLLM keeps the state at block boundaries
-    (_mamba_state_refusal says when it does not); other kinds of group are
-    refused with an error naming the group and the model (see
-    tests/vllm/NOTES.md, "Hybrid models")."""
+    block: a full group. A MambaSpec group is a "mamba" group where vLLM
+    keeps the state at block boundaries (_mamba_state_refusal says when it
+    does not); other kinds of group are refused with an error naming the
+    group and the model (see tests/vllm/NOTES.md, "Hybrid models").
+
+    One group: [] (the layout of kvshim before groups, keys unchanged),
+    unless it is a Mamba group (an attention-free model): then the list of
+    that group, so Go applies the Mamba rule and never reads vLLM's null
+    block as a state."""
     if kv_cache_config is None:
         return []
     from vllm.v1.kv_cache_interface import (
@@ -369,11 +374,11 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str, vllm_config: Vllm
     groups = kv_cache_config.kv_cache_groups
     for i, grp in enumerate(groups):
         if isinstance(grp.kv_cache_spec, MambaSpec):
-            why = _mamba_state_refusal(grp.kv_cache_spec, vllm_config, len(groups))
+            why = _mamba_state_refusal(grp.kv_cache_spec, vllm_config)
             if why:
                 raise ValueError(f"kvshim: {where(i, grp)} holds Mamba/SSM state, which kvshim does not save or restore "
                                  f"here: {why}; serve this model without kv_connector KVShimConnector")
-    if len(groups) <= 1:
+    if not groups or (len(groups) == 1 and not isinstance(groups[0].kv_cache_spec, MambaSpec)):
         return []
     out = []
     sizes = set()
@@ -405,7 +410,7 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str, vllm_config: Vllm
     return out
 
 
-def _mamba_state_refusal(spec: Any, vllm_config: VllmConfig, num_groups: int) -> str:
+def _mamba_state_refusal(spec: Any, vllm_config: VllmConfig) -> str:
     """Why kvshim cannot restore this MambaSpec group's state ("" when it
     can). kvshim relies on vLLM's "align" invariant: once a request computed
     (p+1)*block_size tokens, its block p holds the state after exactly that
@@ -436,10 +441,12 @@ def _mamba_state_refusal(spec: Any, vllm_config: VllmConfig, num_groups: int) ->
         return f"prefix_match_unit {unit} is finer than the {spec.block_size}-token block"
     if int(getattr(pc, "decode_context_parallel_size", 1) or 1) > 1 or int(getattr(pc, "prefill_context_parallel_size", 1) or 1) > 1:
         return "context parallelism (vLLM itself serves no Mamba prefix hit with DCP/PCP: MambaManager.find_longest_cache_hit)"
-    if num_groups <= 1:
-        # One group keeps kvshim's keys and block handling from before groups,
-        # which read vLLM's null block as a block.
-        return "an attention-free model (kvshim restores Mamba state next to attention groups only)"
+    if spec.block_size != cc.block_size:
+        # The scheduler's block table counts cache_config.block_size tokens
+        # a block (_open_config); a state block standing for another
+        # number of tokens (mamba_block_size set apart) would be read at
+        # the wrong boundaries.
+        return f"its {spec.block_size}-token blocks (mamba_block_size) are not the scheduler's {cc.block_size}-token blocks"
     return ""
 
 

@@ -106,13 +106,23 @@ def jamba_specs(num_layers: int = 8, mode: str = "align", **mamba: Any) -> dict[
     return {layer(i): FullAttentionSpec(**kw) if i % 4 == 3 else MambaSpec(**state) for i in range(num_layers)}
 
 
+def mamba_only_specs(num_layers: int = 4) -> dict[str, Any]:
+    """An attention-free Mamba-2/Falcon-Mamba-style model: every layer a
+    Mamba layer in mamba_cache_mode "align" (no attention page to pad the
+    state to), so get_kv_cache_groups makes one MambaSpec group."""
+    state = MambaSpec(block_size=BLOCK, shapes=((4, 8), (HEADS, HEAD, 8)), dtypes=(torch.float16, torch.float16),
+                      mamba_cache_mode="align")
+    return dict.fromkeys((layer(i) for i in range(num_layers)), state)
+
+
 def hma_config(model_dir, specs: dict[str, Any], layout: str = "LBNHC", *, prefix_caching: bool = False,
-               mamba_cache_mode: Literal["align", "none"] | None = None) -> tuple[Any, KVCacheConfig]:
+               mamba_cache_mode: Literal["align", "none"] | None = None, groups: int = 0) -> tuple[Any, KVCacheConfig]:
     """A VllmConfig with the hybrid manager on and vLLM's KVCacheConfig for
     the specs (groups by get_kv_cache_groups, tensors by
-    get_kv_cache_config_from_groups). mamba_cache_mode is the cache
-    config's (vLLM derives "align" from prefix caching for a model with
-    Mamba layers; the tiny Llama has none, so it is set here)."""
+    get_kv_cache_config_from_groups; groups: how many vLLM must make, 0:
+    several). mamba_cache_mode is the cache config's (vLLM derives "align"
+    from prefix caching for a model with Mamba layers; the tiny Llama has
+    none, so it is set here)."""
     cfg = kvshim_config(model_dir, enable_prefix_caching=prefix_caching)
     if mamba_cache_mode is not None:
         cfg.cache_config.mamba_cache_mode = mamba_cache_mode
@@ -122,9 +132,9 @@ def hma_config(model_dir, specs: dict[str, Any], layout: str = "LBNHC", *, prefi
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on a GPU platform
     cfg.cache_config.kv_cache_layout = layout
     cfg.cache_config.num_gpu_blocks_override = NUM_BLOCKS
-    groups = get_kv_cache_groups(cfg, dict(specs))
-    assert len(groups) > 1, groups
-    kvc = get_kv_cache_config_from_groups(cfg, groups, 1 << 40)
+    made = get_kv_cache_groups(cfg, dict(specs))
+    assert len(made) == groups if groups else len(made) > 1, made
+    kvc = get_kv_cache_config_from_groups(cfg, made, 1 << 40)
     assert kvc.num_blocks == NUM_BLOCKS
     return cfg, kvc
 
@@ -548,8 +558,12 @@ def test_single_group_keys_are_unchanged(tiny_model_dir):
     ("align", {"mamba_cache_mode": "align", "spec": True}, 2, r"speculative decoding \(a prefill checkpoint"),
     ("align", {"mamba_cache_mode": "align", "tokens_per_state": 4}, 2, r"several states"),
     ("align", {"mamba_cache_mode": "align", "prefix_match_unit": 8}, 2, r"prefix_match_unit 8 is finer"),
-    # an attention-free model: one Mamba group
-    ("align", {"mamba_cache_mode": "align"}, 1, r"attention-free"),
+    # an attention-free model's one Mamba group: the same rules
+    ("none", {"mamba_cache_mode": "none"}, 1, r"mamba_cache_mode is 'none'"),
+    ("align", {"mamba_cache_mode": "align", "num_speculative_blocks": 2}, 1, r"speculative decoding keeps 2"),
+    # a state block of other than the scheduler's block_size tokens (mamba_block_size set apart)
+    ("align", {"mamba_cache_mode": "align", "block_size": 2 * BLOCK}, 1, r"32-token blocks \(mamba_block_size\) are not the scheduler's"),
+    ("align", {"mamba_cache_mode": "align", "block_size": 2 * BLOCK}, 2, r"32-token blocks \(mamba_block_size\) are not the scheduler's"),
 ])
 def test_unsupported_mamba_group_is_refused_naming_group_and_model(tiny_model_dir, cache_mode, mamba, groups, why):
     from vllm.config import SpeculativeConfig, VllmConfig
@@ -565,7 +579,7 @@ def test_unsupported_mamba_group_is_refused_naming_group_and_model(tiny_model_di
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
     cfg.cache_config.mamba_cache_mode = cache_mode
     full = KVCacheGroupSpec([layer(0)], FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16))
-    state = KVCacheGroupSpec([layer(1)], MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float16,), **mamba))
+    state = KVCacheGroupSpec([layer(1)], MambaSpec(**{"block_size": BLOCK, "shapes": ((4, 8),), "dtypes": (torch.float16,)} | mamba))
     kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[full, state][2 - groups:])
     where = rf"KV-cache group {groups - 1} \(MambaSpec, layers \['model.layers.1.self_attn.attn'\]\) of model .*tiny-llama.*@main"
     for role in (KVConnectorRole.WORKER, KVConnectorRole.SCHEDULER):
@@ -718,6 +732,102 @@ def test_mamba_with_vllms_prefix_cache_on(hybrid):
     assert sorted(ld.get("group", 0) for ld in loads) == list(range(len(r.specs)))
     n, wrong = r.reqs[b.request_id].first_check
     assert n == 3 * CHUNK and wrong == {g: [] for g in range(len(r.specs))}, wrong
+    h.settle()
+    assert r.state_errors == [] and all(not e for e in r.load_errors)
+    assert_clean(h)
+
+
+def test_attention_free_mamba_model_restores_its_state(hybrid):
+    """An attention-free model (Mamba-2/Falcon-Mamba style): vLLM makes one
+    MambaSpec group, and kvshim describes it as a group list of one (its
+    namespace says "mamba"), so Go applies the Mamba rule and reads vLLM's
+    null block (id 0 in the single-group block lists) as no state. A's
+    prefill stops at 192 (the last block boundary before its 197-token
+    prompt's end): only the state at 192 exists and is saved. B (A's 192
+    tokens and 9 more) restores it, byte for byte, into its own block, and
+    its first step reads it. C (A's first 150 tokens) and D (exactly A's
+    192 tokens: a hit must stop short of the prompt, at 128, where no state
+    was kept) miss."""
+    import json
+
+    h, r = hybrid(mamba_only_specs(), mamba_cache_mode="align", groups=1)
+    assert [type(sp).__name__ for sp in r.specs] == ["MambaSpec"] and r.state_groups == {0}
+    cfg = h.scheduler.vllm_config
+    assert h.scheduler.need_mamba_block_aligned_split
+    ns = _namespace(cfg, r.kv_cache_config, read_config(cfg.kv_transfer_config.kv_connector_extra_config))
+    layout = json.loads(ns["layout"])
+    assert [g["kind"] for g in layout["groups"]] == ["mamba"] and layout["spec"] == "MambaSpec", layout
+    assert ns["kv_group"] == 0
+    p = prompt(31, 3 * CHUNK + 5)
+    a = h.add_request(h.make_request(p, max_tokens=60))
+    s = run_until_scheduled(h, a)
+    assert s.num_scheduled_tokens[a.request_id] == 3 * CHUNK
+    h.step()  # A's last 5 prompt tokens
+    wait_jobs(h)
+    assert mamba_saved(h, a.request_id, r) == {0: [2]}
+    (sv,) = saves_of(h, a.request_id)
+    assert sv["blocks"][:3] == [-1, -1, -1] and sv["blocks"][3] > 0, sv  # the block ending at 192, never block 0
+
+    r.scribble()  # only a load can bring the bytes back
+    q = p[: 3 * CHUNK] + prompt(32, 9)
+    b = h.add_request(h.make_request(q, max_tokens=2))
+    s = run_until_scheduled(h, b)
+    hit = 3 * CHUNK
+    assert new_req_data(s, b.request_id).num_computed_tokens == hit
+    (ld,) = [ld for st in h.steps for ld in loads_of(st, b.request_id)]
+    assert ld.get("group", 0) == 0 and (ld["start"], ld["end"]) == (0, 1) and len(ld["hashes"]) == 1, ld
+    assert ld["blocks"][:3] == [-1, -1, -1] and ld["blocks"][3] > 0, ld
+    rb = r.reqs[b.request_id]
+    (a_blocks,) = [set(ids) - {0} for ids in h.scheduler.kv_cache_manager.get_block_ids(a.request_id)]
+    n, wrong = rb.first_check
+    assert n == hit and wrong == {0: []}, wrong
+    # vLLM's blocks for a hit of 192: null up to the state block, which is B's own
+    assert all(x == 0 for x in rb.blocks[0][: hit // BLOCK - 1]) and rb.blocks[0][hit // BLOCK - 1] not in a_blocks | {0}
+    assert ld["blocks"][3] == rb.blocks[0][hit // BLOCK - 1]
+    h.settle(until=lambda st: b.request_id in st.scheduler_output.finished_req_ids)
+    # (A reads the state the scribble wiped: no request but A's is wrong)
+    assert {rid for rid, _ in r.state_errors} <= {a.request_id} and all(not e for e in r.load_errors)
+
+    for seed, toks in ((33, p[:150] + prompt(33, 9)), (34, p[: 3 * CHUNK])):
+        m = h.add_request(h.make_request(toks, max_tokens=1))
+        s = run_until_scheduled(h, m)
+        assert new_req_data(s, m.request_id).num_computed_tokens == 0, seed
+        assert not [ld for st in h.steps for ld in loads_of(st, m.request_id)], seed
+    h.abort(a.request_id)
+    h.settle()
+    assert {rid for rid, _ in r.state_errors} <= {a.request_id} and all(not e for e in r.load_errors)
+    assert_clean(h)
+
+
+def test_attention_free_mamba_multiturn_with_vllms_prefix_cache_on(hybrid):
+    """An attention-free model as it runs in "align" mode in production
+    (prefix caching on: vLLM's UnitaryKVCacheCoordinator over one
+    MambaManager). Turn 1 (133-token prompt, 128 tokens of answer) keeps
+    the state at 128 (prefill) and at 192 and 256 (decode), each saved once
+    computed; its blocks at 64 are the null block and saved never. Once
+    vLLM evicted its own copy, turn 2 (turn 1 + a question) restores the
+    state at 256 alone."""
+    h, r = hybrid(mamba_only_specs(), prefix_caching=True, mamba_cache_mode="align", groups=1)
+    assert type(h.scheduler.kv_cache_manager.coordinator).__name__ == "UnitaryKVCacheCoordinator"
+    p = prompt(41, 2 * CHUNK + 5)
+    a = h.add_request(h.make_request(p, max_tokens=2 * CHUNK))
+    h.settle()
+    wait_jobs(h)
+    turn1 = p + h.outputs[a.request_id]
+    assert len(turn1) == 4 * CHUNK + 5
+    assert sorted(mamba_saved(h, a.request_id, r)[0]) == [1, 2, 3]
+    for i in range(10):  # other prompts fill the pool: vLLM's cached state blocks of turn 1 are evicted
+        h.add_request(h.make_request(prompt(60 + i, 5 * CHUNK), max_tokens=1))
+        h.settle()
+        wait_jobs(h)
+    r.scribble()
+    b = h.add_request(h.make_request(turn1 + prompt(42, 9), max_tokens=1))
+    s = run_until_scheduled(h, b)
+    assert new_req_data(s, b.request_id).num_computed_tokens == 4 * CHUNK
+    n, wrong = r.reqs[b.request_id].first_check
+    assert n == 4 * CHUNK and wrong == {0: []}, wrong
+    (ld,) = [ld for st in h.steps for ld in loads_of(st, b.request_id)]
+    assert len(ld["hashes"]) == 1 and ld["blocks"][:3] == [-1, -1, -1], ld  # the state at 256 alone
     h.settle()
     assert r.state_errors == [] and all(not e for e in r.load_errors)
     assert_clean(h)
