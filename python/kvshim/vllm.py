@@ -378,7 +378,12 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str, vllm_config: Vllm
             if why:
                 raise ValueError(f"kvshim: {where(i, grp)} holds Mamba/SSM state, which kvshim does not save or restore "
                                  f"here: {why}; serve this model without kv_connector KVShimConnector")
-    if not groups or (len(groups) == 1 and not isinstance(groups[0].kv_cache_spec, MambaSpec)):
+    # One group of full attention keeps the keys and block handling of
+    # kvshim before groups; one that frees blocks (a window, a state: vLLM's
+    # null block, id 0, stands where they were) is described as a group list
+    # of one, so Go applies its rule.
+    if not groups or (len(groups) == 1 and not isinstance(
+            groups[0].kv_cache_spec, (MambaSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec))):
         return []
     out = []
     sizes = set()

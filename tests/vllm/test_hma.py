@@ -831,3 +831,51 @@ def test_attention_free_mamba_multiturn_with_vllms_prefix_cache_on(hybrid):
     h.settle()
     assert r.state_errors == [] and all(not e for e in r.load_errors)
     assert_clean(h)
+
+
+def test_lone_sliding_window_group_saves_only_its_window(hybrid):
+    """A model whose every layer has the same sliding window (HMA on: vLLM
+    keeps SlidingWindowSpec) makes one KV-cache group that frees blocks
+    behind its window, as a windowed group of a hybrid does: its block
+    lists hold vLLM's null block (id 0) below the window. kvshim describes
+    it as a group list of one, so Go applies the window rule: A's objects
+    hold only the blocks inside the window at each chunk's end, never block
+    0, and B restores the window's blocks byte for byte into its own."""
+    import json
+
+    specs = {layer(i): SlidingWindowSpec(sliding_window=40, block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD,
+                                         dtype=torch.float16) for i in range(4)}
+    h, r = hybrid(specs, groups=1)
+    assert [type(sp).__name__ for sp in r.specs] == ["SlidingWindowSpec"]
+    cfg = h.scheduler.vllm_config
+    ns = _namespace(cfg, r.kv_cache_config, read_config(cfg.kv_transfer_config.kv_connector_extra_config))
+    assert [g["kind"] for g in json.loads(ns["layout"])["groups"]] == ["sliding_window"], ns["layout"]
+    p = prompt(41, 3 * CHUNK + 5)
+    a = h.add_request(h.make_request(p, max_tokens=60))
+    run_until_scheduled(h, a)
+    h.step()
+    wait_jobs(h)
+    svs = saves_of(h, a.request_id)
+    assert svs and all(b != 0 for sv in svs for b in sv["blocks"]), svs  # never the null block
+    spec = r.specs[0]
+    for sv in svs:
+        for c, first in zip(range(sv["first"], 3), range(0, len(sv["blocks"]), CHUNK // BLOCK)):
+            ids = sv["blocks"][first : first + CHUNK // BLOCK]
+            lo = max(c * CHUNK, skipped(spec, (c + 1) * CHUNK - 1)) // BLOCK - c * CHUNK // BLOCK
+            assert all(b == -1 for b in ids[:lo]) and all(b > 0 for b in ids[lo:]), (c, ids)
+
+    r.scribble()
+    b = h.add_request(h.make_request(p[: 3 * CHUNK] + prompt(42, 9), max_tokens=1))
+    s = run_until_scheduled(h, b)
+    hit = 3 * CHUNK
+    assert new_req_data(s, b.request_id).num_computed_tokens == hit
+    rb = r.reqs[b.request_id]
+    n, wrong = rb.first_check
+    assert n == hit and wrong == {0: []}, wrong
+    first_real = skipped(spec, hit) // BLOCK
+    (a_blocks,) = [set(ids) - {0} for ids in h.scheduler.kv_cache_manager.get_block_ids(a.request_id)]
+    assert set(rb.blocks[0][first_real : hit // BLOCK]).isdisjoint(a_blocks | {0})
+    assert all(not e for e in r.load_errors)
+    h.abort(a.request_id)
+    h.settle()
+    assert_clean(h)
