@@ -251,13 +251,14 @@ type pollJSON struct {
 	Sending     []string `json:"sending"`
 	Recving     []string `json:"recving"`
 	ErrorBlocks []int64  `json:"error_blocks"`
+	Failed      []string `json:"failed"` // requests whose loads failed
 }
 
 //export kvshim_worker_poll
 func kvshim_worker_poll(h C.int64_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) C.int {
 	return call(h, func(in *instance, ws *workerState) error {
 		var p pollJSON
-		p.Sending, p.Recving, p.ErrorBlocks = ws.w.Poll()
+		p.Sending, p.Recving, p.ErrorBlocks, p.Failed = ws.w.PollFailed()
 		b, _ := json.Marshal(p)
 		return output(in, b, buf, capacity, outLen)
 	})

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -53,6 +54,7 @@ type Worker struct {
 	finish   map[string]bool // delay-freed requests to report when idle
 	recving  []string        // loads finished since the last Poll
 	errBlock []int64         // blocks whose load failed since the last Poll
+	errReq   []string        // requests with a failed load since the last Poll (each once)
 	stats    WorkerStats
 	wg       sync.WaitGroup
 	jobs     atomic.Int64 // background jobs running (Jobs)
@@ -254,6 +256,13 @@ func (w *Worker) load(ld *LoadSpec, done func()) {
 	// request's path. done runs once, on every return.
 	report := sync.OnceFunc(done)
 	defer report()
+	if ld.Start == ld.End && len(ld.Blocks) == 0 {
+		// A group that needs no chunk at the hit (a chunked local group
+		// whose attention chunk starts there): the scheduler freed the
+		// lookup's holds already, and may have made the server forget
+		// it, so there is nothing to retrieve or release.
+		return
+	}
 	l, ns, eng, err := w.group(ld.Group)
 	if err != nil {
 		w.loadFailed(ld, 0, 1, err)
@@ -477,6 +486,9 @@ func (w *Worker) loadFailed(ld *LoadSpec, k, cb int, why error) {
 	w.traceLoadFailed(ld, k, why)
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	if !slices.Contains(w.errReq, ld.Req) {
+		w.errReq = append(w.errReq, ld.Req)
+	}
 	for _, id := range ld.Blocks[min(k*cb, len(ld.Blocks)):] {
 		if id >= 0 {
 			w.errBlock = append(w.errBlock, id)
@@ -744,6 +756,15 @@ func (w *Worker) Finishing(reqs []string) {
 // whose blocks vLLM may free now, requests whose loads ended (with or
 // without errors) and the blocks whose loads failed.
 func (w *Worker) Poll() (sending, recving []string, errBlocks []int64) {
+	sending, recving, errBlocks, _ = w.PollFailed()
+	return sending, recving, errBlocks
+}
+
+// PollFailed is Poll plus the requests whose loads failed (vLLM's
+// failed_recving: a model with several KV-cache groups cannot take block
+// ids, which are unique only within a group). A request's failure is
+// reported no later than the end of its load (recving).
+func (w *Worker) PollFailed() (sending, recving []string, errBlocks []int64, failed []string) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	for r := range w.finish {
@@ -752,9 +773,9 @@ func (w *Worker) Poll() (sending, recving []string, errBlocks []int64) {
 			delete(w.finish, r)
 		}
 	}
-	recving, errBlocks = w.recving, w.errBlock
-	w.recving, w.errBlock = nil, nil
-	return sending, recving, errBlocks
+	recving, errBlocks, failed = w.recving, w.errBlock, w.errReq
+	w.recving, w.errBlock, w.errReq = nil, nil, nil
+	return sending, recving, errBlocks, failed
 }
 
 func (w *Worker) signalReport() {

@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, Union
 
@@ -321,6 +321,7 @@ class Finished:
     sending: list[str]  # delay-freed requests whose saves have read their blocks
     recving: list[str]  # requests whose loads ended
     error_blocks: list[int]  # blocks whose loads failed
+    failed: list[str] = field(default_factory=list)  # requests whose loads failed
 
 
 class _Role:
@@ -435,7 +436,7 @@ class Worker(_Role):
 
     def poll(self) -> Finished:
         p = json.loads(self.handle.output("kvshim_worker_poll"))
-        return Finished(p["sending"] or [], p["recving"] or [], p["error_blocks"] or [])
+        return Finished(p["sending"] or [], p["recving"] or [], p["error_blocks"] or [], p.get("failed") or [])
 
     def wait(self, timeout_ms: int) -> bool:
         """Blocks until poll() has something to report (True) or timeout_ms

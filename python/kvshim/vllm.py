@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -829,6 +830,11 @@ class KVShimWorker:
         self._timeout_ms = timeout_ms
         self._bound: KVShimMetadata | None = None
         self._load_errors: set[int] = set()
+        # Several KV-cache groups: block ids are unique only within a group,
+        # and vLLM raises on invalid_block_ids (Scheduler._handle_invalid_blocks):
+        # a failed load is reported by request (failed_recving) instead.
+        self._by_request = kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1
+        self._failed: set[str] = set()
         self._reported: dict[str, int] = {}  # counters already in a stats report
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -902,12 +908,21 @@ class KVShimWorker:
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         done = self.native.poll()
-        self._load_errors.update(done.error_blocks)
+        if self._by_request:
+            self._failed.update(done.failed)
+        else:
+            self._load_errors.update(done.error_blocks)
         return set(done.sending) or None, set(done.recving) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
         return errs
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose loads failed since the last call (several KV-cache
+        groups only; reported with or before their finished_recving)."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def get_stats(self) -> KVShimStats | None:
         """The counters since the last report, as metric names."""
@@ -1044,6 +1059,11 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=self.worker.take_failed_recving())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

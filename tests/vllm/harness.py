@@ -1019,3 +1019,321 @@ def run_until_scheduled(h: SchedulerHarness, req: Request, timeout_s: float = 10
     """Step until req is scheduled; return that step."""
     steps = h.settle(timeout_s, until=lambda s: req.request_id in s.num_scheduled_tokens, **kw)
     return next(s for s in steps if req.request_id in s.num_scheduled_tokens)
+
+
+# ---- hybrid models (several KV-cache groups): one rank's model runner ----------
+
+
+# Per-layer attention kinds of hybrid models, (kind, window) a layer:
+# Gemma-3 (5 sliding-window layers, then a global one; a 40-token window is
+# smaller than a chunk) and Llama-4 (chunked local attention, every fourth
+# layer global).
+GEMMA3_LAYERS: list[tuple[str, int]] = [("sliding_window", 40)] * 5 + [("full", 0)]
+LLAMA4_LAYERS: list[tuple[str, int]] = [("chunked_local", 2 * 64)] * 3 + [("full", 0)]
+
+
+def hybrid_layer_specs(kinds: Sequence[tuple[str, int]], num_kv_heads: int = NUM_KV_HEADS,
+                       block_size: int = 16) -> dict[str, AttentionSpec]:
+    """vLLM's per-layer KV-cache specs for layers of the given (kind,
+    window) kinds: "full", "sliding_window" (window tokens) or
+    "chunked_local" (attention chunks of window tokens)."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    kw: dict[str, Any] = {"block_size": block_size, "num_kv_heads": num_kv_heads, "head_size": HEAD_SIZE,
+                          "dtype": torch.float16}
+    specs: dict[str, AttentionSpec] = {}
+    for name, (kind, window) in zip(layer_names(len(kinds)), kinds):
+        if kind == "full":
+            specs[name] = FullAttentionSpec(**kw)
+        elif kind == "sliding_window":
+            specs[name] = SlidingWindowSpec(sliding_window=window, **kw)
+        else:
+            assert kind == "chunked_local", kind
+            specs[name] = ChunkedLocalAttentionSpec(attention_chunk_size=window, **kw)
+    return specs
+
+
+def skipped_tokens(spec: Any, n: int) -> int:
+    """The leading tokens a KV-cache group no longer needs once n tokens are
+    computed (vLLM's get_num_skipped_tokens of its manager; a hit of n
+    tokens gets null blocks there)."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    if isinstance(spec, SlidingWindowSpec):
+        return max(0, n - spec.sliding_window + 1)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return n // spec.attention_chunk_size * spec.attention_chunk_size
+    return 0
+
+
+def hybrid_kv_cache_config(vllm_config: VllmConfig, specs: dict[str, Any], num_blocks: int,
+                           layout: str = "LBNHC") -> KVCacheConfig:
+    """Turns vLLM's hybrid KV-cache manager on (this machine's platform turns
+    it off: tests/vllm/NOTES.md, "Hybrid models") and returns vLLM's own
+    KVCacheConfig for the per-layer specs: groups by get_kv_cache_groups,
+    tensors by get_kv_cache_config_from_groups, num_blocks blocks."""
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on a GPU platform
+    vllm_config.cache_config.kv_cache_layout = layout
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+    groups = get_kv_cache_groups(vllm_config, dict(specs))
+    assert len(groups) > 1, groups
+    kvc = get_kv_cache_config_from_groups(vllm_config, groups, 1 << 40)
+    assert kvc.num_blocks == num_blocks
+    return kvc
+
+
+@dataclass
+class _HybridReq:
+    tokens: list[int]
+    hashes: list[int]
+    blocks: list[list[int]]  # per KV-cache group (0: vLLM's null block)
+
+
+class HybridModelRunner:
+    """One rank's model runner for a hybrid model (several KV-cache groups),
+    as ModelRunner is for one group: vLLM's allocate_kv_cache on the CPU
+    (layers of different groups view one buffer, as on a GPU), a WORKER-role
+    connector from vLLM's factory, driven in the model runner's order; every
+    group's layers write the KV of the scheduled tokens (KVModel, this
+    rank's bytes) into that group's blocks. ``kv_cache_config`` must hold
+    tensors (hybrid_kv_cache_config).
+
+    ``prefix_checks[req]`` = (n, {group: wrong block indices}): when vLLM
+    first schedules req with n tokens it did not compute in that step (a
+    load), every real block of every group below n must hold the model's
+    bytes (a windowed group's null blocks below its window are not
+    checked). ``skip_save_steps`` drops this rank's saves of those steps;
+    ``drop_saves[step] = {group, ...}`` drops only those groups' saves."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, rank: int = 0) -> None:
+        assert kv_cache_config.kv_cache_tensors, "hybrid_kv_cache_config makes the tensors"
+        self.vllm_config = vllm_config
+        self.rank = rank
+        resolve_layout(vllm_config, kv_cache_config)
+        self.groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+        self.specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        spec = self.specs[0]
+        assert isinstance(spec, AttentionSpec), spec
+        self.block_size = spec.block_size
+        names = sorted({n for g in self.groups for n in g}, key=lambda n: int(n.split(".")[2]))
+        self.index = {n: i for i, n in enumerate(names)}
+        self.model = KVModel(len(names), spec.num_kv_heads, spec.head_size, rank)
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+        self.kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+        self.connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        self.connector.register_kv_caches(self.kv_caches)
+        self.reqs: dict[str, _HybridReq] = {}
+        self.load_errors: list[set[int]] = []
+        self.skip_save_steps: set[int] = set()
+        self.drop_saves: dict[int, set[int]] = {}
+        self.step_no = 0
+        self.prefix_checks: dict[str, tuple[int, dict[int, list[int]]]] = {}
+
+    @property
+    def kvshim(self) -> KVShimConnector:
+        return as_kvshim(self.connector)
+
+    # -- KV access --
+    def scribble(self) -> None:
+        for t in self.kv_caches.values():
+            t.view(torch.int16).fill_(-21846)  # 0xAAAA
+
+    def block_bytes(self, name: str, block_id: int) -> torch.Tensor:
+        """int16 (heads, block, K|V) of one layer's block."""
+        return self.kv_caches[name].view(torch.int16)[block_id]
+
+    def expected(self, name: str, tokens: Sequence[int], index: int) -> torch.Tensor:
+        bs = self.block_size
+        hs = KVModel.prefix_hashes(tokens[: (index + 1) * bs])[index * bs :]
+        assert len(hs) == bs, "block beyond the tokens"
+        return ModelRunner._content(self.model.kv(hs, self.index[name])).transpose(0, 1)
+
+    def wrong_blocks(self, group: int, tokens: Sequence[int], blocks: Sequence[int], indices: Iterable[int]) -> list[int]:
+        """Indices i in indices whose block does not hold the model's KV for
+        every layer of the group."""
+        return [
+            i for i in indices
+            if any(not torch.equal(self.block_bytes(n, blocks[i]), self.expected(n, tokens, i)) for n in self.groups[group])
+        ]
+
+    # -- one step --
+    def _track(self, so: SchedulerOutput) -> list[tuple[str, int, int]]:
+        for rid in so.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            self.reqs.pop(rid, None)
+        work = []
+        for nr in so.scheduled_new_reqs:
+            # a request resumed after a preemption comes back as a new one
+            # with all its tokens, generated ones too (ModelRunner._track)
+            toks = list(nr.prefill_token_ids or nr.prompt_token_ids or [])
+            self.reqs[nr.req_id] = _HybridReq(toks, KVModel.prefix_hashes(toks), [list(b) for b in nr.block_ids])
+            self._check_prefix(nr.req_id, nr.num_computed_tokens)
+            work.append((nr.req_id, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id]))
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            new = c.new_block_ids[i]
+            r = self.reqs.get(rid)
+            if r is None or rid in c.resumed_req_ids:
+                toks = list(c.all_token_ids.get(rid) or (r.tokens if r else []))
+                r = self.reqs[rid] = _HybridReq(toks, KVModel.prefix_hashes(toks), [list(b) for b in new or ()])
+                self._check_prefix(rid, c.num_computed_tokens[i])
+            elif new is not None:
+                for g, b in enumerate(new):
+                    r.blocks[g].extend(b)
+            work.append((rid, c.num_computed_tokens[i], so.num_scheduled_tokens[rid]))
+        return work
+
+    def _check_prefix(self, rid: str, n: int) -> None:
+        if n < self.block_size:
+            return
+        r = self.reqs[rid]
+        wrong = {}
+        for g, blocks in enumerate(r.blocks):
+            real = [i for i in range(n // self.block_size) if blocks[i] != 0]
+            wrong[g] = self.wrong_blocks(g, r.tokens, blocks, real)
+        self.prefix_checks[rid] = (n, wrong)
+
+    def _forward(self, work: list[tuple[str, int, int]]) -> None:
+        bs = self.block_size
+        for rid, start, n in work:
+            r = self.reqs[rid]
+            end = start + n
+            while len(r.tokens) < end:  # decode: the previous sampled token
+                r.tokens.append(7)
+                r.hashes = KVModel.prefix_hashes(r.tokens)
+            pos = torch.arange(start, end)
+            slots = pos % bs
+            for g, names in enumerate(self.groups):
+                blocks = torch.tensor(r.blocks[g], dtype=torch.long)[pos // bs]
+                assert bool((blocks != 0).all()), f"group {g}: tokens {start}..{end} scheduled into the null block"
+                for name in names:
+                    kv = ModelRunner._content(self.model.kv(r.hashes[start:end], self.index[name]))
+                    self.kv_caches[name].view(torch.int16)[blocks, :, slots] = kv
+
+    def _meta(self, meta: Any) -> Any:
+        """The step's metadata, less the saves of the groups this rank drops
+        in this step (re-encoded in its JSON text form, which the workers'
+        decoder reads too: shim.DecodeStepMeta)."""
+        drop = self.drop_saves.get(self.step_no)
+        if not drop or not isinstance(meta, KVShimMetadata):
+            return meta
+        m = read_meta(meta.data)
+        m["saves"] = [sv for sv in m.get("saves", []) if sv.get("group", 0) not in drop]
+        return KVShimMetadata(json.dumps(m).encode())
+
+    def execute(self, so: SchedulerOutput) -> KVConnectorOutput:
+        wc, out = self.connector, KVConnectorOutput()
+        self.step_no += 1
+        meta = self._meta(so.kv_connector_metadata)
+        with set_forward_context(None, self.vllm_config):
+            wc.handle_preemptions(meta)
+            wc.bind_connector_metadata(meta)
+            if so.has_sync_kv_loads:
+                wc.start_load_kv(get_forward_context())
+            self._forward(self._track(so))
+            if not so.has_sync_kv_loads:
+                wc.start_load_kv(get_forward_context())
+            if self.step_no not in self.skip_save_steps:
+                wc.wait_for_save()
+            collect_worker_output(wc, so.finished_req_ids, out)
+        self.load_errors.append(set(out.invalid_block_ids))
+        return out
+
+    def close(self) -> None:
+        self.connector.shutdown()
+
+
+# ---- ranks in spawned processes (test_tp_large.py, test_hma_tp.py) --------------
+
+
+class Proc:
+    """A spawned process hosting several ranks (kvshim_tp_worker.serve)."""
+
+    def __init__(self, ctx: Any, i: int) -> None:
+        import kvshim_tp_worker
+
+        self.i = i
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=kvshim_tp_worker.serve, args=(child,), name=f"kvshim-ranks-{i}", daemon=True)
+        self.proc.start()
+        child.close()
+
+    def recv(self, timeout: float = 60) -> Any:
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"process {self.i}: no answer in {timeout}s")
+        status, res = self.conn.recv()
+        if status not in ("ok", "ready"):
+            raise AssertionError(f"process {self.i}: {res}")
+        return res
+
+    def call(self, cmd: str, *args: Any, timeout: float = 60) -> Any:
+        self.conn.send((cmd, args))
+        return self.recv(timeout)
+
+    def close(self) -> None:
+        import contextlib
+
+        if self.proc.is_alive():
+            with contextlib.suppress(Exception):  # killed below
+                self.call("close", timeout=15)
+        self.proc.join(timeout=15)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+
+
+class Ranks:
+    """The scheduler's handle on every rank: execute fans the scheduler
+    output out to every process at once and gathers their outputs (ranks
+    split evenly over the processes, in order)."""
+
+    def __init__(self, procs: Sequence[Proc], world: int) -> None:
+        self.procs = list(procs)
+        self.world = world
+        self.owner = {rk: self.procs[rk * len(self.procs) // world] for rk in range(world)}
+
+    def setup(self, model_dir: str | os.PathLike[str], engine_id: str, par: dict[str, Any], num_blocks: int,
+              cfg_kw: dict[str, Any]) -> None:
+        """Every process makes its ranks' runners (kvshim_tp_worker.serve)."""
+        for p in self.procs:
+            mine = [rk for rk in range(self.world) if self.owner[rk] is p]
+            p.conn.send(("setup", (str(model_dir), engine_id, mine, par, num_blocks, cfg_kw)))
+        for p in self.procs:
+            p.recv(timeout=120)
+
+    def execute_all(self, so: SchedulerOutput) -> list[KVConnectorOutput]:
+        for p in self.procs:
+            p.conn.send(("execute", (so,)))
+        outs: list[KVConnectorOutput] = []
+        for p in self.procs:
+            outs += p.recv()
+        return outs
+
+    def call(self, rank: int, sub: str, *args: Any) -> Any:
+        return self.owner[rank].call("rank", rank, sub, *args)
+
+
+class WorldHarness(SchedulerHarness):
+    """SchedulerHarness whose runners are the remote ranks (their connector
+    outputs combined by vLLM's KVOutputAggregator over the whole world)."""
+
+    def __init__(self, cfg: VllmConfig, kvc: KVCacheConfig, ranks: Ranks) -> None:
+        super().__init__(cfg, kvc)
+        self.ranks = ranks
+        self.runners = [ranks]  # non-empty: execute() goes to runners_step
+        self._aggregator = KVOutputAggregator(ranks.world)
+
+    def runners_step(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput:
+        outs = self.ranks.execute_all(scheduler_output)
+        mros: list[ModelRunnerOutput | None] = [self.model_runner_output(scheduler_output, kv_connector_output=o) for o in outs]
+        assert self._aggregator is not None
+        agg = self._aggregator.aggregate(mros)
+        assert agg is not None and agg.kv_connector_output is not None
+        return agg.kv_connector_output
+
+    def close(self) -> None:
+        self.runners = []
+        super().close()

@@ -14,7 +14,7 @@ from typing import Any
 
 def rank_command(runner: Any, cmd: str, args: Any) -> Any:
     """One rank's command (both loops): check_blocks, blocks, scribble,
-    skip_save_in, stats, attr."""
+    skip_save_in, drop_group_saves_in, stats, attr."""
     if cmd == "check_blocks":
         return runner.check_blocks(*args)
     if cmd == "blocks":
@@ -26,6 +26,12 @@ def rank_command(runner: Any, cmd: str, args: Any) -> Any:
         # Drop this rank's saves in its n-th step from now (a save lost on
         # one rank only).
         runner.skip_save_steps.add(runner.step_no + args[0])
+        return None
+    if cmd == "drop_group_saves_in":
+        # Drop this rank's saves of the KV-cache groups args[1] in its n-th
+        # step from now (harness.HybridModelRunner: one group's object lost
+        # on one rank only).
+        runner.drop_saves[runner.step_no + args[0]] = set(args[1])
         return None
     if cmd == "stats":
         st = runner.kvshim.worker.stats()
@@ -108,17 +114,23 @@ def stage_kv_cache_config(num_blocks: int, names: list[str], num_kv_heads: int, 
 
 def make_rank_runner(model_dir: str, engine_id: str, rank: int, par: dict[str, Any], num_blocks: int, cfg_kw: dict[str, Any]) -> Any:
     """One rank's ModelRunner (harness.ModelRunner, or harness-compatible
-    ``runner_cls`` named by "module:Class" in par)."""
+    ``runner_cls`` named by "module:Class" in par). A hybrid model
+    (par["hybrid"]: its layers' (kind, window), harness.hybrid_layer_specs)
+    gets a harness.HybridModelRunner over vLLM's KV-cache groups of its
+    layers, each with this rank's share of the KV heads."""
     import importlib
     import json
     from pathlib import Path
 
-    from harness import NUM_KV_HEADS, ModelRunner, kvshim_config
+    from harness import NUM_KV_HEADS, HybridModelRunner, ModelRunner, hybrid_kv_cache_config, hybrid_layer_specs, kvshim_config
 
     tp, pp, dcp = par.get("tp", 1), par.get("pp", 1), par.get("dcp", 1)
     cfg = kvshim_config(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                         decode_context_parallel_size=dcp, rank=rank, engine_id=engine_id, **cfg_kw)
     assert cfg.parallel_config.rank == rank and cfg.parallel_config.world_size == tp * pp
+    if par.get("hybrid"):
+        specs = hybrid_layer_specs(par["hybrid"], num_kv_heads=max(1, NUM_KV_HEADS // tp))
+        return HybridModelRunner(cfg, hybrid_kv_cache_config(cfg, specs, num_blocks), rank=rank)
     total = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
     heads = par.get("kv_heads") or max(1, NUM_KV_HEADS // tp)
     mla = cfg.model_config.use_mla

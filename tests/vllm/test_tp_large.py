@@ -25,21 +25,20 @@ sees only stage 0's layers.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 import uuid
 from typing import Any
 
 import pytest
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.v1.outputs import ModelRunnerOutput
 
 from harness import (
     CHUNK,
     HEAD_SIZE,
     TINY_LLAMA_CONFIG,
-    SchedulerHarness,
+    Proc,
+    Ranks,
+    WorldHarness,
     kvshim_config,
     loads_of,
     new_req_data,
@@ -62,40 +61,6 @@ def model8(tmp_path_factory):
     cfg = dict(TINY_LLAMA_CONFIG, num_attention_heads=8, hidden_size=8 * HEAD_SIZE, num_hidden_layers=LAYERS)
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     return d
-
-
-class Proc:
-    """A spawned process hosting several ranks (kvshim_tp_worker.serve)."""
-
-    def __init__(self, ctx, i):
-        import kvshim_tp_worker
-
-        self.i = i
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=kvshim_tp_worker.serve, args=(child,), name=f"kvshim-ranks-{i}", daemon=True)
-        self.proc.start()
-        child.close()
-
-    def recv(self, timeout=60):
-        if not self.conn.poll(timeout):
-            raise AssertionError(f"process {self.i}: no answer in {timeout}s")
-        status, res = self.conn.recv()
-        if status not in ("ok", "ready"):
-            raise AssertionError(f"process {self.i}: {res}")
-        return res
-
-    def call(self, cmd, *args, timeout=60):
-        self.conn.send((cmd, args))
-        return self.recv(timeout)
-
-    def close(self):
-        if self.proc.is_alive():
-            with contextlib.suppress(Exception):  # killed below
-                self.call("close", timeout=15)
-        self.proc.join(timeout=15)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=5)
 
 
 @pytest.fixture(scope="module")
@@ -128,49 +93,6 @@ def procs():
             p.close()
 
 
-class Ranks:
-    """The scheduler's handle on every rank: execute fans the scheduler
-    output out to both processes at once and gathers their outputs."""
-
-    def __init__(self, procs, world):
-        self.procs = procs
-        self.world = world
-        self.owner = {rk: procs[rk * len(procs) // world] for rk in range(world)}
-
-    def execute_all(self, so):
-        for p in self.procs:
-            p.conn.send(("execute", (so,)))
-        outs = []
-        for p in self.procs:
-            outs += p.recv()
-        return outs
-
-    def call(self, rank, sub, *args):
-        return self.owner[rank].call("rank", rank, sub, *args)
-
-
-class WorldHarness(SchedulerHarness):
-    """SchedulerHarness whose runners are the remote ranks."""
-
-    def __init__(self, cfg, kvc, ranks: Ranks):
-        super().__init__(cfg, kvc)
-        self.ranks = ranks
-        self.runners = [ranks]  # non-empty: execute() goes to runners_step
-        self._aggregator = KVOutputAggregator(ranks.world)
-
-    def runners_step(self, so):
-        outs = self.ranks.execute_all(so)
-        mros: list[ModelRunnerOutput | None] = [self.model_runner_output(so, kv_connector_output=o) for o in outs]
-        assert self._aggregator is not None
-        agg = self._aggregator.aggregate(mros)
-        assert agg is not None
-        return agg.kv_connector_output
-
-    def close(self):
-        self.runners = []
-        super().close()
-
-
 PARALLEL: dict[str, dict[str, Any]] = {
     "tp4": {"tp": 4, "pp": 1},
     "tp8": {"tp": 8, "pp": 1},
@@ -193,11 +115,7 @@ def world(request, procs, model8, mla_model):
     w = tp * pp
     engine_id = f"tpl-{uuid.uuid4().hex[:12]}"
     ranks = Ranks(procs, w)
-    for p in procs:
-        mine = [rk for rk in range(w) if ranks.owner[rk] is p]
-        p.conn.send(("setup", (str(model), engine_id, mine, par, NUM_BLOCKS, CFG_KW)))
-    for p in procs:
-        p.recv(timeout=120)
+    ranks.setup(model, engine_id, par, NUM_BLOCKS, CFG_KW)
     h = None
     try:
         from kvshim_tp_worker import stage_kv_cache_config, stage_layers

@@ -1,0 +1,72 @@
+package shim
+
+import (
+	"bytes"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"gotest.tools/v3/assert"
+
+	"github.com/kvshim/kvshim/server"
+)
+
+// A chunked local group whose attention chunk starts at the hit needs no
+// chunk there: its load is empty and the scheduler has freed (and the
+// server forgotten) its lookup. The worker must not read that lookup: a
+// failed load would make vLLM recompute the whole request (PollFailed,
+// vLLM's failed_recving with several groups).
+func TestEmptyGroupLoadReadsNoLookup(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "kvshim.sock")
+	cfg := server.DefaultConfig()
+	cfg.Socket, cfg.L1SizeGB, cfg.SegmentSize = sock, 0.0625, 16<<20
+	srv, err := server.Start(cfg, nil, server.Options{})
+	assert.NilError(t, err)
+	defer srv.Close()
+	ns := NamespaceSpec{Model: "m", DType: "bfloat16", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk,
+		LayoutFingerprint: `{"groups": [{"kind": "full"}, {"kind": "chunked_local", "window": 16}]}`}
+	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS, Timeout: 2 * time.Second, Instance: uuid.New()})
+	assert.NilError(t, err)
+	defer s.Close()
+	w, err := NewWorker(WorkerConfig{Socket: sock, Namespace: ns, Timeout: 2 * time.Second, Instance: uuid.New(), Workers: 2})
+	assert.NilError(t, err)
+	defer w.Close()
+	c := newRankCache(t)
+	c.descs[1].Group = 1
+	assert.NilError(t, w.Register(c.descs))
+	r := &rig{cfg: cfg, srv: srv, sched: s, workers: []*Worker{w}, caches: []*rankCache{c}}
+
+	tokens := conversation(2*tChunk+1, 100)
+	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
+	a0, a1 := seq(10, 5), seq(20, 5)
+	assert.NilError(t, s.AfterAlloc("A", append(slices.Clone(a0), a1...), 0, 0))
+	for _, b := range append(slices.Clone(a0), a1...) {
+		c.fill(int(b), 7)
+	}
+	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: a0, GroupBlocks: [][]int64{a1}, Scheduled: len(tokens)}}})
+	assert.Equal(t, w.Stats().SavedChunks, uint64(4))
+
+	// B hits 16 tokens: group 1's attention chunk starts there
+	// (Skipped(16) = 16), vLLM gives it null blocks below.
+	assert.Equal(t, r.match(t, "B", tokens, Extras{}, 0), 2*tChunk)
+	b0, b1 := seq(30, 5), []int64{0, 0, 0, 0, 44}
+	assert.NilError(t, s.AfterAlloc("B", append(slices.Clone(b0), b1...), 0, 2*tChunk))
+	b, err := s.BuildMeta(&Step{})
+	assert.NilError(t, err)
+	m, err := DecodeStepMeta(b, tChunk/tBS, tBlocks)
+	assert.NilError(t, err)
+	assert.Equal(t, len(m.Loads), 2)
+	assert.Equal(t, m.Loads[1].Start, m.Loads[1].End)
+	w.StartLoads(m)
+	w.wg.Wait()
+	_, rv, eb, failed := w.PollFailed()
+	assert.DeepEqual(t, rv, []string{"B"})
+	assert.Equal(t, len(eb), 0)
+	assert.Equal(t, len(failed), 0)
+	for i := range 4 {
+		assert.Check(t, bytes.Equal(c.block(0, int(b0[i])), c.block(0, int(a0[i]))), "group 0 block %d", i)
+	}
+	assert.Equal(t, holds(t, srv), 0.0)
+}
