@@ -208,10 +208,11 @@ int kvshim_worker_start_loads(kvshim_handle h);
  * CUevent recorded on vLLM's stream (0 for CPU caches). */
 int kvshim_worker_start_saves(kvshim_handle h, uint64_t stream_event);
 
-/* Reports, as JSON {"sending": [...], "recving": [...], "error_blocks": [...]},
- * the delay-freed requests whose copies ended, the requests whose loads
- * ended, and the blocks whose loads failed, since the last call
- * (variable-length output). */
+/* Reports, as JSON {"sending": [...], "recving": [...], "error_blocks": [...],
+ * "failed": [...]}, the delay-freed requests whose copies ended, the
+ * requests whose loads ended, the blocks whose loads failed and the
+ * requests with a failed load (each once, no later than its "recving"),
+ * since the last call (variable-length output). */
 int kvshim_worker_poll(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* Blocks until kvshim_worker_poll has something to report (a load ended, a

@@ -379,12 +379,7 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str, vllm_config: Vllm
             if why:
                 raise ValueError(f"kvshim: {where(i, grp)} holds Mamba/SSM state, which kvshim does not save or restore "
                                  f"here: {why}; serve this model without kv_connector KVShimConnector")
-    # One group of full attention keeps the keys and block handling of
-    # kvshim before groups; one that frees blocks (a window, a state: vLLM's
-    # null block, id 0, stands where they were) is described as a group list
-    # of one, so Go applies its rule.
-    if not groups or (len(groups) == 1 and not isinstance(
-            groups[0].kv_cache_spec, (MambaSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec))):
+    if not _has_groups(kv_cache_config):
         return []
     out = []
     sizes = set()
@@ -414,6 +409,20 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str, vllm_config: Vllm
         raise ValueError(f"kvshim: the KV-cache groups of model {model} have blocks of {sorted(sizes)} tokens; "
                          "kvshim needs one block size for all groups")
     return out
+
+
+def _has_groups(kv_cache_config: KVCacheConfig | None) -> bool:
+    """Whether kvshim describes the model's KV-cache groups to Go. One group
+    of full attention keeps the keys and block handling of kvshim before
+    groups; one that frees blocks (a window, a state: vLLM's null block, id
+    0, stands where they were) is a group list of one, so Go applies its
+    rule, as it does to several groups."""
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return False
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    return len(groups) > 1 or isinstance(groups[0].kv_cache_spec, (MambaSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec))
 
 
 def _mamba_state_refusal(spec: Any, vllm_config: VllmConfig) -> str:
@@ -831,9 +840,11 @@ class KVShimWorker:
         self._bound: KVShimMetadata | None = None
         self._load_errors: set[int] = set()
         # Several KV-cache groups: block ids are unique only within a group,
-        # and vLLM raises on invalid_block_ids (Scheduler._handle_invalid_blocks):
-        # a failed load is reported by request (failed_recving) instead.
-        self._by_request = kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1
+        # and vLLM raises on invalid_block_ids (Scheduler._handle_invalid_blocks);
+        # a lone windowed or Mamba group cannot recompute from a failed block
+        # (the window before it, or the state, is gone). A failed load is
+        # reported by request (failed_recving) instead: vLLM recomputes it all.
+        self._by_request = _has_groups(kv_cache_config)
         self._failed: set[str] = set()
         self._reported: dict[str, int] = {}  # counters already in a stats report
 
