@@ -2,15 +2,10 @@ package shim
 
 import (
 	"bytes"
-	"path/filepath"
 	"slices"
 	"testing"
-	"time"
 
-	"github.com/google/uuid"
 	"gotest.tools/v3/assert"
-
-	"github.com/kvshim/kvshim/server"
 )
 
 // A chunked local group whose attention chunk starts at the hit needs no
@@ -19,24 +14,8 @@ import (
 // failed load would make vLLM recompute the whole request (PollFailed,
 // vLLM's failed_recving with several groups).
 func TestEmptyGroupLoadReadsNoLookup(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "kvshim.sock")
-	cfg := server.DefaultConfig()
-	cfg.Socket, cfg.L1SizeGB, cfg.SegmentSize = sock, 0.0625, 16<<20
-	srv, err := server.Start(cfg, nil, server.Options{})
-	assert.NilError(t, err)
-	defer srv.Close()
-	ns := NamespaceSpec{Model: "m", DType: "bfloat16", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk,
-		LayoutFingerprint: `{"groups": [{"kind": "full"}, {"kind": "chunked_local", "window": 16}]}`}
-	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS, Timeout: 2 * time.Second, Instance: uuid.New()})
-	assert.NilError(t, err)
-	defer s.Close()
-	w, err := NewWorker(WorkerConfig{Socket: sock, Namespace: ns, Timeout: 2 * time.Second, Instance: uuid.New(), Workers: 2})
-	assert.NilError(t, err)
-	defer w.Close()
-	c := newRankCache(t)
-	c.descs[1].Group = 1
-	assert.NilError(t, w.Register(c.descs))
-	r := &rig{cfg: cfg, srv: srv, sched: s, workers: []*Worker{w}, caches: []*rankCache{c}}
+	r, c := groupRig(t, `{"groups": [{"kind": "full"}, {"kind": "chunked_local", "window": 16}]}`, true)
+	s, w, srv := r.sched, r.workers[0], r.srv
 
 	tokens := conversation(2*tChunk+1, 100)
 	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)

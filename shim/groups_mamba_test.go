@@ -9,8 +9,6 @@ import (
 
 	"github.com/google/uuid"
 	"gotest.tools/v3/assert"
-
-	"github.com/kvshim/kvshim/server"
 )
 
 // A Mamba group keeps the state of the last token (vLLM's MambaManager:
@@ -93,23 +91,8 @@ func TestMambaSaveSkipsChunksWithoutState(t *testing.T) {
 //     last token itself), where no state is stored (chunk 1): C falls back
 //     to 1 chunk, where one is.
 func TestMambaHitEndsOnAStoredState(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "kvshim.sock")
-	cfg := server.DefaultConfig()
-	cfg.Socket, cfg.L1SizeGB, cfg.SegmentSize = sock, 0.0625, 16<<20
-	srv, err := server.Start(cfg, nil, server.Options{})
-	assert.NilError(t, err)
-	defer srv.Close()
-	ns := mambaSpec()
-	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS, Timeout: 2 * time.Second, Instance: uuid.New()})
-	assert.NilError(t, err)
-	defer s.Close()
-	w, err := NewWorker(WorkerConfig{Socket: sock, Namespace: ns, Timeout: 2 * time.Second, Instance: uuid.New(), Workers: 2})
-	assert.NilError(t, err)
-	defer w.Close()
-	c := newRankCache(t)
-	c.descs[1].Group = 1
-	assert.NilError(t, w.Register(c.descs))
-	r := &rig{cfg: cfg, srv: srv, sched: s, workers: []*Worker{w}, caches: []*rankCache{c}}
+	r, c := groupRig(t, mambaSpec().LayoutFingerprint, true)
+	s, w, srv := r.sched, r.workers[0], r.srv
 
 	tokens := conversation(3*tChunk+1, 100)
 	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
@@ -149,24 +132,9 @@ func TestMambaHitEndsOnAStoredState(t *testing.T) {
 // its own block; C (exactly 3 chunks) falls back to chunk 0, where a state
 // is stored, and never to the missing one at 16.
 func TestLoneMambaGroupNullBlocksHoldNoState(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "kvshim.sock")
-	cfg := server.DefaultConfig()
-	cfg.Socket, cfg.L1SizeGB, cfg.SegmentSize = sock, 0.0625, 16<<20
-	srv, err := server.Start(cfg, nil, server.Options{})
-	assert.NilError(t, err)
-	defer srv.Close()
-	ns := NamespaceSpec{Model: "m", DType: "bfloat16", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk,
-		LayoutFingerprint: `{"groups": [{"kind": "mamba"}]}`}
-	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS, Timeout: 2 * time.Second, Instance: uuid.New()})
-	assert.NilError(t, err)
-	defer s.Close()
+	r, c := groupRig(t, `{"groups": [{"kind": "mamba"}]}`, false)
+	s, w, srv := r.sched, r.workers[0], r.srv
 	assert.DeepEqual(t, s.Groups(), []GroupSpec{{Kind: GroupMamba}})
-	w, err := NewWorker(WorkerConfig{Socket: sock, Namespace: ns, Timeout: 2 * time.Second, Instance: uuid.New(), Workers: 2})
-	assert.NilError(t, err)
-	defer w.Close()
-	c := newRankCache(t) // both layers in group 0
-	assert.NilError(t, w.Register(c.descs))
-	r := &rig{cfg: cfg, srv: srv, sched: s, workers: []*Worker{w}, caches: []*rankCache{c}}
 
 	tokens := conversation(3*tChunk+1, 300)
 	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)

@@ -148,24 +148,8 @@ func TestWindowedSaveFencesItsBlocks(t *testing.T) {
 // 1's window only, each into its own blocks, and is reported received
 // once.
 func TestGroupsSaveAndRestoreByTheirProtocol(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "kvshim.sock")
-	cfg := server.DefaultConfig()
-	cfg.Socket, cfg.L1SizeGB, cfg.SegmentSize = sock, 0.0625, 16<<20
-	srv, err := server.Start(cfg, nil, server.Options{})
-	assert.NilError(t, err)
-	defer srv.Close()
-	ns := NamespaceSpec{Model: "m", DType: "bfloat16", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk,
-		LayoutFingerprint: `{"groups": [{"kind": "full"}, {"kind": "sliding_window", "window": 3}]}`}
-	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS, Timeout: 2 * time.Second, Instance: uuid.New()})
-	assert.NilError(t, err)
-	defer s.Close()
-	w, err := NewWorker(WorkerConfig{Socket: sock, Namespace: ns, Timeout: 2 * time.Second, Instance: uuid.New(), Workers: 2})
-	assert.NilError(t, err)
-	defer w.Close()
-	c := newRankCache(t)
-	c.descs[1].Group = 1
-	assert.NilError(t, w.Register(c.descs))
-	r := &rig{cfg: cfg, srv: srv, sched: s, workers: []*Worker{w}, caches: []*rankCache{c}}
+	r, c := groupRig(t, `{"groups": [{"kind": "full"}, {"kind": "sliding_window", "window": 3}]}`, true)
+	s, w, srv := r.sched, r.workers[0], r.srv
 
 	tokens := conversation(2*tChunk+1, 100)
 	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
@@ -217,4 +201,29 @@ func TestGroupsSaveAndRestoreByTheirProtocol(t *testing.T) {
 	assert.DeepEqual(t, eb, []int64{53})
 	assert.Equal(t, w.Stats().KeyMismatches, uint64(1))
 	assert.Check(t, bytes.Equal(c.block(0, 53), before))
+}
+
+// groupRig is one worker on a real server for a namespace whose layout
+// lists groups; with layer1, the rank cache's second layer is in group 1.
+func groupRig(t *testing.T, layout string, layer1 bool) (*rig, *rankCache) {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "kvshim.sock")
+	cfg := server.DefaultConfig()
+	cfg.Socket, cfg.L1SizeGB, cfg.SegmentSize = sock, 0.0625, 16<<20
+	srv, err := server.Start(cfg, nil, server.Options{})
+	assert.NilError(t, err)
+	t.Cleanup(func() { srv.Close() })
+	ns := NamespaceSpec{Model: "m", DType: "bfloat16", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk, LayoutFingerprint: layout}
+	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS, Timeout: 2 * time.Second, Instance: uuid.New()})
+	assert.NilError(t, err)
+	t.Cleanup(func() { s.Close() })
+	w, err := NewWorker(WorkerConfig{Socket: sock, Namespace: ns, Timeout: 2 * time.Second, Instance: uuid.New(), Workers: 2})
+	assert.NilError(t, err)
+	t.Cleanup(func() { w.Close() })
+	c := newRankCache(t)
+	if layer1 {
+		c.descs[1].Group = 1
+	}
+	assert.NilError(t, w.Register(c.descs))
+	return &rig{cfg: cfg, srv: srv, sched: s, workers: []*Worker{w}, caches: []*rankCache{c}}, c
 }

@@ -53,6 +53,15 @@ from test_multiturn import turn2
 TIMEOUT_MS = 5000
 
 
+def _thread_state(pid: int, tid: str) -> str:
+    """A thread's state letter from /proc (R, S, D, T, t, Z, ...); an exited thread counts as stopped."""
+    try:
+        stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+    except FileNotFoundError:
+        return "T"
+    return stat[stat.rindex(")") + 2]
+
+
 class Stoppable:
     """SIGSTOP/SIGCONT of the server process, resumed at most once per stop."""
 
@@ -62,8 +71,17 @@ class Stoppable:
         self.lock = threading.Lock()
 
     def stop(self) -> None:
-        os.kill(self.srv.proc.pid, signal.SIGSTOP)
+        """Returns once every thread of the server is stopped: kill()
+        returns before a thread running on another core has taken the
+        signal, and in that window (~0.1 ms) the server still answers (it
+        did: a save committed "while stopped", a flaky test)."""
+        pid = self.srv.proc.pid
+        os.kill(pid, signal.SIGSTOP)
         self.stopped = True
+        deadline = time.monotonic() + 5
+        while not all(_thread_state(pid, t) in ("T", "t") for t in os.listdir(f"/proc/{pid}/task")):
+            assert time.monotonic() < deadline, "the server did not stop"
+            time.sleep(0.0005)
 
     def resume(self) -> bool:
         with self.lock:
@@ -202,6 +220,11 @@ def test_preempted_while_its_save_is_in_flight(pressure):
     resumer.start()
     try:
         h.finish(so, h.execute(so))
+        if resumer.fired:
+            # The bind returned once A's save had read A's blocks; its
+            # COMMIT follows. A is looked up again from the next step on:
+            # let the commit land first, or that lookup may miss it.
+            wait_jobs(h)
         # B decodes into A's former blocks (the trap a worker that did not
         # wait falls into: it resumes the server only after the overwrite).
         h.settle(until=lambda s: b.request_id in s.num_scheduled_tokens

@@ -4,6 +4,7 @@ package redisserver
 
 import (
 	"bufio"
+	"bytes"
 	"errors"
 	"fmt"
 	"net"
@@ -113,7 +114,35 @@ func (s *Server) Command(args ...string) (string, error) {
 }
 
 // Pause stops the process (SIGSTOP): connections stay open, nothing answers.
-func (s *Server) Pause() { _ = s.cmd.Process.Signal(syscall.SIGSTOP) }
+// It returns once every thread has stopped: kill(2) returns before a
+// thread running on another core takes the signal, and in that window the
+// server still answers.
+func (s *Server) Pause() {
+	_ = s.cmd.Process.Signal(syscall.SIGSTOP)
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && !stopped(s.cmd.Process.Pid); {
+		time.Sleep(500 * time.Microsecond)
+	}
+}
+
+// stopped says whether every thread of process pid is stopped (state T or
+// t in /proc; a thread that exited meanwhile counts as stopped).
+func stopped(pid int) bool {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return false
+	}
+	for _, t := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, t.Name()))
+		if err != nil {
+			continue
+		}
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 || i+2 >= len(b) || (b[i+2] != 'T' && b[i+2] != 't') {
+			return false
+		}
+	}
+	return true
+}
 
 // Kill kills the process (SIGKILL) and waits for it (bounded).
 func (s *Server) Kill() {
