@@ -31,6 +31,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from vllm.v1.request import RequestStatus
@@ -56,7 +57,7 @@ TIMEOUT_MS = 5000
 def _thread_state(pid: int, tid: str) -> str:
     """A thread's state letter from /proc (R, S, D, T, t, Z, ...); an exited thread counts as stopped."""
     try:
-        stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
     except FileNotFoundError:
         return "T"
     return stat[stat.rindex(")") + 2]
