@@ -13,21 +13,15 @@ prompt_token_ids a plain Python list, as vLLM holds it:
 - ``hit``: every chunk is in L1 (the answer is prompt - 1 tokens);
 - ``miss``: a prompt never stored (the answer is 0).
 
-Two paths run interleaved in the same run, ``new`` (the connector as it
-is) and ``old``, chosen by ``--ab``:
-
-- ``convert`` (default): old is the token conversion the connector had
-  before (np.asarray(tokens, dtype=np.uint32)), new its own
-  (kvshim.vllm._u32: the library's C loop over the list,
-  native.tokens_from_list). The conversions alone are measured too, with
-  the other candidates that were considered.
-- ``prewake``: old leaves out the connector's kvshim_sched_prewake hint
-  (native.Scheduler.prewake a no-op), new keeps it. With ``--gap-ms``
-  the process sleeps that long before each call, so the server's thread is
-  asleep when a request comes, as at low load.
-
-``--server serve`` runs the server as its own ``kvshim serve`` process (as a
-server shared by several vLLM instances runs) instead of embedded.
+Two token conversions run interleaved in the same run: ``new`` (the
+connector's own, kvshim.vllm._u32: the library's C loop over the list,
+native.tokens_from_list) and ``old`` (what it did before:
+np.asarray(tokens, dtype=np.uint32)). The conversions alone are measured
+too, with the other candidates that were considered. With ``--gap-ms`` the
+process sleeps that long before each call, so the server's thread is asleep
+when a request comes, as at low load; ``--server serve`` runs the server as
+its own ``kvshim serve`` process (as a server shared by several vLLM
+instances runs) instead of embedded.
 
 The last line is one JSON object with every figure (milliseconds, medians
 unless named otherwise).
@@ -152,19 +146,10 @@ def match_once(h: SchedulerHarness, conn: Any, tokens: list[int], rid: str) -> t
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ab", choices=("convert", "prewake"), default="convert", help="what old and new differ in")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="sleep before each timed call (ms)")
     ap.add_argument("--server", choices=("embedded", "serve"), default="embedded",
                     help="the server inside this process, or a kvshim serve process")
     args = ap.parse_args()
-    real_prewake = native.Scheduler.prewake
-
-    def arm(path: str) -> Callable[[Any], np.ndarray]:
-        """Sets up path's variant of the connector; returns its conversion."""
-        if args.ab == "convert":
-            return new_u32 if path == "new" else old_u32
-        native.Scheduler.prewake = real_prewake if path == "new" else (lambda self, n: None)  # type: ignore[method-assign]
-        return new_u32
 
     with tempfile.TemporaryDirectory() as tmp:
         server, where = None, "embedded"
@@ -192,7 +177,7 @@ def main() -> None:
         conn = h.connector
         assert isinstance(conn, kv.KVShimConnector)
         result: dict[str, Any] = {"chunk_tokens": CHUNK, "python": sys.version.split()[0], "numpy": np.__version__,
-                                  "ab": args.ab, "gap_ms": args.gap_ms, "server": args.server}
+                                  "gap_ms": args.gap_ms, "server": args.server}
         new_u32 = kv._u32
         try:
             for label, n in SIZES.items():
@@ -203,9 +188,9 @@ def main() -> None:
                 shares: dict[str, list[float]] = {}
                 for i in range(ROUNDS[label]):
                     for case, tokens in (("hit", hit), ("miss", miss)):
-                        for path in ("new", "old") if i % 2 else ("old", "new"):
+                        for path, fn in (("new", new_u32), ("old", old_u32)) if i % 2 else (("old", old_u32), ("new", new_u32)):
                             spent: list[float] = []
-                            kv._u32 = timed(arm(path), spent)
+                            kv._u32 = timed(fn, spent)
                             if args.gap_ms:
                                 time.sleep(args.gap_ms / 1e3)
                             dt, got = match_once(h, conn, tokens, f"{label}-{case}-{path}-{i}")
@@ -230,12 +215,11 @@ def main() -> None:
                 result[label] = r
         finally:
             kv._u32 = new_u32
-            native.Scheduler.prewake = real_prewake  # type: ignore[method-assign]
             h.close()
             if server is not None:
                 server.kill()
 
-    print(f"--ab {args.ab}, --gap-ms {args.gap_ms:g}, --server {args.server}")
+    print(f"--gap-ms {args.gap_ms:g}, --server {args.server}")
     print(f"{'get_num_new_matched_tokens':<26}{'old ms':>9}{'new ms':>9}{'old/new':>9}{'old conv':>10}{'new conv':>10}"
           "   (medians; conv: the token conversion inside the call, ms and share)")
     for label in SIZES:

@@ -92,9 +92,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 16
 CHUNK = 256
-# KVSHIM_PEER_PREWAKE=0 leaves out kvshim_sched_prewake (the connector's
-# behaviour before it), for an A/B of the hint.
-PREWAKE = os.environ.get("KVSHIM_PEER_PREWAKE", "1") != "0"
 POLL_S = float(os.environ.get("KVSHIM_PEER_POLL_US", "20")) / 1e6  # between polls of a pending answer
 # (c): Llama-3-8B, one 256-token chunk = 32 MiB.
 LLAMA_LAYERS, LLAMA_HEADS, LLAMA_HEAD = 32, 8, 128
@@ -175,8 +172,6 @@ class KvshimSide:
         the list conversion, calls)."""
         out = ctypes.c_int64()
         t0 = time.perf_counter_ns()
-        if PREWAKE:  # as KVShimConnector does: the server wakes while the list is converted and hashed
-            self.sched.check(self.lib.kvshim_sched_prewake(self.sched.value, len(tokens)))
         a = self.u32(tokens)
         t1 = time.perf_counter_ns()
         ptr = a.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32))
@@ -708,7 +703,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "cpu": cpu_model(), "python": platform.python_version(),
                     "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after]},
         "versions": {"lmcache": lmcache.__version__, "kvshim": native.version()},
-        "server_start_s": start_s, "l1_size_gb": args.l1_size_gb, "kvshim_token_conversion": conversion, "kvshim_prewake": PREWAKE,
+        "server_start_s": start_s, "l1_size_gb": args.l1_size_gb, "kvshim_token_conversion": conversion,
         "lmcache_omp_num_threads": lm_env["OMP_NUM_THREADS"],
         "server_cpu_idle_10s_s": cpu["idle_10s"],
     }

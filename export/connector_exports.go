@@ -56,14 +56,6 @@ func kvshim_sched_match(h C.int64_t, reqID *C.char, toks *C.uint32_t, nToks C.si
 	})
 }
 
-//export kvshim_sched_prewake
-func kvshim_sched_prewake(h C.int64_t, nToks C.size_t) C.int {
-	return call(h, func(in *instance, s *shim.Scheduler) error {
-		s.Prewake(int(min(nToks, 1<<31)))
-		return nil
-	})
-}
-
 //export kvshim_sched_after_alloc
 func kvshim_sched_after_alloc(h C.int64_t, reqID *C.char, blocks *C.int64_t, nBlocks C.size_t, numComputed, numExternal C.int64_t) C.int {
 	return call(h, func(in *instance, s *shim.Scheduler) error {

@@ -36,9 +36,8 @@
 extern "C" {
 #endif
 
-/* 2: the walking-skeleton exports are gone; error codes follow one table.
- * 3: kvshim_sched_prewake. */
-#define KVSHIM_ABI_VERSION 3
+/* 2: the walking-skeleton exports are gone; error codes follow one table. */
+#define KVSHIM_ABI_VERSION 2
 
 typedef int64_t kvshim_handle;
 
@@ -132,14 +131,6 @@ int kvshim_ping(kvshim_handle h, const void *body, size_t n, void *buf, size_t c
 int kvshim_sched_match(kvshim_handle h, const char *req_id, const uint32_t *tokens,
                        size_t n_tokens, const char *extras_json, int64_t num_computed,
                        int64_t *out);
-
-/* Optional, before a first kvshim_sched_match of a request when the caller
- * still has n_tokens to convert: tells a server thread that sleeps to wake
- * and spin until the lookup arrives (at most 2 ms), so its wakeup overlaps
- * the caller's conversion and hashing. A hint: does nothing when no server
- * is connected; fails only as every scheduler call does (KVSHIM_EBADH, a
- * handle of another role). */
-int kvshim_sched_prewake(kvshim_handle h, size_t n_tokens);
 
 /* For a Python caller only (ctypes.PyDLL: called with the GIL held, list a
  * py_object): writes the ids of the Python list of ints `list` into

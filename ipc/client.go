@@ -304,17 +304,6 @@ func (c *Client) Done() <-chan struct{} { return c.done }
 // Err says why the session ended; nil while it is open.
 func (c *Client) Err() error { return c.err() }
 
-// Prewake tells the server that a request follows within d (see
-// Ring.Prewake): its session thread, if asleep, wakes now and spins until
-// then. A no-op once the session has ended.
-func (c *Client) Prewake(d time.Duration) {
-	if !c.acquire() {
-		return
-	}
-	defer c.release()
-	c.tx.Prewake(d)
-}
-
 // Close ends the session and unmaps everything once no call is running.
 func (c *Client) Close() error {
 	c.shutdown(fmt.Errorf("%w: client closed", ErrClosed))

@@ -24,7 +24,6 @@
 //	             │   offsets of the counter slots (io_uring style: readers use  │
 //	             │   these, so the layout can move without a format break)      │
 //	             │ max record u32 │ producer pid u32 │ consumer pid u32         │
-//	             │ spinUntil: u32 offset (0 in rings made before the slot)      │
 //	 128         ├─ tail u64      (producer position, free-running)  ───────────┤
 //	 256         ├─ head u64      (consumer position, free-running)  ───────────┤
 //	 384         ├─ consWait u32  (1 = consumer sleeps on this futex) ──────────┤
@@ -32,7 +31,6 @@
 //	 640         ├─ prodBeat u64  (producer heartbeat, CLOCK_MONOTONIC ns) ─────┤
 //	 768         ├─ consBeat u64  (consumer heartbeat) ─────────────────────────┤
 //	 896         ├─ closed u32    (either side shut the ring down) ─────────────┤
-//	1024         ├─ spinUntil u64 (producer's Prewake hint, CLOCK_MONOTONIC ns) ┤
 //	             │ ... (each counter owns a 128-byte slot: no false sharing)    │
 //	4096         ├──────────────────────────────────────────────────────────────┤
 //	 data        │ record │ record │ ... │ padding │   capacity = 2^k bytes     │
@@ -57,13 +55,6 @@
 //
 //	waiter:   word = 1 ; (full fence) ; re-check ring ; FUTEX_WAIT(word, 1, ≤ WaitSlice) ; word = 0 ; re-check
 //	notifier: publish (len or head store) ; (full fence) ; if word == 1 && CAS(word, 1→0): FUTEX_WAKE
-//
-// A producer that knows a record will follow soon (the scheduler, before it
-// converts and hashes a prompt's tokens) calls Prewake: it stores
-// spinUntil = now + d and wakes the consumer, which spins (after a wakeup
-// too) while that lasts, at most MaxPrewake whatever the shared word says.
-// The futex wakeup then overlaps the producer's work instead of following
-// its record.
 //
 // Go's sync/atomic operations are sequentially consistent, so the store →
 // load pairs above are the Dekker handshake that makes a lost wakeup

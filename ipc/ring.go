@@ -47,21 +47,17 @@ const (
 	hMaxRecord   = 60 // u32
 	hProdPid     = 64 // u32
 	hConsPid     = 68 // u32
-	// hSpinUntilOff: u32 offset of the spinUntil slot; 0 in rings made
-	// before it existed (the hint is then not sent).
-	hSpinUntilOff = 72
 )
 
 // Standard counter slot offsets written by InitRing.
 const (
-	offTail      = 1 * slotSize
-	offHead      = 2 * slotSize
-	offConsWait  = 3 * slotSize
-	offProdWait  = 4 * slotSize
-	offProdBeat  = 5 * slotSize
-	offConsBeat  = 6 * slotSize
-	offClosed    = 7 * slotSize
-	offSpinUntil = 8 * slotSize
+	offTail     = 1 * slotSize
+	offHead     = 2 * slotSize
+	offConsWait = 3 * slotSize
+	offProdWait = 4 * slotSize
+	offProdBeat = 5 * slotSize
+	offConsBeat = 6 * slotSize
+	offClosed   = 7 * slotSize
 )
 
 // RingOptions tune waiting. Zero values take the defaults.
@@ -82,9 +78,6 @@ const (
 	DefaultSpin         = 50 * time.Microsecond
 	DefaultStallTimeout = 2 * time.Second
 	DefaultWaitSlice    = 250 * time.Millisecond
-	// MaxPrewake bounds how long a consumer spins on a producer's Prewake
-	// hint, whatever the (untrusted, shared) hint says.
-	MaxPrewake = 2 * time.Millisecond
 )
 
 func (o RingOptions) withDefaults() RingOptions {
@@ -120,7 +113,6 @@ type Ring struct {
 	consWait, prodWait *atomic.Uint32
 	prodBeat, consBeat *atomic.Uint64
 	closed             *atomic.Uint32
-	spinUntil          *atomic.Uint64 // nil: the ring has no such slot
 
 	opts RingOptions
 	intr atomic.Pointer[error] // set by Interrupt: waits return it
@@ -164,7 +156,6 @@ func InitRing(mem []byte, capacity uint64, opts RingOptions) (*Ring, error) {
 	le.PutUint32(h[hProdBeatOff:], offProdBeat)
 	le.PutUint32(h[hConsBeatOff:], offConsBeat)
 	le.PutUint32(h[hClosedOff:], offClosed)
-	le.PutUint32(h[hSpinUntilOff:], offSpinUntil)
 	le.PutUint32(h[hMaxRecord:], uint32(capacity/2))
 	// Magic last: a peer that sees it sees a complete header.
 	(*atomic.Uint64)(unsafe.Pointer(&h[hMagic])).Store(RingMagic)
@@ -212,13 +203,6 @@ func AttachRing(mem []byte, opts RingOptions) (*Ring, error) {
 	r.consWait, r.prodWait = (*atomic.Uint32)(ps[2]), (*atomic.Uint32)(ps[3])
 	r.prodBeat, r.consBeat = (*atomic.Uint64)(ps[4]), (*atomic.Uint64)(ps[5])
 	r.closed = (*atomic.Uint32)(ps[6])
-	if le.Uint32(mem[hSpinUntilOff:]) != 0 {
-		p, err := slot(hSpinUntilOff)
-		if err != nil {
-			return nil, err
-		}
-		r.spinUntil = (*atomic.Uint64)(p)
-	}
 	r.ptail = r.tail.Load()
 	r.chead = r.head.Load()
 	if r.ptail-r.chead > capacity || r.ptail%recordAlign != 0 || r.chead%recordAlign != 0 {
@@ -327,25 +311,36 @@ func align(n uint64) uint64 { return (n + recordAlign - 1) &^ (recordAlign - 1) 
 // wait polls check (spinning first, then sleeping on word) until it reports
 // done, fails, or the deadline passes (ErrTimeout). Every sleep is bounded by
 // WaitSlice and followed by a re-check. word is set to 1 while sleeping; the
-// other side clears it and wakes us after it publishes (see doc.go). A
-// consumer spins longer, and again after a wakeup, while the producer's
-// Prewake hint lasts.
+// other side clears it and wakes us after it publishes (see doc.go).
 func (r *Ring) wait(word *atomic.Uint32, deadline time.Time, check func() (bool, error)) error {
 	spinning := new(bool) // the consumer's checkStall reads r.spinning
-	consumer := word == r.consWait
-	if consumer {
+	if word == r.consWait {
 		spinning = &r.spinning
 	}
-	spin := r.opts.Spin
-	for {
-		if consumer {
-			spin = max(spin, r.hinted())
-		}
-		if spin > 0 {
-			if done, err := r.spin(spin, spinning, deadline, check); done {
+	if r.opts.Spin > 0 {
+		*spinning = true
+		defer func() { *spinning = false }()
+		start := time.Now()
+		for i := 1; ; i++ {
+			if ok, err := check(); ok || err != nil {
 				return err
 			}
+			if i&63 == 0 {
+				now := time.Now()
+				if now.Sub(start) >= r.opts.Spin || !now.Before(deadline) {
+					break
+				}
+				// Give the core away now and then (sched_yield, not
+				// runtime.Gosched: a caller that came in from C runs on a
+				// locked OS thread, where Gosched is a futex hand-off). When
+				// the machine has fewer free cores than spinners, the peer we
+				// wait for may need exactly this core.
+				osYield()
+			}
 		}
+	}
+	*spinning = false
+	for {
 		if ok, err := check(); ok || err != nil {
 			return err
 		}
@@ -363,59 +358,7 @@ func (r *Ring) wait(word *atomic.Uint32, deadline time.Time, check func() (bool,
 		}
 		futexWaitTimeout(word, 1, min(left, r.opts.WaitSlice))
 		word.Store(0)
-		spin = 0 // after a sleep, only a Prewake hint spins again
 	}
-}
-
-// spin busy-polls check for up to d; done says check finished the wait.
-func (r *Ring) spin(d time.Duration, spinning *bool, deadline time.Time, check func() (bool, error)) (done bool, err error) {
-	*spinning = true
-	defer func() { *spinning = false }()
-	start := time.Now()
-	for i := 1; ; i++ {
-		if ok, err := check(); ok || err != nil {
-			return true, err
-		}
-		if i&63 == 0 {
-			now := time.Now()
-			if now.Sub(start) >= d || !now.Before(deadline) {
-				return false, nil
-			}
-			// Give the core away now and then (sched_yield, not
-			// runtime.Gosched: a caller that came in from C runs on a
-			// locked OS thread, where Gosched is a futex hand-off). When
-			// the machine has fewer free cores than spinners, the peer we
-			// wait for may need exactly this core.
-			osYield()
-		}
-	}
-}
-
-// Prewake tells the consumer that a record follows within d: a sleeping
-// consumer is woken now and spins until then, so the futex wakeup (tens to
-// hundreds of µs on a VM whose cores idled) overlaps the producer's own work
-// instead of following the record. A hint only: the consumer spins at most
-// MaxPrewake and never acts on it otherwise. A no-op on a ring without the
-// slot.
-func (r *Ring) Prewake(d time.Duration) {
-	if r.spinUntil == nil || d <= 0 {
-		return
-	}
-	r.spinUntil.Store(MonoNow() + uint64(min(d, MaxPrewake)))
-	wake(r.consWait)
-}
-
-// hinted is how much longer the producer's Prewake hint asks the consumer
-// to spin (0: none), never more than MaxPrewake.
-func (r *Ring) hinted() time.Duration {
-	if r.spinUntil == nil {
-		return 0
-	}
-	until, now := r.spinUntil.Load(), MonoNow()
-	if until <= now {
-		return 0
-	}
-	return min(time.Duration(until-now), MaxPrewake)
 }
 
 // wake clears word and wakes the sleeper if one announced itself. Called

@@ -212,65 +212,6 @@ func TestRingTooLarge(t *testing.T) {
 	assert.Assert(t, errors.Is(err, ErrTooLarge), "%v", err)
 }
 
-// A Prewake wakes a sleeping consumer, which spins until the hint ends
-// (never sleeping before it: the lower bound is the clock, not a guess)
-// and then sleeps again; a record written meanwhile is read at once.
-func TestRingPrewake(t *testing.T) {
-	w, r := newTestRing(t, 1024, RingOptions{Spin: -1, WaitSlice: 10 * time.Second})
-	got := make(chan error, 1)
-	go func() {
-		_, _, err := r.Read(soon(20 * time.Second))
-		if err == nil {
-			r.Release()
-		}
-		got <- err
-	}()
-	asleep := func() {
-		t.Helper()
-		for end := time.Now().Add(5 * time.Second); w.consWait.Load() != 1; {
-			assert.Assert(t, time.Now().Before(end), "the consumer never went to sleep")
-			time.Sleep(100 * time.Microsecond)
-		}
-	}
-	asleep()
-	before := MonoNow()
-	w.Prewake(time.Hour) // capped at MaxPrewake
-	until, after := w.spinUntil.Load(), MonoNow()
-	assert.Assert(t, until > before && until <= after+uint64(MaxPrewake), "hint %d ns ahead", until-after)
-	asleep()
-	assert.Assert(t, MonoNow() >= until, "slept %d ns before the hint ended", until-MonoNow())
-
-	w.Prewake(MaxPrewake)
-	assert.NilError(t, w.Write(RecordFrame, []byte("x"), nil, soon(time.Second)))
-	select {
-	case err := <-got:
-		assert.NilError(t, err)
-	case <-time.After(5 * time.Second):
-		t.Fatal("record not read")
-	}
-}
-
-// The hint is shared memory the consumer does not trust: however far
-// ahead it says, the consumer spins at most MaxPrewake per wakeup. A ring
-// without the slot (made before it) takes no hint and no harm.
-func TestRingPrewakeBounds(t *testing.T) {
-	w, r := newTestRing(t, 1024, RingOptions{})
-	w.spinUntil.Store(MonoNow() + uint64(time.Hour))
-	assert.Equal(t, r.hinted(), MaxPrewake)
-	w.spinUntil.Store(MonoNow() - 1)
-	assert.Equal(t, r.hinted(), time.Duration(0))
-
-	m := make([]byte, RingSize(1024))
-	_, err := InitRing(m, 1024, RingOptions{})
-	assert.NilError(t, err)
-	binary.LittleEndian.PutUint32(m[hSpinUntilOff:], 0)
-	old, err := AttachRing(m, RingOptions{})
-	assert.NilError(t, err)
-	old.Prewake(time.Millisecond)
-	assert.Equal(t, old.hinted(), time.Duration(0))
-	assert.Equal(t, binary.LittleEndian.Uint64(m[offSpinUntil:]), uint64(0))
-}
-
 func TestAttachRingRejects(t *testing.T) {
 	mk := func(mut func(m []byte)) error {
 		m := make([]byte, RingSize(1024))
@@ -292,8 +233,6 @@ func TestAttachRingRejects(t *testing.T) {
 		{"too big", func(m []byte) { binary.LittleEndian.PutUint64(m[hCapacity:], 4096) }, ErrCorrupt},
 		{"counter offset", func(m []byte) { binary.LittleEndian.PutUint32(m[hHeadOff:], 5000) }, ErrCorrupt},
 		{"head after tail", func(m []byte) { binary.LittleEndian.PutUint64(m[offHead:], 64) }, ErrCorrupt},
-		{"spinUntil offset", func(m []byte) { binary.LittleEndian.PutUint32(m[hSpinUntilOff:], 4095) }, ErrCorrupt},
-		{"no spinUntil slot (older ring)", func(m []byte) { binary.LittleEndian.PutUint32(m[hSpinUntilOff:], 0) }, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := mk(tc.mut)

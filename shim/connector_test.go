@@ -234,26 +234,6 @@ func TestConnectorPartialPrefixAndLocalHit(t *testing.T) {
 	}
 }
 
-// Prewake is a hint on the live session only: it never dials (a scheduler
-// whose server is gone must not wait on a dial before every lookup), and a
-// lookup after it answers as one without.
-func TestSchedulerPrewake(t *testing.T) {
-	r := newRig(t, 1)
-	tokens := make([]uint32, 2*tChunk)
-	r.sched.Prewake(len(tokens))
-	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
-	assert.NilError(t, r.srv.Close())
-	r.sched.link.mu.Lock()
-	r.sched.link.dropLocked()
-	tried := r.sched.link.lastTry
-	r.sched.link.mu.Unlock()
-	r.sched.Prewake(len(tokens))
-	r.sched.link.mu.Lock()
-	defer r.sched.link.mu.Unlock()
-	assert.Equal(t, r.sched.link.lastTry, tried, "Prewake dialled")
-	assert.Assert(t, r.sched.link.c == nil)
-}
-
 func TestConnectorServerDownIsAMiss(t *testing.T) {
 	r := newRig(t, 1)
 	tokens := make([]uint32, 2*tChunk)

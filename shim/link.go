@@ -119,14 +119,6 @@ func (l *link) dropLocked() {
 	l.c = nil
 }
 
-// current is the live client, or nil when there is none: unlike client it
-// never dials.
-func (l *link) current() *ipc.Client {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.c
-}
-
 // call runs fn with a live client and the call timeout. A transport failure
 // (anything but a server's status answer) drops the client so the next call
 // redials.

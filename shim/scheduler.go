@@ -178,24 +178,6 @@ func (s *Scheduler) Match(req string, tokens []uint32, ex Extras, numComputed in
 	return max(0, usable-numComputed), false, nil
 }
 
-// Prewake tells the server that a lookup of n tokens follows: the caller
-// is about to convert and hash them. A server thread asleep since the last
-// request wakes now and spins (ipc.Ring.Prewake), so the LOOKUP does not
-// wait on its wakeup; on a VM whose cores idled that wakeup is the largest
-// part of a lookup (README, "Lookup"). Never dials.
-func (s *Scheduler) Prewake(n int) {
-	if c := s.link.current(); c != nil {
-		c.Prewake(prewakeFor(n))
-	}
-}
-
-// prewakeFor is how long converting and hashing n tokens takes with cold
-// caches, rounded up (about 10 ns a token to read a Python int, 4 to hash
-// it, measured on the 2-vCPU CI VM), plus entering the library.
-func prewakeFor(n int) time.Duration {
-	return 50*time.Microsecond + time.Duration(n)*15*time.Nanosecond
-}
-
 func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, error) {
 	hashes, err := ChunkHashes(s.ns, tokens, s.chunk, ex)
 	if err != nil {

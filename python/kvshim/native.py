@@ -23,7 +23,7 @@ from kvshim.errors import EBADH, ERANGE, ETIMEDOUT, InvalidArgumentError, error_
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+
 
-ABI_VERSION = 3  # kvshim.h's KVSHIM_ABI_VERSION
+ABI_VERSION = 2  # kvshim.h's KVSHIM_ABI_VERSION
 
 _c_handle = ctypes.c_int64
 _u64p = ctypes.POINTER(ctypes.c_uint64)
@@ -45,7 +45,6 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_stats": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_ping": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_sched_match": [_c_handle, ctypes.c_char_p, _u32p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_int64, _i64p],
-    "kvshim_sched_prewake": [_c_handle, ctypes.c_size_t],
     # Called through ctypes.PyDLL with a py_object (tokens_from_list), never as this CDLL function.
     "kvshim_tokens_from_list": [ctypes.c_void_p, _u32p, ctypes.c_size_t, _sizep],
     "kvshim_sched_after_alloc": [_c_handle, ctypes.c_char_p, _i64p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64],
@@ -363,11 +362,6 @@ class Scheduler(_Role):
         self.handle.check(library().kvshim_sched_match(
             self.handle.value, req_id.encode(), ptr, n, raw_extras, num_computed, ctypes.byref(out)))
         return None if out.value < 0 else out.value
-
-    def prewake(self, n_tokens: int) -> None:
-        """Before converting a new request's n_tokens ids for match: lets a
-        sleeping server thread wake meanwhile (a hint; kvshim.h)."""
-        self.handle.check(library().kvshim_sched_prewake(self.handle.value, n_tokens))
 
     def after_alloc(self, req_id: str, blocks: IntArray, num_external: int, num_computed: int | None = None) -> None:
         """Plans the load of num_external tokens into blocks (all the

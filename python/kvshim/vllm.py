@@ -17,7 +17,6 @@ forked its worker processes.
 from __future__ import annotations
 
 import array
-import contextlib
 import json
 import logging
 import uuid
@@ -678,10 +677,6 @@ class KVShimScheduler:
             # the chunks saved during its decode are loads, not recompute.
             embeds = getattr(request, "prompt_embeds", None) is not None
             ids = request.prompt_token_ids if embeds else self._lookup_ids(request)
-            # The server wakes while the ids are converted and hashed; a hint
-            # only: match below meets the same failure and reports it.
-            with contextlib.suppress(KVShimError):
-                self.native.prewake(len(ids) if ids is not None else 0)
             try:
                 tokens = _u32(ids if ids is not None else ())
             except (ValueError, TypeError) as e:  # an id that is no uint32

@@ -129,8 +129,6 @@ static void test_handle_life(void) {
   CHECK(kvshim_last_error(h, small, sizeof small) == KVSHIM_ERANGE, "truncated error text");
   CHECK(strlen(small) == sizeof small - 1, "truncated text fills the buffer");
   CHECK(kvshim_sched_finished(h, "req", &(int){0}) == KVSHIM_EINVAL, "a scheduler call on a worker handle");
-  CHECK(kvshim_sched_prewake(h, 16) == KVSHIM_EINVAL, "prewake on a worker handle");
-  CHECK(kvshim_sched_prewake(-7, 16) == KVSHIM_EBADH, "prewake on an unknown handle");
   CHECK(strstr(last_error(h), "worker handle, not a scheduler") != NULL, "message: %s", last_error(h));
   size_t n = 0;
   CHECK(kvshim_take_output(h, small, sizeof small, &n) == KVSHIM_EINVAL, "nothing pending");
@@ -368,7 +366,6 @@ static void test_preempt_wait_timeout(uint16_t (*kv)[NB][BS][H][C]) {
   uint32_t tokens[16];
   for (int i = 0; i < 16; i++) tokens[i] = 500 + i;
   int64_t hit = -1, blocks[4] = {0, 1, 2, 3};
-  CHECK(kvshim_sched_prewake(sched, 16) == KVSHIM_OK, "prewake: %s", last_error(sched));
   for (int i = 0; i < 2000 && hit < 0; i++) {
     CHECK(kvshim_sched_match(sched, "r", tokens, 16, NULL, 0, &hit) == KVSHIM_OK, "match: %s", last_error(sched));
     if (hit < 0) usleep(2000);
