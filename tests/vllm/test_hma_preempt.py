@@ -28,9 +28,6 @@ whose blocks come from one pool and view one buffer.
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
 from vllm.v1.request import RequestStatus
@@ -38,12 +35,9 @@ from vllm.v1.request import RequestStatus
 from harness import (
     CHUNK,
     HybridModelRunner,
-    SchedulerHarness,
-    ServerProcess,
     assert_clean,
     hybrid_kv_cache_config,
     hybrid_layer_specs,
-    kvshim_config,
     loads_of,
     new_req_data,
     prompt,
@@ -54,10 +48,9 @@ from harness import (
     wait_stat,
 )
 from kvshim.vllm import read_meta
-from test_preempt import ResumeWhenBlockedInBind, Stoppable
+from test_preempt import ResumeWhenBlockedInBind, Stoppable, step_until, stoppable_harnesses
 
 BLOCK = 16
-TIMEOUT_MS = 5000
 LAYERS = [("sliding_window", 40), ("full", 0)]
 
 
@@ -85,37 +78,9 @@ class WatchRunner(HybridModelRunner):
 
 @pytest.fixture
 def pressure(tiny_model_dir, tmp_path):
-    d = tmp_path / "srv"
-    d.mkdir(mode=0o700)
-    srv = ServerProcess(d / "kvshim.sock").start()
-    made = []
-
-    def make(num_blocks: int):
-        cfg = kvshim_config(tiny_model_dir, server=srv.socket, timeout_ms=TIMEOUT_MS, enable_prefix_caching=False,
-                            async_scheduling=False)
-        kvc = hybrid_kv_cache_config(cfg, hybrid_layer_specs(LAYERS), num_blocks)
-        h = SchedulerHarness(cfg, kvc)
-        h.runners = [WatchRunner(cfg, kvc)]
-        made.append(h)
-        return h, h.runners[0], Stoppable(srv)
-
-    try:
+    with stoppable_harnesses(tiny_model_dir, tmp_path,
+                             lambda cfg, n: hybrid_kv_cache_config(cfg, hybrid_layer_specs(LAYERS), n), WatchRunner) as make:
         yield make
-    finally:
-        if srv.proc is not None and srv.proc.poll() is None:
-            os.kill(srv.proc.pid, signal.SIGCONT)
-        for h in made:
-            h.close()
-        srv.kill()
-
-
-def step_until(h, pred, what: str, max_steps: int = 50):
-    for _ in range(max_steps):
-        so = h.scheduler.schedule()
-        if pred(so):
-            return so
-        h.finish(so, h.execute(so))
-    raise AssertionError(f"{what}: not within {max_steps} steps")
 
 
 def restore(h, r, tokens, hit_chunks):

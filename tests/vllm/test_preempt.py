@@ -31,7 +31,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm.v1.request import RequestStatus
@@ -157,19 +160,24 @@ class PressureRunner(ModelRunner):
                 self.srv.resume()
 
 
-@pytest.fixture
-def pressure(tiny_model_dir, tmp_path):
+@contextmanager
+def stoppable_harnesses(model_dir: Any, tmp_path: Any, kv_cache_config: Callable[[Any, int], Any],
+                        runner: Callable[[Any, Any], Any]) -> Iterator[Callable[[int], tuple[Any, Any, Stoppable]]]:
+    """make(num_blocks) -> (harness, its runner, the server as a Stoppable):
+    harnesses on one `kvshim serve` process in tmp_path, with the KV cache
+    config kv_cache_config(vllm_config, num_blocks) and runner(vllm_config,
+    kv_cache_config). The server is resumed and killed at the end."""
     d = tmp_path / "srv"
     d.mkdir(mode=0o700)
     srv = ServerProcess(d / "kvshim.sock").start()
     made = []
 
-    def make(num_blocks: int):
-        cfg = kvshim_config(tiny_model_dir, server=srv.socket, timeout_ms=TIMEOUT_MS, enable_prefix_caching=False,
+    def make(num_blocks: int) -> tuple[Any, Any, Stoppable]:
+        cfg = kvshim_config(model_dir, server=srv.socket, timeout_ms=TIMEOUT_MS, enable_prefix_caching=False,
                             async_scheduling=False)
-        kvc = make_kv_cache_config(num_blocks=num_blocks)
+        kvc = kv_cache_config(cfg, num_blocks)
         h = SchedulerHarness(cfg, kvc)
-        h.runners = [PressureRunner(cfg, kvc)]
+        h.runners = [runner(cfg, kvc)]
         made.append(h)
         return h, h.runners[0], Stoppable(srv)
 
@@ -181,6 +189,13 @@ def pressure(tiny_model_dir, tmp_path):
         for h in made:
             h.close()
         srv.kill()
+
+
+@pytest.fixture
+def pressure(tiny_model_dir, tmp_path):
+    with stoppable_harnesses(tiny_model_dir, tmp_path, lambda cfg, n: make_kv_cache_config(num_blocks=n),
+                             PressureRunner) as make:
+        yield make
 
 
 def step_until(h, pred, what: str, max_steps: int = 50):
