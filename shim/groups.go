@@ -26,9 +26,10 @@ import (
 // Each group has its own namespace (NamespaceSpec.KVGroup), so a group's
 // objects can never be restored into another group; a model with one
 // attention group keeps group 0's namespace, so its keys are those of kvshim
-// before groups. An attention-free model's one Mamba group is listed like
-// a hybrid model's (so the Mamba rule below applies to it, and vLLM's null
-// block is no block: asBefore).
+// before groups. A model's one group that frees blocks (a sliding window or
+// chunked local attention on every layer, or the Mamba state of an
+// attention-free model) is listed like a hybrid model's groups, so its rule
+// applies and vLLM's null block is no block (asBefore).
 //
 // A Mamba/SSM group (MambaSpec with mamba_cache_mode "align") holds no KV
 // per token but one recurrent state per block: block p holds the state after
@@ -111,9 +112,9 @@ func (g GroupSpec) ObjectFirstBlock(c, chunk, bs int) int {
 }
 
 // layoutGroups is the part of the namespace's layout string that lists
-// groups (python/kvshim/vllm.py, _namespace: a JSON object; one attention
-// group: no "groups" member, the layout string of kvshim before groups; one
-// Mamba group: a list of one).
+// groups (python/kvshim/vllm.py, _namespace: a JSON object; one
+// full-attention group: no "groups" member, the layout string of kvshim
+// before groups; one group that frees blocks: a list of one).
 type layoutGroups struct {
 	Groups []GroupSpec `json:"groups"`
 }

@@ -305,11 +305,11 @@ def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
     }
     groups = _groups(kv_cache_config, model, vllm_config)
     if groups:
-        # Several KV-cache groups (vLLM's hybrid allocator), or the one
-        # Mamba group of an attention-free model: the layout names them
+        # Several KV-cache groups (vLLM's hybrid allocator), or one that
+        # frees blocks (a window, a Mamba state): the layout names them
         # all, and Go (shim/groups.go) gives each its own namespace and
-        # reads vLLM's null block as no block. One attention group adds
-        # nothing: its keys stay those of kvshim before groups.
+        # reads vLLM's null block as no block. One full-attention group
+        # adds nothing: its keys stay those of kvshim before groups.
         layout["groups"] = groups
     if pc.pipeline_parallel_size > 1:
         # Pipeline stages hold different layers, and the scheduler sees only
@@ -354,9 +354,9 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str, vllm_config: Vllm
     group and the model (see tests/vllm/NOTES.md, "Hybrid models").
 
     One group: [] (the layout of kvshim before groups, keys unchanged),
-    unless it is a Mamba group (an attention-free model): then the list of
-    that group, so Go applies the Mamba rule and never reads vLLM's null
-    block as a state."""
+    unless it frees blocks (_has_groups: a window, or the Mamba state of an
+    attention-free model): then the list of that group, so Go applies its
+    rule and never reads vLLM's null block as a block."""
     if kv_cache_config is None:
         return []
     from vllm.v1.kv_cache_interface import (
