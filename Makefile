@@ -85,7 +85,7 @@ bench-ipc: $(LIB)
 # through vLLM's real scheduler and the embedded server; the old token
 # conversion alongside, interleaved in the same run.
 bench-match: $(LIB)
-	KVSHIM_LIBRARY=$(CURDIR)/$(LIB) PYTHONPATH=$(CURDIR)/python $$(build/venv.sh python/requirements-test.txt)/bin/python build/bench_match.py
+	KVSHIM_LIBRARY=$(CURDIR)/$(LIB) PYTHONPATH=$(CURDIR)/python $$(build/venv.sh python/requirements-test.txt)/bin/python build/bench_match.py $(BENCH_MATCH_ARGS)
 
 bench-server:
 	$(GO) run ./cmd/kvshim-bench-server
