@@ -17,15 +17,7 @@ func TestEmptyGroupLoadReadsNoLookup(t *testing.T) {
 	r, c := groupRig(t, `{"groups": [{"kind": "full"}, {"kind": "chunked_local", "window": 16}]}`, true)
 	s, w, srv := r.sched, r.workers[0], r.srv
 
-	tokens := conversation(2*tChunk+1, 100)
-	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
-	a0, a1 := seq(10, 5), seq(20, 5)
-	assert.NilError(t, s.AfterAlloc("A", append(slices.Clone(a0), a1...), 0, 0))
-	for _, b := range append(slices.Clone(a0), a1...) {
-		c.fill(int(b), 7)
-	}
-	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: a0, GroupBlocks: [][]int64{a1}, Scheduled: len(tokens)}}})
-	assert.Equal(t, w.Stats().SavedChunks, uint64(4))
+	tokens, a0, _ := saveTwoGroups(t, r, c)
 
 	// B hits 16 tokens: group 1's attention chunk starts there
 	// (Skipped(16) = 16), vLLM gives it null blocks below.

@@ -151,15 +151,7 @@ func TestGroupsSaveAndRestoreByTheirProtocol(t *testing.T) {
 	r, c := groupRig(t, `{"groups": [{"kind": "full"}, {"kind": "sliding_window", "window": 3}]}`, true)
 	s, w, srv := r.sched, r.workers[0], r.srv
 
-	tokens := conversation(2*tChunk+1, 100)
-	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
-	a0, a1 := seq(10, 5), seq(20, 5)
-	assert.NilError(t, s.AfterAlloc("A", append(slices.Clone(a0), a1...), 0, 0))
-	for _, b := range append(slices.Clone(a0), a1...) {
-		c.fill(int(b), 7)
-	}
-	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: a0, GroupBlocks: [][]int64{a1}, Scheduled: len(tokens)}}})
-	assert.Equal(t, w.Stats().SavedChunks, uint64(4))
+	tokens, a0, _ := saveTwoGroups(t, r, c)
 
 	// B hits both chunks (16 tokens, one less than the prompt: 16 is a
 	// chunk boundary). vLLM gives group 1 null blocks below its window:
@@ -226,4 +218,21 @@ func groupRig(t *testing.T, layout string, layer1 bool) (*rig, *rankCache) {
 	}
 	assert.NilError(t, w.Register(c.descs))
 	return &rig{cfg: cfg, srv: srv, sched: s, workers: []*Worker{w}, caches: []*rankCache{c}}, c
+}
+
+// saveTwoGroups has request A (two chunks and a token) save both chunks
+// of both groups of r from blocks 10-14 (group 0) and 20-24 (group 1),
+// filled with pattern 7; it returns A's tokens and blocks.
+func saveTwoGroups(t *testing.T, r *rig, c *rankCache) (tokens []uint32, a0, a1 []int64) {
+	t.Helper()
+	tokens = conversation(2*tChunk+1, 100)
+	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
+	a0, a1 = seq(10, 5), seq(20, 5)
+	assert.NilError(t, r.sched.AfterAlloc("A", append(slices.Clone(a0), a1...), 0, 0))
+	for _, b := range append(slices.Clone(a0), a1...) {
+		c.fill(int(b), 7)
+	}
+	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: a0, GroupBlocks: [][]int64{a1}, Scheduled: len(tokens)}}})
+	assert.Equal(t, r.workers[0].Stats().SavedChunks, uint64(4))
+	return tokens, a0, a1
 }

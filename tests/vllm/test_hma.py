@@ -467,29 +467,38 @@ def test_multiturn_restores_the_answer_through_the_windows_it_kept(hybrid):
     assert_clean(h)
 
 
-def test_with_vllms_prefix_cache_on(hybrid):
-    """vLLM's prefix cache on (HybridKVCacheCoordinator, as in production):
-    once vLLM evicted its own copy, kvshim restores every group."""
-    h, r = hybrid(gemma3_specs(), prefix_caching=True)
+def restore_after_vllm_evicts(h, r, *, fillers: int, max_tokens: int) -> None:
+    """With vLLM's prefix cache on (HybridKVCacheCoordinator): A's prompt
+    runs, fillers other prompts fill the pool until vLLM evicted its own
+    cached blocks of it, then B (A's 3 chunks and 9 tokens more) gets all 3
+    chunks from kvshim, every group's loaded byte-exact, and runs to its
+    end."""
     assert type(h.scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
     p = prompt(51, 3 * CHUNK + 5)
     h.add_request(h.make_request(p, max_tokens=1))
     h.settle()
     wait_jobs(h)
-    for i in range(4):  # other prompts fill the pool: vLLM's cached blocks of p are evicted
+    for i in range(fillers):
         h.add_request(h.make_request(prompt(60 + i, 5 * CHUNK), max_tokens=1))
         h.settle()
         wait_jobs(h)
     r.scribble()
-    b = h.add_request(h.make_request(p[: 3 * CHUNK] + prompt(52, 9), max_tokens=1))
+    b = h.add_request(h.make_request(p[: 3 * CHUNK] + prompt(52, 9), max_tokens=max_tokens))
     s = run_until_scheduled(h, b)
     assert new_req_data(s, b.request_id).num_computed_tokens == 3 * CHUNK
     loads = [ld for st in h.steps for ld in loads_of(st, b.request_id)]
     assert sorted(ld.get("group", 0) for ld in loads) == list(range(len(r.specs)))
     n, wrong = r.reqs[b.request_id].first_check
     assert n == 3 * CHUNK and wrong == {g: [] for g in range(len(r.specs))}, wrong
-    assert all(not e for e in r.load_errors)
     h.settle()
+
+
+def test_with_vllms_prefix_cache_on(hybrid):
+    """vLLM's prefix cache on (HybridKVCacheCoordinator, as in production):
+    once vLLM evicted its own copy, kvshim restores every group."""
+    h, r = hybrid(gemma3_specs(), prefix_caching=True)
+    restore_after_vllm_evicts(h, r, fillers=4, max_tokens=1)
+    assert all(not e for e in r.load_errors)
     assert_clean(h)
 
 
@@ -715,24 +724,7 @@ def test_mamba_with_vllms_prefix_cache_on(hybrid):
     hybrid runs in "align" mode in production): once vLLM evicted its own
     copy, kvshim restores the attention chunks and the state at 192."""
     h, r = hybrid(jamba_specs(), prefix_caching=True, mamba_cache_mode="align")
-    assert type(h.scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
-    p = prompt(51, 3 * CHUNK + 5)
-    h.add_request(h.make_request(p, max_tokens=1))
-    h.settle()
-    wait_jobs(h)
-    for i in range(10):  # other prompts fill the pool: vLLM's cached blocks of p are evicted
-        h.add_request(h.make_request(prompt(60 + i, 5 * CHUNK), max_tokens=1))
-        h.settle()
-        wait_jobs(h)
-    r.scribble()
-    b = h.add_request(h.make_request(p[: 3 * CHUNK] + prompt(52, 9), max_tokens=2))
-    s = run_until_scheduled(h, b)
-    assert new_req_data(s, b.request_id).num_computed_tokens == 3 * CHUNK
-    loads = [ld for st in h.steps for ld in loads_of(st, b.request_id)]
-    assert sorted(ld.get("group", 0) for ld in loads) == list(range(len(r.specs)))
-    n, wrong = r.reqs[b.request_id].first_check
-    assert n == 3 * CHUNK and wrong == {g: [] for g in range(len(r.specs))}, wrong
-    h.settle()
+    restore_after_vllm_evicts(h, r, fillers=10, max_tokens=2)
     assert r.state_errors == [] and all(not e for e in r.load_errors)
     assert_clean(h)
 

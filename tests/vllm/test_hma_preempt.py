@@ -48,7 +48,7 @@ from harness import (
     wait_stat,
 )
 from kvshim.vllm import read_meta
-from test_preempt import ResumeWhenBlockedInBind, Stoppable, step_until, stoppable_harnesses
+from test_preempt import ResumeWhenBlockedInBind, Stoppable, preempt_while_saving, step_until, stoppable_harnesses
 
 BLOCK = 16
 LAYERS = [("sliding_window", 40), ("full", 0)]
@@ -180,24 +180,7 @@ def test_hybrid_request_preempted_while_its_saves_are_in_flight(pressure):
     assert r.kvshim.worker.stats().jobs >= 1 and srv.stopped
     r.watch, r.srv = {x for sv in svs for x in sv["blocks"] if x > 0}, srv
 
-    so = h.scheduler.schedule()
-    assert a.request_id in so.preempted_req_ids and a.status == RequestStatus.PREEMPTED
-    resumer = ResumeWhenBlockedInBind(srv)
-    resumer.start()
-    try:
-        h.finish(so, h.execute(so))
-        if resumer.fired:
-            # The bind returned once A's saves had read A's blocks; their
-            # COMMITs follow. A is looked up again from the next step on:
-            # let the commits land first, or that lookup may miss them.
-            wait_jobs(h)
-        # B decodes into A's former blocks
-        h.settle(until=lambda s: b.request_id in s.num_scheduled_tokens
-                 and bool({x for ids in r.reqs[b.request_id].blocks for x in ids} & a_blocks))
-    finally:
-        resumer.done.set()
-        resumer.join(timeout=15)
-        srv.resume()
+    resumer = preempt_while_saving(h, r, srv, a, b, lambda rid: {x for ids in r.reqs[rid].blocks for x in ids}, a_blocks)
     # A comes back while B decodes (two groups' blocks free up at different
     # steps): its lookup hits its own saved chunks, every group's loaded
     # byte-exact into new blocks

@@ -207,6 +207,33 @@ def step_until(h, pred, what: str, max_steps: int = 50):
     raise AssertionError(f"{what}: not within {max_steps} steps")
 
 
+def preempt_while_saving(h, r, srv: Stoppable, a, b, blocks_of: Callable[[str], set[int]],
+                         a_blocks: set[int]) -> ResumeWhenBlockedInBind:
+    """The next step preempts A while its saves wait on the stopped server:
+    the worker's bind must wait for them (the resumer resumes the server
+    once it does), then the step runs on until B decodes into A's former
+    blocks (the trap a worker that did not wait falls into: the runner
+    resumes the server only after that overwrite). Returns the resumer
+    (its .fired says whether the bind waited)."""
+    so = h.scheduler.schedule()
+    assert a.request_id in so.preempted_req_ids and a.status == RequestStatus.PREEMPTED
+    resumer = ResumeWhenBlockedInBind(srv)
+    resumer.start()
+    try:
+        h.finish(so, h.execute(so))
+        if resumer.fired:
+            # The bind returned once A's saves had read A's blocks; their
+            # COMMITs follow. A is looked up again from the next step on:
+            # let the commits land first, or that lookup may miss them.
+            wait_jobs(h)
+        h.settle(until=lambda s: b.request_id in s.num_scheduled_tokens and bool(blocks_of(b.request_id) & a_blocks))
+    finally:
+        resumer.done.set()
+        resumer.join(timeout=15)
+        srv.resume()
+    return resumer
+
+
 def test_preempted_while_its_save_is_in_flight(pressure):
     # 12 blocks: the null block, 3 for B (40-token prompt, decoding), 8 for
     # A (128-token prompt = 2 chunks, exactly 8 blocks). When A needs its
@@ -230,25 +257,7 @@ def test_preempted_while_its_save_is_in_flight(pressure):
 
     # Next step: vLLM preempts A and frees its blocks; the worker's bind
     # must wait for A's save before any forward pass may write into them.
-    so = h.scheduler.schedule()
-    assert a.request_id in so.preempted_req_ids and a.status == RequestStatus.PREEMPTED
-    resumer = ResumeWhenBlockedInBind(srv)
-    resumer.start()
-    try:
-        h.finish(so, h.execute(so))
-        if resumer.fired:
-            # The bind returned once A's save had read A's blocks; its
-            # COMMIT follows. A is looked up again from the next step on:
-            # let the commit land first, or that lookup may miss it.
-            wait_jobs(h)
-        # B decodes into A's former blocks (the trap a worker that did not
-        # wait falls into: it resumes the server only after the overwrite).
-        h.settle(until=lambda s: b.request_id in s.num_scheduled_tokens
-                 and bool(set(r.reqs[b.request_id].blocks) & set(a_blocks)))
-    finally:
-        resumer.done.set()
-        resumer.join(timeout=15)
-        srv.resume()
+    resumer = preempt_while_saving(h, r, srv, a, b, lambda rid: set(r.reqs[rid].blocks), set(a_blocks))
     # A comes back when B is done: its lookup hits its own saved chunks
     # (loaded byte-exact into new blocks, checked before its forward pass),
     # it recomputes the rest and finishes.
