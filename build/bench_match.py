@@ -13,11 +13,14 @@ prompt_token_ids a plain Python list, as vLLM holds it:
 - ``hit``: every chunk is in L1 (the answer is prompt - 1 tokens);
 - ``miss``: a prompt never stored (the answer is 0).
 
-Two token conversions run interleaved in the same run: ``new`` (the
-connector's own, kvshim.vllm._u32: the library's C loop over the list,
-native.tokens_from_list) and ``old`` (what it did before:
-np.asarray(tokens, dtype=np.uint32)). The conversions alone are measured
-too, with the other candidates that were considered. With ``--gap-ms`` the
+Three paths run interleaved in the same run: ``new`` (the connector as it
+is: vLLM's list handed to the library, native.Scheduler.match_list, which
+reads it in C inside the lookup call: nothing converted on the Python
+side), ``array`` (the connector with match_list refused, as before it: the
+list converted by kvshim.vllm._u32, the library's C loop into a numpy
+array, then native.match) and ``old`` (np.asarray(tokens, dtype=np.uint32),
+then native.match). The conversions alone are measured too, with the other
+candidates that were considered. With ``--gap-ms`` the
 process sleeps that long before each call, so the server's thread is asleep
 when a request comes, as at low load; ``--server serve`` runs the server as
 its own ``kvshim serve`` process (as a server shared by several vLLM
@@ -49,6 +52,7 @@ sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 
 import kvshim.vllm as kv  # noqa: E402
 from kvshim import native  # noqa: E402
+from kvshim.errors import NotSupportedError  # noqa: E402
 from harness import (  # noqa: E402
     TINY_LLAMA_CONFIG,
     ModelRunner,
@@ -80,7 +84,7 @@ def conversions(tokens: list[int]) -> dict[str, float]:
         "np.fromiter(uint32, count)": lambda: np.fromiter(tokens, dtype=np.uint32, count=n),
         "struct.pack(n I)": lambda: struct.pack(f"{n}I", *tokens),
         "array('I', list) [before the C loop]": lambda: array.array("I", tokens),
-        "C loop in the library (native.tokens_from_list) [new]": lambda: _c_loop(tokens),
+        "C loop in the library (native.tokens_from_list) [array]": lambda: _c_loop(tokens),
         "array('q', list)+range check": lambda: _i64_checked(np.frombuffer(array.array("q", tokens), dtype=np.int64)),
         "kvshim.vllm._u32(list)": lambda: kv._u32(tokens),
     }
@@ -179,6 +183,13 @@ def main() -> None:
         result: dict[str, Any] = {"chunk_tokens": CHUNK, "python": sys.version.split()[0], "numpy": np.__version__,
                                   "gap_ms": args.gap_ms, "server": args.server}
         new_u32 = kv._u32
+
+        def no_list(*_args: Any, **_kwargs: Any) -> None:
+            raise NotSupportedError("bench_match: the array path")
+
+        # path -> (the connector's _u32, whether native.match_list is refused)
+        paths = {"new": (new_u32, False), "array": (new_u32, True), "old": (old_u32, True)}
+        order = list(paths)
         try:
             for label, n in SIZES.items():
                 hit = prompt(100 + n, n)
@@ -188,19 +199,26 @@ def main() -> None:
                 shares: dict[str, list[float]] = {}
                 for i in range(ROUNDS[label]):
                     for case, tokens in (("hit", hit), ("miss", miss)):
-                        for path, fn in (("new", new_u32), ("old", old_u32)) if i % 2 else (("old", old_u32), ("new", new_u32)):
+                        for path in order[i % 3:] + order[:i % 3]:
+                            fn, refuse = paths[path]
                             spent: list[float] = []
                             kv._u32 = timed(fn, spent)
+                            if refuse:
+                                conn.scheduler.native.match_list = no_list  # type: ignore[method-assign]
+                            else:
+                                vars(conn.scheduler.native).pop("match_list", None)
                             if args.gap_ms:
                                 time.sleep(args.gap_ms / 1e3)
                             dt, got = match_once(h, conn, tokens, f"{label}-{case}-{path}-{i}")
                             assert got == (n - 1 if case == "hit" else 0), (label, case, path, got)
-                            assert len(spent) == 1, spent  # converted once per request
+                            assert len(spent) == refuse, spent  # converted once per request, or never
                             times.setdefault(f"{case}_{path}", []).append(dt)
-                            times.setdefault(f"{case}_{path}_convert", []).append(spent[0])
-                            shares.setdefault(f"{case}_{path}", []).append(spent[0] / dt)
+                            if spent:
+                                times.setdefault(f"{case}_{path}_convert", []).append(spent[0])
+                                shares.setdefault(f"{case}_{path}", []).append(spent[0] / dt)
                     if i % 16 == 0:
                         gc.collect()
+                vars(conn.scheduler.native).pop("match_list", None)
                 kv._u32 = new_u32
                 conv = conversions(hit)
                 r: dict[str, Any] = {"tokens": n, "chunks": n // CHUNK, "rounds": ROUNDS[label]}
@@ -210,8 +228,9 @@ def main() -> None:
                 r["candidates_ms"] = {k: round(v, 4) for k, v in conv.items()}
                 for k, v in shares.items():
                     r[f"{k}_convert_share"] = round(statistics.median(v), 3)
-                r["hit_speedup"] = round(r["hit_old_ms"] / r["hit_new_ms"], 2)
-                r["miss_speedup"] = round(r["miss_old_ms"] / r["miss_new_ms"], 2)
+                for case in ("hit", "miss"):
+                    r[f"{case}_speedup"] = round(r[f"{case}_old_ms"] / r[f"{case}_new_ms"], 2)
+                    r[f"{case}_array_speedup"] = round(r[f"{case}_array_ms"] / r[f"{case}_new_ms"], 2)
                 result[label] = r
         finally:
             kv._u32 = new_u32
@@ -220,15 +239,16 @@ def main() -> None:
                 server.kill()
 
     print(f"--gap-ms {args.gap_ms:g}, --server {args.server}")
-    print(f"{'get_num_new_matched_tokens':<26}{'old ms':>9}{'new ms':>9}{'old/new':>9}{'old conv':>10}{'new conv':>10}"
-          "   (medians; conv: the token conversion inside the call, ms and share)")
+    print(f"{'get_num_new_matched_tokens':<26}{'old ms':>9}{'array ms':>10}{'new ms':>9}{'old/new':>9}{'array/new':>10}"
+          f"{'old conv':>10}{'array conv':>12}   (medians; conv: the token conversion inside the call, ms and share)")
     for label in SIZES:
         r = result[label]
         for case in ("hit", "miss"):
-            o, nw = r[f"{case}_old_ms"], r[f"{case}_new_ms"]
-            oc, nc = r[f"{case}_old_convert_ms"], r[f"{case}_new_convert_ms"]
-            so, sn = r[f"{case}_old_convert_share"], r[f"{case}_new_convert_share"]
-            print(f"{label + ' tokens, ' + case:<26}{o:>9.3f}{nw:>9.3f}{o / nw:>9.2f}{oc:>6.3f}{so:>4.0%}{nc:>6.3f}{sn:>4.0%}")
+            o, a, nw = r[f"{case}_old_ms"], r[f"{case}_array_ms"], r[f"{case}_new_ms"]
+            oc, ac = r[f"{case}_old_convert_ms"], r[f"{case}_array_convert_ms"]
+            so, sa = r[f"{case}_old_convert_share"], r[f"{case}_array_convert_share"]
+            print(f"{label + ' tokens, ' + case:<26}{o:>9.3f}{a:>10.3f}{nw:>9.3f}{o / nw:>9.2f}{a / nw:>10.2f}"
+                  f"{oc:>6.3f}{so:>4.0%}{ac:>8.3f}{sa:>4.0%}")
     for label in SIZES:
         print(f"token list -> uint32 alone, {label} tokens (ms, candidates):")
         for k, v in result[label]["candidates_ms"].items():

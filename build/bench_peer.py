@@ -32,12 +32,11 @@ connector runs:
   ~13 ms on a shared 2-vCPU VM.
 - kvshim: libkvshim.so through kvshim.native: a scheduler handle and one
   worker handle per rank on the `kvshim serve` socket, calling what
-  KVShimConnector calls (kvshim_sched_match until final, after_alloc,
-  build_meta, the workers' bind / start_loads / start_saves / poll,
-  kvshim_sched_finished), the token list converted by the connector's own
-  kvshim.vllm._u32: this client runs under KVSHIM_PEER_KVSHIM_PYTHON (the
-  test venv's, which has vLLM; otherwise a copy of the old conversion, named
-  in the JSON).
+  KVShimConnector calls (native.Scheduler.match_list until final: the
+  Python token list handed to the library, read in C inside the call;
+  after_alloc, build_meta, the workers' bind / start_loads / start_saves /
+  poll, kvshim_sched_finished). This client runs under
+  KVSHIM_PEER_KVSHIM_PYTHON (the test venv's).
 
 Measured on identical token lists, the sides alternating iteration by
 iteration (paired samples: load from elsewhere falls on both alike):
@@ -117,23 +116,6 @@ def prompts(seed: int, count: int, n: int) -> list[list[int]]:
 # ------------------------------------------------------------------ kvshim side
 
 
-def connector_u32() -> tuple[Any, str]:
-    """What KVShimConnector.get_num_new_matched_tokens does with
-    request.prompt_token_ids before calling Go: kvshim.vllm._u32 itself when
-    vLLM is importable (make bench-peer runs this side with the test venv's
-    Python, KVSHIM_PEER_KVSHIM_PYTHON), else the conversion the connector had
-    when this benchmark was written, and the JSON says which."""
-    try:
-        from kvshim.vllm import _u32
-
-        return staticmethod(_u32), "kvshim.vllm._u32"
-    except ImportError as e:
-        def u32(tokens: list[int]) -> np.ndarray:
-            return np.ascontiguousarray(np.asarray(tokens, dtype=np.uint32))
-
-        return staticmethod(u32), f"np.asarray(tokens, dtype=np.uint32) (kvshim.vllm not importable: {e})"
-
-
 class KvshimSide:
     """A scheduler handle and `world` worker handles on a `kvshim serve`
     socket, with CPU KV caches laid out as vLLM 0.33 lays out a
@@ -147,7 +129,8 @@ class KvshimSide:
         ns = {"model": model, "dtype": "bfloat16", "layout": f"paged LBNHC {layers}x(B,{heads // world},16,{2 * head})",
               "world_size": world, "tp_size": world, "chunk_size": CHUNK, "kv_group": 0, "mla": False}
         common = {"server": sock, "engine_id": "bench-peer", "namespace": ns, "timeout_ms": 10_000}
-        self.sched = native.Handle(json.dumps({**common, "role": "scheduler", "block_size": BLOCK}))
+        self.scheduler = native.Scheduler({**common, "block_size": BLOCK})
+        self.sched = self.scheduler.handle
         self.workers, self.bufs = [], []
         for r in range(world):
             w = native.Handle(json.dumps({**common, "role": "worker", "rank": r}))
@@ -165,27 +148,19 @@ class KvshimSide:
             w.close()
         self.sched.close()
 
-    u32, u32_source = connector_u32()
+    token_path = "native.Scheduler.match_list: the list read by the library inside the lookup call"
 
-    def match(self, req: str, tokens: list[int]) -> tuple[int, float, float, int]:
-        """get_num_new_matched_tokens until final: (tokens, µs total, µs of
-        the list conversion, calls)."""
-        out = ctypes.c_int64()
+    def match(self, req: str, tokens: list[int]) -> tuple[int, float, int]:
+        """get_num_new_matched_tokens until final: (tokens, µs, calls)."""
         t0 = time.perf_counter_ns()
-        a = self.u32(tokens)
-        t1 = time.perf_counter_ns()
-        ptr = a.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32))
         calls = 0
         while True:
             calls += 1
-            rc = self.lib.kvshim_sched_match(self.sched.value, req.encode(), ptr, len(a), None, 0, ctypes.byref(out))
-            if rc:
-                self.sched.check(rc)
-            if out.value >= 0:
+            n = self.scheduler.match_list(req, tokens)
+            if n is not None:
                 break
             time.sleep(POLL_S)
-        t2 = time.perf_counter_ns()
-        return out.value, (t2 - t0) / 1e3, (t1 - t0) / 1e3, calls
+        return n, (time.perf_counter_ns() - t0) / 1e3, calls
 
     def finished(self, req: str) -> bool:
         d = ctypes.c_int()
@@ -392,14 +367,12 @@ class LookupRun:
     def iteration(self, i: int) -> dict:
         p = self.prompts[i % len(self.prompts)]
         req = f"look-{uuid.uuid4().hex[:12]}"
+        hit, us, calls = self.side.match(req, p)
         if self.kv:
-            hit, us, conv_us, calls = self.side.match(req, p)
             self.side.finished(req)
         else:
-            hit, us, calls = self.side.match(req, p)
-            conv_us = None
             self.side.release(req, p, hit)
-        return {"us": us, "conv_us": conv_us, "calls": calls, "hit": hit}
+        return {"us": us, "calls": calls, "hit": hit}
 
 
 class ChunkRun:
@@ -422,10 +395,7 @@ class ChunkRun:
         side.bufs[0][:, dst] = 0
         free_us, s_us = side.store(f"chunk-{uuid.uuid4().hex[:12]}", tokens, src + [32] if kv else src)
         req = f"chunk-{uuid.uuid4().hex[:12]}"
-        if kv:
-            hit, l_us, _, _ = side.match(req, tokens)
-        else:
-            hit, l_us, _ = side.match(req, tokens)
+        hit, l_us, _ = side.match(req, tokens)
         if hit < CHUNK - 1:  # a miss: nothing to retrieve (never expected)
             print(f"chunk {i}: lookup after the store answered {hit}", file=sys.stderr)
             side.finished(req) if kv else side.release(req, tokens, hit)
@@ -470,7 +440,7 @@ def serve_client(kind: str, where: str) -> int:
             if op == "setup":
                 open_runs[sc] = open_run(kind, where, sc, run)
                 side = open_runs[sc][0]
-                reply = {"ok": True, "token_conversion": getattr(side, "u32_source", None)}
+                reply = {"ok": True, "token_conversion": getattr(side, "token_path", None)}
             elif op == "iter":
                 reply = open_runs[sc][1].iteration(cmd["i"])
             elif op == "close":
@@ -713,7 +683,7 @@ def main() -> int:
             continue
         kvs, lms = samples["kvshim"][sc], samples["lmcache"][sc]
         k, m = summarize(kvs, "us"), summarize(lms, "us")
-        out[sc] = {"kvshim_us": k, "lmcache_us": m, "kvshim_token_conversion_us": summarize(kvs, "conv_us"),
+        out[sc] = {"kvshim_us": k, "lmcache_us": m,
                    "kvshim_answers": sorted({x["hit"] for x in kvs}), "lmcache_answers": sorted({x["hit"] for x in lms}),
                    "kvshim_calls_p50": float(np.median([x["calls"] for x in kvs])),
                    "lmcache_calls_p50": float(np.median([x["calls"] for x in lms])),

@@ -29,31 +29,75 @@ func parseExtras(p *C.char) (shim.Extras, error) {
 //export kvshim_sched_match
 func kvshim_sched_match(h C.int64_t, reqID *C.char, toks *C.uint32_t, nToks C.size_t, extras *C.char, numComputed C.int64_t, out *C.int64_t) C.int {
 	return call(h, func(in *instance, s *shim.Scheduler) error {
-		req, err := goString(reqID, "req_id")
-		if err != nil {
-			return err
-		}
-		tokens, err := cSlice[uint32](unsafe.Pointer(toks), uint64(nToks), "tokens")
-		if err != nil {
-			return err
-		}
-		ex, err := parseExtras(extras)
-		if err != nil {
-			return err
-		}
-		if out == nil {
-			return fmt.Errorf("out is NULL: %w", errInvalid)
-		}
-		n, pending, err := s.Match(req, tokens, ex, int(numComputed))
-		if err != nil {
-			return fmt.Errorf("%v: %w", err, errInvalid)
-		}
-		*out = C.int64_t(n)
-		if pending {
-			*out = -1
-		}
-		return nil
+		return schedMatch(s, reqID, extras, numComputed, out, func(string) ([]uint32, error) {
+			return cSlice[uint32](unsafe.Pointer(toks), uint64(nToks), "tokens")
+		}, nil)
 	})
+}
+
+// kvshim_sched_match_list is kvshim_sched_match for a Python caller holding
+// the GIL: the list is read (into a pooled buffer) only when the request is
+// not keyed yet, and the GIL is released once the arguments are read, while
+// the lookup hashes and waits for the server.
+//
+//export kvshim_sched_match_list
+func kvshim_sched_match_list(h C.int64_t, reqID *C.char, list unsafe.Pointer, extras *C.char, numComputed C.int64_t, out *C.int64_t) C.int {
+	return call(h, func(in *instance, s *shim.Scheduler) error {
+		if list == nil {
+			return fmt.Errorf("list is NULL: %w", errInvalid)
+		}
+		buf := tokenBufs.Get().(*[]uint32)
+		defer tokenBufs.Put(buf)
+		return schedMatch(s, reqID, extras, numComputed, out, func(req string) (tokens []uint32, err error) {
+			if s.Keyed(req) {
+				return nil, nil // asked again while pending: Match reads no tokens
+			}
+			tokens, err = pyListTokens(list, (*buf)[:0])
+			if cap(tokens) > cap(*buf) {
+				*buf = tokens[:0]
+			}
+			return tokens, err
+		}, releaseGIL)
+	})
+}
+
+// schedMatch is the body of both match exports: the arguments checked and
+// read in order (req_id, tokens, extras, out), then, once the caller's
+// memory is read, wait (if any) lets go of the caller's lock (the GIL) while
+// Match hashes and waits for the server, and takes it back before returning.
+func schedMatch(s *shim.Scheduler, reqID, extras *C.char, numComputed C.int64_t, out *C.int64_t,
+	tokens func(req string) ([]uint32, error), wait func() (func(), error)) error {
+	req, err := goString(reqID, "req_id")
+	if err != nil {
+		return err
+	}
+	toks, err := tokens(req)
+	if err != nil {
+		return err
+	}
+	ex, err := parseExtras(extras)
+	if err != nil {
+		return err
+	}
+	if out == nil {
+		return fmt.Errorf("out is NULL: %w", errInvalid)
+	}
+	if wait != nil {
+		done, err := wait()
+		if err != nil {
+			return err
+		}
+		defer done()
+	}
+	n, pending, err := s.Match(req, toks, ex, int(numComputed))
+	if err != nil {
+		return fmt.Errorf("%v: %w", err, errInvalid)
+	}
+	*out = C.int64_t(n)
+	if pending {
+		*out = -1
+	}
+	return nil
 }
 
 //export kvshim_sched_after_alloc

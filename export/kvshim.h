@@ -36,8 +36,10 @@
 extern "C" {
 #endif
 
-/* 2: the walking-skeleton exports are gone; error codes follow one table. */
-#define KVSHIM_ABI_VERSION 2
+/* 2: the walking-skeleton exports are gone; error codes follow one table.
+ * 4: kvshim_sched_match_list (3 was a build reverted before release, with
+ * kvshim_sched_prewake: a library that says 3 lacks this function). */
+#define KVSHIM_ABI_VERSION 4
 
 typedef int64_t kvshim_handle;
 
@@ -131,6 +133,19 @@ int kvshim_ping(kvshim_handle h, const void *body, size_t n, void *buf, size_t c
 int kvshim_sched_match(kvshim_handle h, const char *req_id, const uint32_t *tokens,
                        size_t n_tokens, const char *extras_json, int64_t num_computed,
                        int64_t *out);
+
+/* kvshim_sched_match for a Python caller only (ctypes.PyDLL: called with
+ * the GIL held, list a py_object): the prompt is the Python list of ints
+ * `list`, read in one C loop as kvshim_tokens_from_list reads it, and only
+ * when req_id is not keyed yet (asked again while its lookup is pending,
+ * the list is not read). The GIL is released once the arguments are read,
+ * while the lookup hashes and waits for the server, and held again before
+ * the call returns. Besides kvshim_sched_match's errors: KVSHIM_ENOTSUP,
+ * list is no list or the process has no Python C API (nothing was asked);
+ * KVSHIM_EINVAL naming the first item that is no int in [0, 2^32) (convert
+ * with Python for the id itself). */
+int kvshim_sched_match_list(kvshim_handle h, const char *req_id, void *list, const char *extras_json,
+                            int64_t num_computed, int64_t *out);
 
 /* For a Python caller only (ctypes.PyDLL: called with the GIL held, list a
  * py_object): writes the ids of the Python list of ints `list` into

@@ -19,6 +19,8 @@ static void *(*kv_PyLong_FromLongLong)(long long);
 static void *(*kv_PyErr_Occurred)(void);
 static void (*kv_PyErr_Clear)(void);
 static void (*kv_Py_DecRef)(void *);
+static void *(*kv_PyEval_SaveThread)(void);
+static void (*kv_PyEval_RestoreThread)(void *);
 static void *kv_PyList_Type;
 static void *kv_PyLong_Type;
 static int kv_py_state; // 0: not resolved yet, 1: resolved, -1: not a Python process
@@ -85,6 +87,8 @@ static int kv_py_resolve(void) {
 	kv_PyErr_Occurred = (void *(*)(void))dlsym(RTLD_DEFAULT, "PyErr_Occurred");
 	kv_PyErr_Clear = (void (*)(void))dlsym(RTLD_DEFAULT, "PyErr_Clear");
 	kv_Py_DecRef = (void (*)(void *))dlsym(RTLD_DEFAULT, "Py_DecRef");
+	kv_PyEval_SaveThread = (void *(*)(void))dlsym(RTLD_DEFAULT, "PyEval_SaveThread");
+	kv_PyEval_RestoreThread = (void (*)(void *))dlsym(RTLD_DEFAULT, "PyEval_RestoreThread");
 	kv_PyList_Type = dlsym(RTLD_DEFAULT, "PyList_Type");
 	kv_PyLong_Type = dlsym(RTLD_DEFAULT, "PyLong_Type");
 	int ok = kv_PyList_Size && kv_PyList_GetItem && kv_PyLong_AsUnsignedLong && kv_PyErr_Occurred &&
@@ -145,13 +149,64 @@ static int64_t kv_py_u32(void *list, uint32_t *out, size_t cap) {
 	}
 	return n;
 }
+
+// kv_py_can_release reports whether the GIL can be released here
+// (PyEval_SaveThread and PyEval_RestoreThread found). Called with the GIL.
+static int kv_py_can_release(void) {
+	return kv_py_resolve() > 0 && kv_PyEval_SaveThread && kv_PyEval_RestoreThread;
+}
+
+// kv_py_release releases the caller's GIL and returns its thread state for
+// kv_py_reacquire. Only after kv_py_can_release said yes.
+static void *kv_py_release(void) { return kv_PyEval_SaveThread(); }
+static void kv_py_reacquire(void *ts) { kv_PyEval_RestoreThread(ts); }
 */
 import "C"
 
-import "unsafe"
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"unsafe"
+)
 
 // pyListU32 is kv_py_u32: n >= 0 the list's length (written when <= cap),
 // -1 no list or no Python, -2-i a bad item i.
 func pyListU32(list unsafe.Pointer, out *C.uint32_t, capacity C.size_t) int64 {
 	return int64(C.kv_py_u32(list, out, capacity))
+}
+
+// pyListTokens reads the Python list at list into buf (grown when the list
+// is longer than its capacity) and returns the ids. Called with the GIL
+// held. Errors: errors.ErrUnsupported (no list, or no Python C API in this
+// process), errInvalid naming the first item that is no int in [0, 2^32).
+func pyListTokens(list unsafe.Pointer, buf []uint32) ([]uint32, error) {
+	for {
+		n := pyListU32(list, (*C.uint32_t)(unsafe.SliceData(buf[:cap(buf)])), C.size_t(cap(buf)))
+		switch {
+		case n == -1:
+			return nil, fmt.Errorf("tokens: no Python list, or no Python C API in this process: %w", errors.ErrUnsupported)
+		case n < -1:
+			return nil, fmt.Errorf("tokens: item %d is no int in [0, 2^32): %w", -2-n, errInvalid)
+		case n > int64(cap(buf)):
+			buf = make([]uint32, 0, n)
+			continue
+		}
+		return buf[:n], nil
+	}
+}
+
+// tokenBufs holds the buffers lists are read into: a lookup's tokens are
+// hashed and dropped within the call (shim.Scheduler keeps only the hashes).
+var tokenBufs = sync.Pool{New: func() any { return new([]uint32) }}
+
+// releaseGIL releases the calling Python thread's GIL and returns the
+// function that takes it back, or an error when this process has no such
+// API (then nothing was released). Called with the GIL held.
+func releaseGIL() (reacquire func(), err error) {
+	if C.kv_py_can_release() == 0 {
+		return nil, fmt.Errorf("no PyEval_SaveThread in this process: %w", errors.ErrUnsupported)
+	}
+	ts := C.kv_py_release()
+	return func() { C.kv_py_reacquire(ts) }, nil
 }

@@ -138,11 +138,19 @@ func (s *Scheduler) Groups() []GroupSpec { return slices.Clone(s.groups) }
 // Close drops the server session; the server releases everything it held for us.
 func (s *Scheduler) Close() error { return s.link.close() }
 
+// Keyed reports whether Match has keyed req (and not forgotten it since:
+// finished or preempted): a Match of a keyed request reads no tokens.
+func (s *Scheduler) Keyed(req string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.reqs[req] != nil
+}
+
 // Match answers get_num_new_matched_tokens: the number of tokens beyond
 // numComputed that can be loaded, or pending (ask again next step). The
 // first call computes the chunk keys and registers the lookups (one per
 // KV-cache group); later calls read the answers once and cache them, so
-// repeated calls are side-effect free.
+// repeated calls are side-effect free and read no tokens (see Keyed).
 func (s *Scheduler) Match(req string, tokens []uint32, ex Extras, numComputed int) (n int, pending bool, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

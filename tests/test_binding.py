@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import array
 import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from kvshim import native
-from kvshim.errors import InvalidArgumentError
+from kvshim.errors import InvalidArgumentError, NotSupportedError
 from rig import BLOCK, CHUNK, HEAD, HEADS, LAYERS, Rig, fa_cache
 
 
@@ -119,3 +126,82 @@ def test_threads_sharing_a_handle_read_their_own_output():
             t.join(timeout=60)
         assert not any(t.is_alive() for t in threads)
         assert errors == []
+
+
+def test_match_list_reads_the_list_only_to_key_the_request():
+    """native.Scheduler.match_list (the connector's path for vLLM's lists)
+    answers as match does over the same ids; asked again for a request it
+    has keyed, it reads nothing (an unreadable list answers the same); a
+    list it cannot read is refused before anything is asked."""
+    with Rig(f"list-{uuid.uuid4().hex[:8]}", fa_cache()) as rig:
+        tokens = list(range(500, 500 + 3 * CHUNK + 5))
+        rig.save("seed", np.array(tokens, dtype=np.uint32), list(range(len(tokens) // BLOCK)))
+        assert rig.match("array", np.array(tokens, dtype=np.uint32)) == 3 * CHUNK
+        n = None
+        for _ in range(2000):
+            if (n := rig.sched.match_list("list", tokens)) is not None:
+                break
+        assert n == 3 * CHUNK
+        assert rig.sched.match_list("list", [2**40]) == 3 * CHUNK  # keyed: not read
+        assert rig.sched.match_list("other", tokens[:CHUNK] + [9] * (2 * CHUNK)) == CHUNK
+        for req in ("array", "list", "other"):
+            rig.finished(req)
+        with pytest.raises(InvalidArgumentError, match="item 1 is no int in"):
+            rig.sched.match_list("list", [1, 2**40])  # forgotten once finished: read again
+        with pytest.raises(NotSupportedError):
+            rig.sched.match_list("tuple", tuple(tokens))  # type: ignore[arg-type]
+        assert rig.stats().requests == 0
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of pid in state T (kill(SIGSTOP) returns before a thread
+    running on another core has stopped)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except FileNotFoundError:
+            continue
+        states.append(stat[stat.rindex(")") + 2])
+    return all(s in "Tt" for s in states)
+
+
+def test_match_list_lets_other_threads_run_while_the_server_answers(tmp_path):
+    """match_list is called with the GIL held (it reads the list); it must
+    let go of it while the lookup waits for the server, or every Python
+    thread of vLLM's engine stalls on each lookup. The server is stopped, so
+    the lookup waits its whole timeout (then answers a miss); meanwhile
+    this thread runs Python."""
+    sock = str(tmp_path / "kvshim.sock")
+    log = tmp_path / "serve.log"
+    with open(log, "w") as logf:
+        srv = subprocess.Popen([sys.executable, "-m", "kvshim", "serve", "--socket", sock, "--l1-size-gb", "0.0625"],
+                               stdout=logf, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while "listening on" not in log.read_text():
+            assert srv.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        ns = {"model": "t", "dtype": "float16", "layout": "x", "world_size": 1, "chunk_size": CHUNK, "mla": False}
+        with native.Scheduler({"server": sock, "engine_id": "gil", "namespace": ns, "timeout_ms": 1500,
+                               "block_size": BLOCK}) as sched:
+            assert sched.match_list("warm", list(range(2 * CHUNK))) == 0  # connected, nothing stored
+            os.kill(srv.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 5
+            while not _stopped(srv.pid):
+                assert time.monotonic() < deadline, "the server did not stop"
+                time.sleep(0.0005)
+            answers: list[int | None] = []
+            t = threading.Thread(target=lambda: answers.append(sched.match_list("a", list(range(2 * CHUNK)))))
+            t.start()
+            time.sleep(0.2)  # t is inside the call by now, waiting for the server
+            spun, end = 0, time.monotonic() + 0.3
+            while time.monotonic() < end:
+                spun += 1
+            assert t.is_alive(), "this thread ran only after match_list returned: the GIL was held"
+            os.kill(srv.pid, signal.SIGCONT)
+            t.join(10)
+            assert answers == [0] and spun > 0  # resumed in time: it answers (nothing stored, a miss)
+    finally:
+        srv.kill()
+        srv.wait(10)

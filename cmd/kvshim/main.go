@@ -20,7 +20,7 @@ var version = "0.0.0-dev"
 // abiVersion is libkvshim.so's C ABI version (export/exports.go) this
 // binary was built beside; it has no C ABI itself, but `kvshim --version`
 // prints the same line whichever way kvshim was started.
-const abiVersion = 2
+const abiVersion = 4
 
 func init() {
 	cli.LogLevelFromEnv()

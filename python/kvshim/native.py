@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, Union
 
-from kvshim.errors import EBADH, ERANGE, ETIMEDOUT, InvalidArgumentError, error_for
+from kvshim.errors import EBADH, ERANGE, ETIMEDOUT, InvalidArgumentError, NotSupportedError, error_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+
 
-ABI_VERSION = 2  # kvshim.h's KVSHIM_ABI_VERSION
+ABI_VERSION = 4  # kvshim.h's KVSHIM_ABI_VERSION
 
 _c_handle = ctypes.c_int64
 _u64p = ctypes.POINTER(ctypes.c_uint64)
@@ -45,8 +45,9 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_stats": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_ping": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_sched_match": [_c_handle, ctypes.c_char_p, _u32p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_int64, _i64p],
-    # Called through ctypes.PyDLL with a py_object (tokens_from_list), never as this CDLL function.
+    # The two below are called through ctypes.PyDLL with a py_object (_py_function), never as these CDLL functions.
     "kvshim_tokens_from_list": [ctypes.c_void_p, _u32p, ctypes.c_size_t, _sizep],
+    "kvshim_sched_match_list": [_c_handle, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64, _i64p],
     "kvshim_sched_after_alloc": [_c_handle, ctypes.c_char_p, _i64p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64],
     "kvshim_sched_build_meta": [_c_handle, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_sched_finished": [_c_handle, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)],
@@ -180,8 +181,26 @@ class Handle:
         self.close()
 
 
-_from_list: Any = None  # kvshim_tokens_from_list, called with the GIL held
+_py_functions: dict[str, Any] = {}  # PyDLL functions of the loaded library, by name
 _from_list_len = ctypes.c_size_t()
+
+
+def _py_function(name: str, argtypes: list[Any]) -> Any:
+    """The library's function `name` called as a ctypes.PyDLL function (its
+    list a py_object in argtypes): the GIL stays held while the library reads
+    Python objects (it may release it itself, kvshim.h). None when there is
+    no library here, or one without the function."""
+    fn = _py_functions.get(name)
+    if fn is None or _loaded_pid != os.getpid():
+        try:
+            lib = library()  # raises RuntimeError in a child forked after the load
+            fn = getattr(ctypes.PyDLL(lib._name, handle=lib._handle), name)
+        except (OSError, ImportError, AttributeError):  # no library here, or one without the function
+            return None
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+        _py_functions[name] = fn
+    return fn
 
 
 def tokens_from_list(tokens: list[Any], out: int, cap: int) -> bool:
@@ -192,21 +211,8 @@ def tokens_from_list(tokens: list[Any], out: int, cap: int) -> bool:
     then converts with Python and gets its error). About 3.5x faster than
     array('I', tokens): the loop reads the list's items in place, with no
     Python-level call per id."""
-    global _from_list
-    fn = _from_list
-    if fn is None or _loaded_pid != os.getpid():
-        try:
-            lib = library()  # raises RuntimeError in a child forked after the load
-            # The same loaded library, called as a PyDLL function: the GIL
-            # stays held, since the loop reads Python objects.
-            fn = ctypes.PyDLL(lib._name, handle=lib._handle).kvshim_tokens_from_list
-        except (OSError, ImportError, AttributeError):  # no library here, or one without the function
-            return False
-        fn.argtypes = [ctypes.py_object, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
-        fn.restype = ctypes.c_int
-        _from_list = fn
-    rc: int = fn(tokens, out, cap, _from_list_len)
-    return rc == 0
+    fn = _py_function("kvshim_tokens_from_list", [ctypes.py_object, ctypes.c_void_p, ctypes.c_size_t, _sizep])
+    return fn is not None and fn(tokens, out, cap, _from_list_len) == 0
 
 
 # ---------------------------------------------------------------- typed roles
@@ -361,6 +367,25 @@ class Scheduler(_Role):
         raw_extras = None if extras is None else json.dumps(extras).encode()
         self.handle.check(library().kvshim_sched_match(
             self.handle.value, req_id.encode(), ptr, n, raw_extras, num_computed, ctypes.byref(out)))
+        return None if out.value < 0 else out.value
+
+    def match_list(self, req_id: str, tokens: list[int], extras: Mapping[str, Any] | None = None,
+                   num_computed: int = 0) -> int | None:
+        """match() for ids in a Python list (vLLM's prompt_token_ids), with
+        no conversion on the Python side: the library reads the list in one
+        C loop, only when req_id is not keyed yet, and releases the GIL while
+        the lookup runs. Cold (caches and the Python code around a ctypes
+        call out of cache, as between two scheduler steps) this skips a
+        numpy array, its ctypes address and a second call into the library.
+        Raises NotSupportedError when the library cannot read the list here
+        and InvalidArgumentError for an id that is no int in [0, 2^32):
+        convert with Python then (match()), for the path or the error."""
+        fn = _py_function("kvshim_sched_match_list", [_c_handle, ctypes.c_char_p, ctypes.py_object, ctypes.c_char_p, ctypes.c_int64, _i64p])
+        if fn is None:
+            raise NotSupportedError("kvshim_sched_match_list is not available here")
+        out = ctypes.c_int64()
+        raw_extras = None if extras is None else json.dumps(extras).encode()
+        self.handle.check(fn(self.handle.value, req_id.encode(), tokens, raw_extras, num_computed, ctypes.byref(out)))
         return None if out.value < 0 else out.value
 
     def after_alloc(self, req_id: str, blocks: IntArray, num_external: int, num_computed: int | None = None) -> None:

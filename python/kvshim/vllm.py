@@ -37,7 +37,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
 
 from kvshim import native
-from kvshim.errors import KVShimError
+from kvshim.errors import InvalidArgumentError, KVShimError, NotSupportedError
 
 if TYPE_CHECKING:
     import torch
@@ -659,7 +659,8 @@ class KVShimScheduler:
     def __init__(self, sched: native.Scheduler, chunk_size: int) -> None:
         self.native = sched
         self._chunk = chunk_size
-        self._tokens: dict[str, npt.NDArray[np.uint32]] = {}  # request -> its prompt as uint32, converted once
+        # request -> the ids it is looked up over: vLLM's list, or their uint32 array (_match)
+        self._ids: dict[str, list[int] | npt.NDArray[np.uint32]] = {}
         # rid -> [request, tokens Go keyed (a chunk boundary), num_preemptions when keyed]
         self._decoding: dict[str, list[Any]] = {}
         self._hits = {"hit_tokens": 0, "hit_requests": 0}  # since the last stats report
@@ -668,29 +669,50 @@ class KVShimScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
-        tokens = self._tokens.get(rid)
+        ids = self._ids.get(rid)
         dec = self._decoding.get(rid)
-        if tokens is None or (dec is not None and dec[2] != request.num_preemptions):
+        if ids is None or (dec is not None and dec[2] != request.num_preemptions):
             # Once per request, and once more each time it is resumed after a
             # preemption: vLLM asks again while a lookup is pending. A resumed
             # request is looked up over all its tokens, prompt and generated:
             # the chunks saved during its decode are loads, not recompute.
             embeds = getattr(request, "prompt_embeds", None) is not None
             ids = request.prompt_token_ids if embeds else self._lookup_ids(request)
-            try:
-                tokens = _u32(ids if ids is not None else ())
-            except (ValueError, TypeError) as e:  # an id that is no uint32
-                return self._miss(rid, e)
-            self._tokens[rid] = tokens
+            if type(ids) is not list or ids is not request.prompt_token_ids:
+                # Only vLLM's prompt list goes to the library as it is: it
+                # never changes. all_token_ids (a preempted request's) is a
+                # view of a list that grows as the request decodes: its ids
+                # now, converted once.
+                try:
+                    ids = _u32(ids if ids is not None else ())
+                except (ValueError, TypeError) as e:  # an id that is no uint32
+                    return self._miss(rid, e)
+            self._ids[rid] = ids
             if not embeds:
-                self._decoding[rid] = [request, len(tokens) // self._chunk * self._chunk, request.num_preemptions]
+                self._decoding[rid] = [request, len(ids) // self._chunk * self._chunk, request.num_preemptions]
         try:
-            n = self.native.match(rid, tokens, _extras(request), num_computed_tokens)
-        except KVShimError as e:
+            n = self._match(rid, ids, _extras(request), num_computed_tokens)
+        except (KVShimError, ValueError, TypeError) as e:  # ValueError, TypeError: _match's conversion
             return self._miss(rid, e)
         if n is None:
             return None, False  # pending: vLLM asks again next step
         return n, n > 0
+
+    def _match(self, rid: str, ids: list[int] | npt.NDArray[np.uint32], extras: dict[str, Any] | None,
+               num_computed: int) -> int | None:
+        """native.match over the request's ids: vLLM's prompt list goes to
+        the library as it is (match_list, which reads it only while Go has
+        not keyed the request); a list the library cannot read is converted
+        by _u32 and the array kept for the calls that follow."""
+        if isinstance(ids, list):
+            try:
+                return self.native.match_list(rid, ids, extras, num_computed)
+            except (NotSupportedError, InvalidArgumentError):
+                # Converted by Python: an id that is no uint32 gets its
+                # ValueError or TypeError naming it; else this library or
+                # process cannot read lists, and the array is used from now on.
+                ids = self._ids[rid] = _u32(ids)
+        return self.native.match(rid, ids, extras, num_computed)
 
     @staticmethod
     def _lookup_ids(request: Request) -> Any:
@@ -785,7 +807,7 @@ class KVShimScheduler:
         """Tells the native scheduler the request finished; whether vLLM
         must keep its blocks until finished_sending."""
         rid = request.request_id
-        prompt = self._tokens.pop(rid, None)
+        prompt = self._ids.pop(rid, None)
         self._decoding.pop(rid, None)
         if prompt is None or request.status not in _SAVED_AT_FINISH or getattr(request, "prompt_embeds", None) is not None:
             # Never looked up, aborted (or failed), or a prompt of embeddings

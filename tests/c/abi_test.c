@@ -366,6 +366,12 @@ static void test_preempt_wait_timeout(uint16_t (*kv)[NB][BS][H][C]) {
   uint32_t tokens[16];
   for (int i = 0; i < 16; i++) tokens[i] = 500 + i;
   int64_t hit = -1, blocks[4] = {0, 1, 2, 3};
+  /* The Python-list entry points need the Python C API: not in this process. */
+  CHECK(kvshim_sched_match_list(sched, "r", NULL, NULL, 0, &hit) == KVSHIM_EINVAL, "match_list NULL list");
+  CHECK(kvshim_sched_match_list(sched, "r", tokens, NULL, 0, &hit) == KVSHIM_ENOTSUP && hit == -1,
+        "match_list without Python: %s", last_error(sched));
+  size_t listed = 0;
+  CHECK(kvshim_tokens_from_list(tokens, tokens, 16, &listed) == KVSHIM_ENOTSUP, "tokens_from_list without Python");
   for (int i = 0; i < 2000 && hit < 0; i++) {
     CHECK(kvshim_sched_match(sched, "r", tokens, 16, NULL, 0, &hit) == KVSHIM_OK, "match: %s", last_error(sched));
     if (hit < 0) usleep(2000);

@@ -149,6 +149,20 @@ def test_block_ids():
 
 
 
+def test_the_connector_hands_vllms_list_to_the_library(kv):
+    """vLLM's prompt_token_ids (a list) reaches the library as it is
+    (native.Scheduler.match_list reads it in C): no array is made on the
+    Python side, and the answer is the hit."""
+    h, _ = kv()
+    p = prompt(6, 2 * CHUNK + 3)
+    store(h, h.runners[0], p, max_tokens=1)
+    req = h.make_request(p, max_tokens=1)
+    assert type(req.prompt_token_ids) is list
+    assert h.connector.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
+    assert h.connector.scheduler._ids[req.request_id] is req.prompt_token_ids
+    h.connector.request_finished(req, [])
+
+
 def test_request_with_an_id_past_uint32_is_a_miss(kv, caplog):
     """Not an exception out of vLLM's scheduler (nor a wrapped id that keys
     another prompt's chunks): vLLM computes the request."""
