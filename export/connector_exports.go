@@ -62,11 +62,11 @@ func kvshim_sched_match_list(h C.int64_t, reqID *C.char, list unsafe.Pointer, ex
 }
 
 // schedMatch is the body of both match exports: the arguments checked and
-// read in order (req_id, tokens, extras, out), then, once the caller's
-// memory is read, wait (if any) lets go of the caller's lock (the GIL) while
-// Match hashes and waits for the server, and takes it back before returning.
+// read in order (req_id, tokens, extras, out); then, the caller's memory
+// read, release (if any) lets go of the caller's lock (the GIL) while Match
+// hashes and waits for the server, and the lock is taken back on return.
 func schedMatch(s *shim.Scheduler, reqID, extras *C.char, numComputed C.int64_t, out *C.int64_t,
-	tokens func(req string) ([]uint32, error), wait func() (func(), error)) error {
+	tokens func(req string) ([]uint32, error), release func() (reacquire func(), err error)) error {
 	req, err := goString(reqID, "req_id")
 	if err != nil {
 		return err
@@ -82,12 +82,12 @@ func schedMatch(s *shim.Scheduler, reqID, extras *C.char, numComputed C.int64_t,
 	if out == nil {
 		return fmt.Errorf("out is NULL: %w", errInvalid)
 	}
-	if wait != nil {
-		done, err := wait()
+	if release != nil {
+		reacquire, err := release()
 		if err != nil {
 			return err
 		}
-		defer done()
+		defer reacquire()
 	}
 	n, pending, err := s.Match(req, toks, ex, int(numComputed))
 	if err != nil {
