@@ -315,7 +315,7 @@ func AppendChunkHashes(dst []kv.Hash, ns kv.Namespace, tokens []uint32, chunkSiz
 	h := getHasher()
 	defer putHasher(h)
 	root := h.root(ns, &ex)
-	return h.chain(dst, root, 0, tokens, chunkSize, ex.MM), nil
+	return h.chain(dst, root, 0, tokens, 0, chunkSize, ex.MM), nil
 }
 
 // ExtendChunkHashes extends prev, the hashes of an earlier, shorter state of
@@ -325,13 +325,25 @@ func AppendChunkHashes(dst []kv.Hash, ns kv.Namespace, tokens []uint32, chunkSiz
 // The result equals ChunkHashes(ns, tokens, chunkSize, ex) when prev is a
 // prefix of it; prev itself is trusted, not re-verified.
 func ExtendChunkHashes(ns kv.Namespace, prev []kv.Hash, tokens []uint32, chunkSize int, ex Extras) ([]kv.Hash, error) {
+	return ExtendChunkHashesTail(ns, prev, tokens, 0, chunkSize, ex)
+}
+
+// ExtendChunkHashesTail is ExtendChunkHashes given only the request's tokens
+// from position from on (tail = tokens[from:]), so that a long request's
+// prefix, already hashed in prev, need not be materialized: from must not
+// be past the first token prev does not cover (len(prev)*chunkSize).
+func ExtendChunkHashesTail(ns kv.Namespace, prev []kv.Hash, tail []uint32, from, chunkSize int, ex Extras) ([]kv.Hash, error) {
 	if err := checkChunkSize(chunkSize); err != nil {
 		return prev, err
 	}
-	n := len(tokens) / chunkSize
+	if from < 0 || from > len(prev)*chunkSize {
+		return prev, fmt.Errorf("%w: tokens from %d, but %d hashes cover only the first %d",
+			ErrBadPrefix, from, len(prev), len(prev)*chunkSize)
+	}
+	n := (from + len(tail)) / chunkSize
 	if len(prev) > n {
 		return prev, fmt.Errorf("%w: %d hashes but %d tokens hold %d full chunks of %d",
-			ErrBadPrefix, len(prev), len(tokens), n, chunkSize)
+			ErrBadPrefix, len(prev), from+len(tail), n, chunkSize)
 	}
 	if err := ex.Validate(); err != nil {
 		return prev, err
@@ -347,5 +359,5 @@ func ExtendChunkHashes(ns kv.Namespace, prev []kv.Hash, tokens []uint32, chunkSi
 	} else {
 		last = prev[len(prev)-1]
 	}
-	return h.chain(prev, last, len(prev), tokens, chunkSize, ex.MM), nil
+	return h.chain(prev, last, len(prev), tail, from, chunkSize, ex.MM), nil
 }

@@ -71,6 +71,15 @@ func FuzzChunkHashes(f *testing.F) {
 		if d := cmp.Diff(got, ext, cmpopts.EquateEmpty()); d != "" {
 			t.Fatalf("extend from %d chunks differs:\n%s", len(pre), d)
 		}
+		// The same from the tokens after any point the prefix covers.
+		from := min(int(cut)/2, len(pre)*cs)
+		tail, err := ExtendChunkHashesTail(testNS, slices.Clone(pre), tokens[from:], from, cs, ex)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := cmp.Diff(got, tail, cmpopts.EquateEmpty()); d != "" {
+			t.Fatalf("extend from %d chunks given tokens from %d differs:\n%s", len(pre), from, d)
+		}
 	})
 }
 

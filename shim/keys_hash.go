@@ -144,15 +144,16 @@ func (h *chunkHasher) sortedMM(mm []MMInput) []MMInput {
 	return h.mm
 }
 
-// chain appends the hashes of full chunks first, first+1, ... of tokens to
+// chain appends the hashes of full chunks first, first+1, ... of a request
+// whose tokens from position base on are tokens (base ≤ first·chunkSize) to
 // dst, starting from prev (the hash of chunk first-1, or the root). Inputs
 // are validated by the caller.
 //
 // Chunk message: chunkTag ‖ prev ‖ u32le n ‖ n × u32le token ‖ the
 // appendMMSection of the chunk, where n = chunkSize: prev is fixed-size and
 // the token count comes before the tokens, so the message is unambiguous.
-func (h *chunkHasher) chain(dst []kv.Hash, prev kv.Hash, first int, tokens []uint32, chunkSize int, mm []MMInput) []kv.Hash {
-	n := len(tokens) / chunkSize
+func (h *chunkHasher) chain(dst []kv.Hash, prev kv.Hash, first int, tokens []uint32, base, chunkSize int, mm []MMInput) []kv.Hash {
+	n := (base + len(tokens)) / chunkSize
 	if first >= n {
 		return dst
 	}
@@ -161,7 +162,7 @@ func (h *chunkHasher) chain(dst []kv.Hash, prev kv.Hash, first int, tokens []uin
 	lo := 0 // inputs before lo end at or before the current chunk's start
 	for i := first; i < n; i++ {
 		start, end := i*chunkSize, (i+1)*chunkSize
-		chunk := tokens[start:end]
+		chunk := tokens[start-base : end-base]
 
 		b := append(h.buf[:0], chunkTag...)
 		b = append(b, prev[:]...)

@@ -260,6 +260,21 @@ func TestExtendChunkHashes(t *testing.T) {
 
 	_, err := ExtendChunkHashes(testNS, want, tokens[:100], 64, ex)
 	assert.ErrorIs(t, err, ErrBadPrefix)
+
+	// Given only the tokens from a point the prefix covers: the same keys
+	// (the multimodal input at 40..140 straddles chunks 0-2), never a read
+	// before that point.
+	for k := 0; k <= len(want); k++ {
+		for _, from := range []int{0, k * 64 / 2, k * 64} {
+			got, err := ExtendChunkHashesTail(testNS, slices.Clone(want[:k]), tokens[from:], from, 64, ex)
+			assert.NilError(t, err)
+			assert.DeepEqual(t, got, want, cmpopts.EquateEmpty())
+		}
+	}
+	_, err = ExtendChunkHashesTail(testNS, want[:2], tokens[129:], 129, 64, ex)
+	assert.ErrorIs(t, err, ErrBadPrefix) // token 128 is in no hash
+	_, err = ExtendChunkHashesTail(testNS, nil, tokens, -1, 64, ex)
+	assert.ErrorIs(t, err, ErrBadPrefix)
 }
 
 func TestChunkHashesErrors(t *testing.T) {
@@ -306,7 +321,7 @@ func TestRootHash(t *testing.T) {
 	tokens := testTokens(32, 0)
 	h := getHasher()
 	defer putHasher(h)
-	assert.DeepEqual(t, h.chain(nil, root, 0, tokens, 16, nil), mustHashes(t, tokens, 16, ex))
+	assert.DeepEqual(t, h.chain(nil, root, 0, tokens, 0, 16, nil), mustHashes(t, tokens, 16, ex))
 	// MM never enters the root.
 	root2, err := RootHash(testNS, Extras{CacheSalt: "s", LoRA: &LoRA{Name: "l", Path: "p"}, MM: []MMInput{{Hash: []byte("i"), Length: 1}}})
 	assert.NilError(t, err)

@@ -740,10 +740,8 @@ func (s *Scheduler) decodedChunks(r *schedReq, sr *StepRequest) int {
 		return 0
 	}
 	if full > len(r.hashes) {
-		// The tokens before TokensFrom are never read (their keys are in r.hashes).
-		toks := make([]uint32, full*s.chunk)
-		copy(toks[sr.TokensFrom:], sr.Tokens)
-		hashes, err := ExtendChunkHashes(s.ns, r.hashes, toks, s.chunk, r.extras)
+		// The tokens before TokensFrom are in r.hashes already.
+		hashes, err := ExtendChunkHashesTail(s.ns, r.hashes, sr.Tokens, sr.TokensFrom, s.chunk, r.extras)
 		if err != nil {
 			return 0
 		}
@@ -877,11 +875,10 @@ func (s *Scheduler) finalSave(r *schedReq, fin *FinishState) ([]SaveSpec, error)
 	}
 	hashes := r.hashes
 	if full > len(hashes) {
-		// The chunks past the prompt's: chained on from its last key. The
-		// tokens before First are never read (they are in r.hashes).
-		toks := make([]uint32, full*s.chunk)
-		copy(toks[fin.First:], fin.Tokens)
-		if hashes, err = ExtendChunkHashes(s.ns, slices.Clip(r.hashes), toks, s.chunk, r.extras); err != nil {
+		// The chunks past the prompt's: chained on from its last key (the
+		// tokens before First are in r.hashes already).
+		tail := fin.Tokens[:full*s.chunk-fin.First]
+		if hashes, err = ExtendChunkHashesTail(s.ns, slices.Clip(r.hashes), tail, fin.First, s.chunk, r.extras); err != nil {
 			return nil, err
 		}
 	}
