@@ -83,11 +83,19 @@ func newRig(t *testing.T, world int) *rig {
 
 // newRigNS is newRig for any namespace spec (world size ns.WorldSize; the
 // scheduler's blocks hold ns.DCPSize ranks' blocks).
-func newRigNS(t *testing.T, ns NamespaceSpec) *rig {
+func newRigNS(t *testing.T, ns NamespaceSpec) *rig { return newRigWith(t, ns, nil, nil) }
+
+// newRigWith is newRigNS with the server's config changed by tune and each
+// rank's cache by prep before it is registered (either may be nil).
+func newRigWith(t *testing.T, ns NamespaceSpec, tune func(*server.Config), prep func(*rankCache)) *rig {
+	t.Helper()
 	world := ns.WorldSize
 	sock := filepath.Join(t.TempDir(), "kvshim.sock")
 	cfg := server.DefaultConfig()
 	cfg.Socket, cfg.L1SizeGB, cfg.SegmentSize = sock, 0.0625, 16<<20
+	if tune != nil {
+		tune(&cfg)
+	}
 	srv, err := server.Start(cfg, nil, server.Options{})
 	assert.NilError(t, err)
 	t.Cleanup(func() { srv.Close() })
@@ -100,6 +108,9 @@ func newRigNS(t *testing.T, ns NamespaceSpec) *rig {
 		assert.NilError(t, err)
 		t.Cleanup(func() { w.Close() })
 		c := newRankCache(t)
+		if prep != nil {
+			prep(c)
+		}
 		assert.NilError(t, w.Register(c.descs))
 		r.workers, r.caches = append(r.workers, w), append(r.caches, c)
 	}

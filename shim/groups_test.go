@@ -10,8 +10,6 @@ import (
 	"github.com/google/uuid"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
-
-	"github.com/kvshim/kvshim/server"
 )
 
 // A layout string without groups (every model before KV-cache groups, and
@@ -199,25 +197,13 @@ func TestGroupsSaveAndRestoreByTheirProtocol(t *testing.T) {
 // lists groups; with layer1, the rank cache's second layer is in group 1.
 func groupRig(t *testing.T, layout string, layer1 bool) (*rig, *rankCache) {
 	t.Helper()
-	sock := filepath.Join(t.TempDir(), "kvshim.sock")
-	cfg := server.DefaultConfig()
-	cfg.Socket, cfg.L1SizeGB, cfg.SegmentSize = sock, 0.0625, 16<<20
-	srv, err := server.Start(cfg, nil, server.Options{})
-	assert.NilError(t, err)
-	t.Cleanup(func() { srv.Close() })
 	ns := NamespaceSpec{Model: "m", DType: "bfloat16", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk, LayoutFingerprint: layout}
-	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS, Timeout: 2 * time.Second, Instance: uuid.New()})
-	assert.NilError(t, err)
-	t.Cleanup(func() { s.Close() })
-	w, err := NewWorker(WorkerConfig{Socket: sock, Namespace: ns, Timeout: 2 * time.Second, Instance: uuid.New(), Workers: 2})
-	assert.NilError(t, err)
-	t.Cleanup(func() { w.Close() })
-	c := newRankCache(t)
-	if layer1 {
-		c.descs[1].Group = 1
-	}
-	assert.NilError(t, w.Register(c.descs))
-	return &rig{cfg: cfg, srv: srv, sched: s, workers: []*Worker{w}, caches: []*rankCache{c}}, c
+	r := newRigWith(t, ns, nil, func(c *rankCache) {
+		if layer1 {
+			c.descs[1].Group = 1
+		}
+	})
+	return r, r.caches[0]
 }
 
 // saveTwoGroups has request A (two chunks and a token) save both chunks

@@ -3,7 +3,6 @@ package shim
 import (
 	"fmt"
 	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -23,23 +22,11 @@ import (
 // prefaultRig is newRig's one-rank connector over a server of 1 MiB of L1
 // in 64 KiB segments that keeps prefault bytes ready ahead of use.
 func prefaultRig(t *testing.T, prefault uint64) *rig {
-	sock := filepath.Join(t.TempDir(), "kvshim.sock")
-	cfg := server.DefaultConfig()
-	cfg.Socket, cfg.L1SizeGB, cfg.SegmentSize, cfg.SlabSize = sock, 1.0/1024, 64<<10, 64<<10
-	cfg.L1PrefaultGB = float64(prefault) / server.GiB
-	srv, err := server.Start(cfg, nil, server.Options{})
-	assert.NilError(t, err)
-	t.Cleanup(func() { srv.Close() })
 	ns := NamespaceSpec{Model: "m", DType: "bfloat16", LayoutFingerprint: "test", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk}
-	s, err := NewScheduler(SchedulerConfig{Socket: sock, Namespace: ns, BlockSize: tBS, Timeout: 2 * time.Second, Instance: uuid.New()})
-	assert.NilError(t, err)
-	t.Cleanup(func() { s.Close() })
-	w, err := NewWorker(WorkerConfig{Socket: sock, Namespace: ns, Timeout: 2 * time.Second, Instance: uuid.New(), Workers: 2})
-	assert.NilError(t, err)
-	t.Cleanup(func() { w.Close() })
-	c := newRankCache(t)
-	assert.NilError(t, w.Register(c.descs))
-	return &rig{cfg: cfg, srv: srv, sched: s, workers: []*Worker{w}, caches: []*rankCache{c}}
+	return newRigWith(t, ns, func(cfg *server.Config) {
+		cfg.L1SizeGB, cfg.SegmentSize, cfg.SlabSize = 1.0/1024, 64<<10, 64<<10
+		cfg.L1PrefaultGB = float64(prefault) / server.GiB
+	}, nil)
 }
 
 // workerClient is the worker's current session.

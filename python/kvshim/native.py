@@ -183,6 +183,9 @@ class Handle:
 
 _py_functions: dict[str, Any] = {}  # PyDLL functions of the loaded library, by name
 _from_list_len = ctypes.c_size_t()
+# Their ctypes signatures as PyDLL functions: the list a py_object.
+_FROM_LIST_ARGS = [ctypes.py_object, ctypes.c_void_p, ctypes.c_size_t, _sizep]
+_MATCH_LIST_ARGS = [_c_handle, ctypes.c_char_p, ctypes.py_object, ctypes.c_char_p, ctypes.c_int64, _i64p]
 
 
 def _py_function(name: str, argtypes: list[Any]) -> Any:
@@ -211,7 +214,7 @@ def tokens_from_list(tokens: list[Any], out: int, cap: int) -> bool:
     then converts with Python and gets its error). About 3.5x faster than
     array('I', tokens): the loop reads the list's items in place, with no
     Python-level call per id."""
-    fn = _py_function("kvshim_tokens_from_list", [ctypes.py_object, ctypes.c_void_p, ctypes.c_size_t, _sizep])
+    fn = _py_function("kvshim_tokens_from_list", _FROM_LIST_ARGS)
     return fn is not None and fn(tokens, out, cap, _from_list_len) == 0
 
 
@@ -380,7 +383,7 @@ class Scheduler(_Role):
         Raises NotSupportedError when the library cannot read the list here
         and InvalidArgumentError for an id that is no int in [0, 2^32):
         convert with Python then (match()), for the path or the error."""
-        fn = _py_function("kvshim_sched_match_list", [_c_handle, ctypes.c_char_p, ctypes.py_object, ctypes.c_char_p, ctypes.c_int64, _i64p])
+        fn = _py_function("kvshim_sched_match_list", _MATCH_LIST_ARGS)
         if fn is None:
             raise NotSupportedError("kvshim_sched_match_list is not available here")
         out = ctypes.c_int64()
