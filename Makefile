@@ -116,7 +116,7 @@ gpu-check-dry:
 	KVSHIM_LIBCUDA=$(CURDIR)/$(OUT)/libcuda-fake.so KVSHIM_GPU_CHECK_GIB=0.25 OUT=$(CURDIR)/$(OUT)/gpu-check-dry \
 		build/gpu-check.sh | tail -n 1 | grep -q '^{"ok":true' || { cat $(OUT)/gpu-check-dry/*.log; exit 1; }
 
-# The standalone server for storage hosts without Python (issue 15, item 6):
+# The standalone server for storage hosts without Python:
 # a static binary, no cgo (the CUDA loader lives only in the .so).
 BIN := $(OUT)/kvshim
 all: $(BIN)

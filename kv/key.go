@@ -26,7 +26,7 @@ type Hash [HashSize]byte
 // size, group).
 type Namespace [NamespaceSize]byte
 
-// Tag names a writer (one uuid per worker connector; architecture §2.1).
+// Tag names a writer (one uuid per worker connector).
 type Tag [TagSize]byte
 
 // Key names one stored object: namespace, KV rank, chained chunk hash.

@@ -199,7 +199,7 @@ func (core *Core) traceEvict(ns kv.Namespace, rank uint32, size uint64) {
 		Reason: "lru watermark", Chunk: -1})
 }
 
-// TraceL2Saved (tier.L2Tracer): an L2 write ended (the seed's third
+// TraceL2Saved (tier.L2Tracer): an L2 write ended (the third
 // "done" of a save: L2 saved).
 func (core *Core) TraceL2Saved(adapter string, key kv.Key, bytes int, err error) {
 	w := core.tracer()

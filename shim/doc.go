@@ -8,7 +8,7 @@
 // # Keys
 //
 // A stored object is named (namespace, kv rank, chunk hash), see
-// architecture §3 and ipc.AllocReq.
+// kv.Key and ipc.AllocReq.
 //
 // The namespace (namespace.go) is the first 16 bytes of SHA-256 over a
 // versioned, length-prefixed encoding of everything that makes KV bytes

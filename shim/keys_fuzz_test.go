@@ -311,8 +311,8 @@ func FuzzExtrasInjective(f *testing.F) {
 	add := func(a, b side) {
 		f.Add(a.ns, a.salt, a.lora, a.loraName, a.loraPth, a.mm, b.ns, b.salt, b.lora, b.loraName, b.loraPth, b.mm)
 	}
-	add(side{lora: true, loraName: "a:b", loraPth: "c"}, side{lora: true, loraName: "a", loraPth: "b:c"}) // issue 11 item 8
-	add(side{salt: "x"}, side{lora: true, loraName: "x"})                                                 // salt and LoRA swap
+	add(side{lora: true, loraName: "a:b", loraPth: "c"}, side{lora: true, loraName: "a", loraPth: "b:c"})
+	add(side{salt: "x"}, side{lora: true, loraName: "x"}) // salt and LoRA swap
 	add(side{salt: "x"}, side{lora: true, loraPth: "x"})
 	add(side{}, side{lora: true})                                         // no LoRA vs empty LoRA
 	add(side{salt: "a\x00\x00\x00\x00\x00"}, side{salt: "a", lora: true}) // salt that looks like a LoRA

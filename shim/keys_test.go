@@ -144,7 +144,7 @@ func TestChunkHashesSeparation(t *testing.T) {
 		allDiffer(t, mustHashes(t, tokens, 256, Extras{LoRA: &LoRA{}}))
 	})
 	t.Run("lora name and path do not shift", func(t *testing.T) {
-		// Issue 11 item 8: keyed as "name:path", these two shared KV.
+		// keyed as "name:path", these two shared KV.
 		a := mustHashes(t, tokens, 256, Extras{LoRA: &LoRA{Name: "a:b", Path: "c"}})
 		b := mustHashes(t, tokens, 256, Extras{LoRA: &LoRA{Name: "a", Path: "b:c"}})
 		c := mustHashes(t, tokens, 256, Extras{LoRA: &LoRA{Name: "a:b", Path: "c"}})
@@ -395,7 +395,7 @@ func TestExtrasEncodingDistinct(t *testing.T) {
 		a, b   Extras
 		wantEq bool
 	}{
-		// Issue 11 item 8: LoRARequest("a:b", 3, "c") vs LoRARequest("a", 4, "b:c").
+		// LoRARequest("a:b", 3, "c") vs LoRARequest("a", 4, "b:c").
 		{name: "lora name:path shift", a: Extras{LoRA: lora("a:b", "c")}, b: Extras{LoRA: lora("a", "b:c")}},
 		{name: "lora name/path swap", a: Extras{LoRA: lora("a", "b")}, b: Extras{LoRA: lora("b", "a")}},
 		{name: "lora all in name vs all in path", a: Extras{LoRA: lora("x", "")}, b: Extras{LoRA: lora("", "x")}},

@@ -244,7 +244,7 @@ func (w *Worker) saveRecord(ev string, sv *SaveSpec) trace.Record {
 }
 
 // traceSaveEvent: the step's saves wait for vLLM's forward-pass event
-// (the seed's first "done": GPU data produced).
+// (the first of a save's three "done"s: GPU data produced).
 func (w *Worker) traceSaveEvent(meta *StepMeta) {
 	if t := w.tracer(); t != nil {
 		for i := range meta.Saves {
@@ -276,7 +276,7 @@ func (w *Worker) traceSave(sv *SaveSpec) func() {
 	}
 }
 
-// traceSaved: the COMMIT answer (the seed's second "done": L1 readable).
+// traceSaved: the COMMIT answer (the second "done": L1 readable).
 // staged chunks were copied, saved of them committed, err the failure.
 func (w *Worker) traceSaved(sv *SaveSpec, staged, saved int, size uint64, err error) {
 	t := w.tracer()

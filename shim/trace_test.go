@@ -22,7 +22,7 @@ import (
 	"github.com/kvshim/kvshim/trace"
 )
 
-// The seed's four state records (§9), produced for real and read back
+// The four state records, produced for real and read back
 // through `kvshim trace --json`: a successful restore, a mismatch (an
 // object of another layout under the same key), a partial load failure
 // (a chunk whose payload checksum fails: the prefix before it loads) and

@@ -1,5 +1,5 @@
 """`kvshim demo`: the library's restore measured against the copy engine
-alone in the same run (issue 12's CPU target), the torch tensor path the
+alone in the same run (the demo's CPU target), the torch tensor path the
 CUDA demo uses, and `--device cuda` refused in one line where there is no
 CUDA (this machine)."""
 

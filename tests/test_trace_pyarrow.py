@@ -1,5 +1,5 @@
 """kvshim's trace files (package trace: Arrow IPC files, one schema per
-record kind) open with pyarrow.ipc and load into pandas (issue 13, item 3)."""
+record kind) open with pyarrow.ipc and load into pandas."""
 
 from __future__ import annotations
 

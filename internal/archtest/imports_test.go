@@ -15,7 +15,7 @@ const module = "github.com/kvshim/kvshim"
 // allowed maps a package (relative to the module; "x/..." covers x and
 // everything under it unless a longer entry matches) to the kvshim packages
 // and third-party module prefixes it may import. The standard library is
-// always allowed. The first column of the architecture's table, with the
+// always allowed. The import table of docs/architecture.md, with the
 // packages added since (objfmt, trace, cli, server's subpackages).
 var allowed = map[string][]string{
 	"kv":                {},
@@ -90,7 +90,7 @@ func TestImportGraph(t *testing.T) {
 		rel := strings.TrimPrefix(strings.TrimPrefix(p.ImportPath, module), "/")
 		r, ok := rule(rel)
 		if !ok {
-			bad = append(bad, rel+": no rule in allowed (add the package to the table and to README's Layout)")
+			bad = append(bad, rel+": no rule in allowed (add the package to the table and to docs/architecture.md)")
 			continue
 		}
 		for _, imp := range p.Imports {

@@ -46,7 +46,7 @@ func copyFile(t *testing.T, from, to string) {
 	assert.NilError(t, dst.Close())
 }
 
-// Bytes bound to keys (issue 11, item 3): an operator restores a backup of
+// Bytes bound to keys: an operator restores a backup of
 // the L2 directory, a file is copied over another, one is truncated, one
 // comes from another namespace or rank. A server restarted with an empty
 // L1 fills lookups from L2: every object whose header names another key is

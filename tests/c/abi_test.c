@@ -146,7 +146,7 @@ static void test_handle_life(void) {
 }
 
 /* kvshim_worker_register: bad geometry and a second registration are
- * KVSHIM_EINVAL (both were KVSHIM_EINTERNAL before issue 16). */
+ * KVSHIM_EINVAL (both were KVSHIM_EINTERNAL in ABI 1). */
 static void test_register_errors(void) {
   static uint16_t kv[L][NB][BS][H][C];
   static char js[2048];
@@ -295,7 +295,7 @@ static void test_no_driver(void) {
 
 /* The emulated driver (internal/fakecuda) with FAKECUDA_COPY_DELAY_US: a
  * copy on the real CUDA engine slower than timeout_ms is KVSHIM_ETIMEDOUT
- * (it was KVSHIM_EINTERNAL before issue 16). The fake's device memory is
+ * (it was KVSHIM_EINTERNAL in ABI 1). The fake's device memory is
  * host memory the test adopts; the objects are pinned, as the header asks. */
 static void test_preempt_wait_timeout(uint16_t (*kv)[NB][BS][H][C]);
 

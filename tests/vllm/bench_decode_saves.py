@@ -1,6 +1,5 @@
 """How much recompute do saves at chunk boundaries during long decodes
-remove? A measurement, not a test (issue 14, item "saves at chunk
-boundaries during long decodes").
+remove? A measurement, not a test.
 
     KVSHIM_LIBRARY=$PWD/out/libkvshim.so PYTHONPATH=$PWD/python \\
         $venv/bin/python tests/vllm/bench_decode_saves.py

@@ -1,4 +1,4 @@
-"""kv_connector_extra_config: no setting is silently ignored (issue 15, item 1).
+"""kv_connector_extra_config: no setting is silently ignored.
 
 Each case failed before: the nested form vLLM's dotted CLI produces was
 ignored (16 GiB instead of 4), l1_size_gb <= 0 became 16 GiB, a JSON string

@@ -391,7 +391,7 @@ def test_l2_hit_after_restart_is_pending_then_loaded(kv, tmp_path):
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
 def test_l2_chunk_lost_in_the_middle_stops_the_prefix(kv, tmp_path, damage):
-    # architecture.md §2 counter-example: chunks 0-2 in L2, the L2 load of
+    # the design's counter-example: chunks 0-2 in L2, the L2 load of
     # chunk 1 fails, chunk 2 would succeed -> only chunk 0 is usable, never
     # chunks 0 and 2. Whoever notices (the server's L2 read, or the worker's
     # checksum check of the object) vLLM ends up with 64 good tokens and

@@ -1,5 +1,5 @@
 """Saves at chunk boundaries during long decodes, through vLLM's real
-scheduler (issue 14): a running request whose KV crosses a chunk boundary
+scheduler: a running request whose KV crosses a chunk boundary
 saves the chunk its decode completed, under the chained key its finish (and
 a lookup of its whole token list) uses, so a request preempted in a long
 decode resumes from those chunks (loads) instead of recomputing them; a

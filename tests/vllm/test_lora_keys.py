@@ -1,4 +1,4 @@
-"""LoRA adapters never share KV through kvshim (issue 11, item 8).
+"""LoRA adapters never share KV through kvshim.
 
 The connector once keyed an adapter as f"{lora_name}:{lora_path}", so
 LoRARequest("a:b", 3, "c") and LoRARequest("a", 4, "b:c") were one adapter to

@@ -6,7 +6,7 @@ process, started from libkvshim.so by harness.ServerProcess); a WORKER-role
 connector with CPU torch KV tensors standing in for GPU memory is driven in
 the model runner's order (harness.ModelRunner). Nothing of vLLM is stubbed.
 
-Contract (architecture.md §4): a dead server is a cache miss (lookups answer
+Contract (docs/architecture.md, "Failure"): a dead server is a cache miss (lookups answer
 0) and in-flight loads become load errors that vLLM recomputes; no call waits
 longer than kvshim.timeout_ms; when a server is back on the socket the
 connector redials (at most once a second) and saves and hits work again.

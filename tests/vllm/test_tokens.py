@@ -1,4 +1,4 @@
-"""The connector's Python hot path (issue 12, item 5).
+"""The connector's Python hot path.
 
 Token ids reach Go as one contiguous uint32 buffer: a Python list (what
 vLLM's Request holds) is read by the library's C loop (array('I') where it
