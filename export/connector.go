@@ -52,7 +52,7 @@ func openScheduler(in *instance, raw []byte) error {
 	s, err := shim.NewScheduler(shim.SchedulerConfig{Socket: r.Socket, Namespace: ns, BlockSize: cfg.BlockSize,
 		Timeout: r.Timeout, Instance: r.Instance})
 	if err != nil {
-		return fmt.Errorf("%v: %w", err, errInvalid)
+		return fmt.Errorf("%w: %w", err, errInvalid)
 	}
 	if cfg.TraceDir != "" {
 		tw, err := trace.Open(cfg.TraceDir, trace.Options{Source: "scheduler"})
@@ -79,12 +79,12 @@ func openWorker(in *instance, raw []byte) error {
 	}
 	verify, err := objfmt.ParseVerifyPolicy(cfg.Verify)
 	if err != nil {
-		return fmt.Errorf("%v: %w", err, errInvalid)
+		return fmt.Errorf("%w: %w", err, errInvalid)
 	}
 	w, err := shim.NewWorker(shim.WorkerConfig{Socket: r.Socket, Namespace: ns, Rank: cfg.Rank,
 		Timeout: r.Timeout, Instance: r.Instance, Verify: verify})
 	if err != nil {
-		return fmt.Errorf("%v: %w", err, errInvalid)
+		return fmt.Errorf("%w: %w", err, errInvalid)
 	}
 	if err := w.OpenTrace(cfg.TraceDir); err != nil {
 		w.Close()

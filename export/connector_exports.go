@@ -91,7 +91,7 @@ func schedMatch(s *shim.Scheduler, reqID, extras *C.char, numComputed C.int64_t,
 	}
 	n, pending, err := s.Match(req, toks, ex, int(numComputed))
 	if err != nil {
-		return fmt.Errorf("%v: %w", err, errInvalid)
+		return fmt.Errorf("%w: %w", err, errInvalid)
 	}
 	*out = C.int64_t(n)
 	if pending {
@@ -178,7 +178,7 @@ func kvshim_sched_finished_tokens(h C.int64_t, reqID *C.char, toks *C.uint32_t, 
 			*delay = 1
 		}
 		if err != nil {
-			return fmt.Errorf("%v: %w", err, errInvalid)
+			return fmt.Errorf("%w: %w", err, errInvalid)
 		}
 		return nil
 	})

@@ -92,7 +92,7 @@ func engineCopy(in *instance, ws *workerState, direction int, objects unsafe.Poi
 	}
 	size, err := l.ObjectSize(l.ChunkTokens())
 	if err != nil {
-		return 0, fmt.Errorf("%v: %w", err, errInvalid)
+		return 0, fmt.Errorf("%w: %w", err, errInvalid)
 	}
 	if stride < size {
 		return 0, fmt.Errorf("object_stride %d is smaller than an object (%d bytes: header and one chunk): %w", stride, size, errInvalid)

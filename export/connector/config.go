@@ -141,14 +141,42 @@ func (c *Config) resolve() (r Resolved, err error) {
 			return Resolved{}, fmt.Errorf("instance %q: %v: %w", c.Instance, err, ErrConfig)
 		}
 	}
-	if c.TimeoutMS < 0 {
-		return Resolved{}, fmt.Errorf("timeout_ms %d is negative: %w", c.TimeoutMS, ErrConfig)
+	if err := c.check(); err != nil {
+		return Resolved{}, err
 	}
 	r.Timeout = DefaultTimeout
 	if c.TimeoutMS > 0 {
 		r.Timeout = time.Duration(c.TimeoutMS) * time.Millisecond
 	}
 	return r, nil
+}
+
+// check refuses a value out of range, naming its field, whoever the caller
+// is: the Python connector validates kv_connector_extra_config too, but
+// another engine calling the C ABI must get the same answer, not a default
+// silently put in place of a negative number. 0 keeps meaning "the default".
+func (c *Config) check() error {
+	for _, f := range []struct {
+		name string
+		bad  bool
+		val  any
+	}{
+		{"timeout_ms", c.TimeoutMS < 0, c.TimeoutMS},
+		{"block_size", c.BlockSize < 0, c.BlockSize},
+		{"rank", c.Rank < 0, c.Rank},
+		{"l1_size_gb", c.L1SizeGB < 0 || c.L1SizeGB != c.L1SizeGB, c.L1SizeGB},
+		{"hold_ttl_s", c.HoldTTLS < 0 || c.HoldTTLS != c.HoldTTLS, c.HoldTTLS},
+		{"l1_prefault_gb", c.L1PrefaultGB != nil && (*c.L1PrefaultGB < 0 || *c.L1PrefaultGB != *c.L1PrefaultGB), c.L1PrefaultGB},
+		{"metrics_port", c.MetricsPort < 0 || c.MetricsPort > 65535, c.MetricsPort},
+	} {
+		if f.bad {
+			if p, ok := f.val.(*float64); ok {
+				f.val = *p
+			}
+			return fmt.Errorf("%s %v is out of range: %w", f.name, f.val, ErrConfig)
+		}
+	}
+	return nil
 }
 
 func decodeStrict(raw []byte, v any) error {

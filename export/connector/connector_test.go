@@ -64,7 +64,13 @@ func TestParseRefuses(t *testing.T) {
 		{`{"role":"scheduler","engine_id":"a/b"}`, `got "a/b"`},
 		{`{"role":"scheduler","engine_id":"` + strings.Repeat("e", 65) + `"}`, "engine_id of 1-64"},
 		{`{"server":"/s.sock","instance":"nope"}`, `instance "nope"`},
-		{`{"server":"/s.sock","timeout_ms":-1}`, "timeout_ms -1 is negative"},
+		{`{"server":"/s.sock","timeout_ms":-1}`, "timeout_ms -1 is out of range"},
+		{`{"server":"/s.sock","l1_size_gb":-1}`, "l1_size_gb -1 is out of range"},
+		{`{"server":"/s.sock","hold_ttl_s":-1}`, "hold_ttl_s -1 is out of range"},
+		{`{"server":"/s.sock","l1_prefault_gb":-0.5}`, "l1_prefault_gb -0.5 is out of range"},
+		{`{"server":"/s.sock","metrics_port":70000}`, "metrics_port 70000 is out of range"},
+		{`{"server":"/s.sock","rank":-2}`, "rank -2 is out of range"},
+		{`{"server":"/s.sock","block_size":-16}`, "block_size -16 is out of range"},
 	} {
 		_, _, err := Parse([]byte(tc.raw))
 		if !errors.Is(err, ErrConfig) {

@@ -93,6 +93,15 @@ static void test_open_errors(void) {
   CHECK(kvshim_open("{\"role\":\"worker\",\"server\":\"/nonexistent/kvshim.sock\",\"namespace\":{\"model\":\"t\","
                     "\"dtype\":\"bfloat16\",\"layout\":\"x\",\"world_size\":0,\"chunk_size\":8}}", &h) == KVSHIM_EINVAL,
         "world_size 0: %s", last_error(0));
+  /* Out-of-range values are refused by the library itself, naming the field,
+   * not replaced by defaults: another engine calling the ABI has no Python
+   * connector validating for it. */
+  CHECK(kvshim_open("{\"role\":\"scheduler\",\"engine_id\":\"abi\",\"l1_size_gb\":-1}", &h) == KVSHIM_EINVAL,
+        "l1_size_gb -1: %s", last_error(0));
+  CHECK(strstr(last_error(0), "l1_size_gb -1") != NULL, "message names the field: %s", last_error(0));
+  CHECK(kvshim_open("{\"role\":\"scheduler\",\"engine_id\":\"abi\",\"hold_ttl_s\":-1}", &h) == KVSHIM_EINVAL,
+        "hold_ttl_s -1: %s", last_error(0));
+  CHECK(strstr(last_error(0), "hold_ttl_s -1") != NULL, "message names the field: %s", last_error(0));
   CHECK(kvshim_open("{\"role\":\"tool\",\"server\":\"/nonexistent/kvshim.sock\"}", &h) == KVSHIM_EIO,
         "no server: %s", last_error(0));
   CHECK(h == 0, "out must not be written on failure");
