@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"gotest.tools/v3/assert"
+
+	"github.com/kvshim/kvshim/internal/testkit"
 )
 
 // childEnv, when set, makes the test binary run `kvshim serve` with the
@@ -46,13 +48,7 @@ func (s *syncBuffer) String() string {
 // waitFor polls until cond holds, failing the test after timeout.
 func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", timeout, what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testkit.Eventually(t, timeout, what, cond)
 }
 
 // socketPath is a fresh socket path short enough for sun_path (108 bytes;

@@ -11,21 +11,16 @@ import (
 	"golang.org/x/sys/unix"
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l1"
 )
 
-// eventually polls cond until it holds or 10 s pass.
+// eventually waits for cond at most 10 s.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for: %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	testkit.Eventually(t, 10*time.Second, what, cond)
 }
 
 // startPrefaultServer starts a memfd server of l1 MiB in 1 MiB segments

@@ -10,6 +10,7 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/cuda"
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/server"
 )
@@ -38,11 +39,10 @@ func workerClient(t *testing.T, w *Worker) *ipc.Client {
 	return w.link.c
 }
 
+// waitFor waits for cond at most 10 s.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(2 * time.Millisecond) {
-		assert.Assert(t, time.Now().Before(deadline), "timed out waiting for: %s", what)
-	}
+	testkit.Eventually(t, 10*time.Second, what, cond)
 }
 
 // TestFakeCUDAPinsAnnouncedSegmentsAhead: once a GPU worker has a session,

@@ -35,6 +35,7 @@ var allowed = map[string][]string{
 	"export":            {"kv", "cli", "cuda", "ipc", "layout", "objfmt", "server", "shim", "trace", "export/connector", "github.com/google/uuid"},
 	"export/connector":  {"kv", "ipc", "layout", "server", "shim", "trace", "github.com/google/uuid"},
 	"internal/archtest": {},
+	"internal/testkit":  {},
 	"cmd":               {"kv", "cli", "cuda", "ipc", "layout", "server", "shim", "internal", "golang.org/x/sys"},
 }
 

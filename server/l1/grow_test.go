@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"gotest.tools/v3/assert"
+
+	"github.com/kvshim/kvshim/internal/testkit"
 )
 
 // readyHeap is a ReadySource over heap memory that records every segment
@@ -119,16 +121,10 @@ func (h *readyHeap) open(t *testing.T) {
 	}
 }
 
-// eventually polls cond until it holds or 10 s pass.
+// eventually waits for cond at most 10 s.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for: %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	testkit.Eventually(t, 10*time.Second, what, cond)
 }
 
 // TestPrefaultAllocatorStartsAheadAndRefills: the allocator prepares its

@@ -11,6 +11,7 @@ import (
 
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
@@ -191,16 +192,10 @@ func (e *env) flush(t *testing.T) {
 	assert.NilError(t, e.st.Writer().Flush(ctx))
 }
 
-// waitFor polls cond (bounded).
+// waitFor waits for cond at most 20 s.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timeout waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testkit.Eventually(t, 20*time.Second, what, cond)
 }
 
 func fsConfig(dir string) string { return fmt.Sprintf(`{"type":"fs","base_path":%q}`, dir) }

@@ -17,6 +17,7 @@ import (
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/fs"
@@ -327,13 +328,8 @@ func TestSharedDirectoryTwoServers(t *testing.T) {
 	assert.Assert(t, ba.EvictStats().Evicted > 0 && bb.EvictStats().Evicted > 0, "%+v %+v", ba.EvictStats(), bb.EvictStats())
 }
 
+// waitFor waits for cond at most 20 s.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timeout waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testkit.Eventually(t, 20*time.Second, what, cond)
 }

@@ -1,0 +1,28 @@
+// Package testkit holds the helpers kvshim's Go tests share, so that each
+// is written once. Only test files import it.
+package testkit
+
+import (
+	"testing"
+	"time"
+)
+
+// Poll is how often Eventually checks its condition: short enough that a
+// test waits little past the moment the condition holds, long enough that
+// polling does not take a core from the code under test on a 2-core machine.
+const Poll = 2 * time.Millisecond
+
+// Eventually polls cond until it holds, failing t (naming what it waited
+// for and how long) once timeout has passed. Every wait in a test is
+// bounded: there is no form without a timeout.
+func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+			return // Fatalf ends the goroutine; a testing.TB that records it does not
+		}
+		time.Sleep(Poll)
+	}
+}
