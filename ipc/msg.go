@@ -46,13 +46,9 @@ const (
 	StatusInProgress Status = 8 // ALLOC: another writer of the same tag is staging the key
 )
 
-// Loc is where an object lives: always (segment id, offset), range-checked by
-// the receiver against the segments it has mapped.
-type Loc struct {
-	Segment uint32
-	Offset  uint64
-	Size    uint64
-}
+// Loc is where an object lives on the wire: kv.Loc, so that L1's
+// bookkeeping (server/l1) names places without importing the transport.
+type Loc = kv.Loc
 
 // MaxKeys bounds every batch (a 1M-token prompt at chunk 256 is 4,096 chunks).
 const MaxKeys = 1 << 16

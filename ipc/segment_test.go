@@ -45,13 +45,13 @@ func TestSegmentTable(t *testing.T) {
 		loc Loc
 		ok  bool
 	}{
-		{Loc{3, 0, 4096}, true},
-		{Loc{3, 4095, 1}, true},
-		{Loc{3, 4096, 0}, true},
-		{Loc{3, 4096, 1}, false},
-		{Loc{3, 1, ^uint64(0)}, false},
-		{Loc{3, ^uint64(0), 2}, false},
-		{Loc{4, 0, 1}, false},
+		{Loc{Segment: 3, Offset: 0, Size: 4096}, true},
+		{Loc{Segment: 3, Offset: 4095, Size: 1}, true},
+		{Loc{Segment: 3, Offset: 4096, Size: 0}, true},
+		{Loc{Segment: 3, Offset: 4096, Size: 1}, false},
+		{Loc{Segment: 3, Offset: 1, Size: ^uint64(0)}, false},
+		{Loc{Segment: 3, Offset: ^uint64(0), Size: 2}, false},
+		{Loc{Segment: 4, Offset: 0, Size: 1}, false},
 	} {
 		_, err := s.Resolve(tc.loc)
 		if tc.loc.Segment == 3 {
@@ -61,7 +61,7 @@ func TestSegmentTable(t *testing.T) {
 		assert.Assert(t, errors.Is(err, ErrRange)) // not added yet
 	}
 	go func() { time.Sleep(20 * time.Millisecond); tab.Add(s) }()
-	b, err := tab.ResolveWait(Loc{3, 8, 8}, 5*time.Second)
+	b, err := tab.ResolveWait(Loc{Segment: 3, Offset: 8, Size: 8}, 5*time.Second)
 	assert.NilError(t, err)
 	assert.Equal(t, len(b), 8)
 	assert.ErrorContains(t, tab.Add(s), "already")

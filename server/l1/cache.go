@@ -3,7 +3,6 @@ package l1
 import (
 	"math/rand/v2"
 
-	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 )
 
@@ -144,10 +143,10 @@ func (c *Cache) Size(i uint32) uint64 { return c.objs.get(i).size }
 func (c *Cache) Holds(i uint32) uint32 { return c.objs.get(i).holds }
 
 // Loc is object i's location in the shared segments.
-func (c *Cache) Loc(i uint32) ipc.Loc {
+func (c *Cache) Loc(i uint32) kv.Loc {
 	o := c.objs.get(i)
 	seg, off := c.mem.loc(o.slab, o.slot)
-	return ipc.Loc{Segment: seg, Offset: off, Size: o.size}
+	return kv.Loc{Segment: seg, Offset: off, Size: o.size}
 }
 
 // Bytes is object i's memory (Size bytes).
@@ -157,7 +156,7 @@ func (c *Cache) Bytes(i uint32) []byte {
 }
 
 // At returns the bytes at loc (tests and in-process callers).
-func (c *Cache) At(loc ipc.Loc) []byte {
+func (c *Cache) At(loc kv.Loc) []byte {
 	return c.mem.segs[loc.Segment-1].mem[loc.Offset : loc.Offset+loc.Size]
 }
 
