@@ -16,9 +16,6 @@ import (
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/server/l1"
 	"github.com/kvshim/kvshim/server/l2"
-	"github.com/kvshim/kvshim/server/l2/fs"
-	"github.com/kvshim/kvshim/server/l2/mooncake"
-	"github.com/kvshim/kvshim/server/l2/redis"
 	"github.com/kvshim/kvshim/shim"
 )
 
@@ -142,11 +139,8 @@ var codeTable = []sentinel{
 	{"l2.ErrHeld", l2.ErrHeld, codeIO},
 	{"l2.ErrNotReported", l2.ErrNotReported, codeIO},
 	{"l2.ErrUnavailable", l2.ErrUnavailable, codeIO},
-	{"fs.ErrFull", fs.ErrFull, codeNoSpace},
-	{"fs.ErrCorrupt", fs.ErrCorrupt, codeIO},
-	{"redis.ErrOOM", redis.ErrOOM, codeNoSpace},
-	{"mooncake.ErrHelper", mooncake.ErrHelper, codeIO},
-	{"mooncake.ErrStore", mooncake.ErrStore, codeIO},
+	{"l2.ErrFull", l2.ErrFull, codeNoSpace},
+	{"l2.ErrCorrupt", l2.ErrCorrupt, codeIO},
 
 	// ipc: the transport. A wait past its deadline is ETIMEDOUT (a full
 	// ring is a producer that waited its whole timeout); a peer that broke

@@ -15,4 +15,10 @@ var (
 	ErrBadBatch     = errors.New("l2: keys and buffers differ in length")
 	ErrUnavailable  = errors.New("l2: backend unavailable")
 	ErrNotSupported = errors.New("l2: operation not supported by the backend")
+	// ErrFull: the backend refused a store for want of space (its cap, or
+	// its own out-of-memory answer). A backend's own sentinel wraps it.
+	ErrFull = errors.New("l2: backend full")
+	// ErrCorrupt: an object's bytes are not the object its key names
+	// (truncated, foreign, failed checksum): a miss, and the object is dropped.
+	ErrCorrupt = errors.New("l2: corrupt object")
 )

@@ -67,7 +67,7 @@ var testHookBeforeAside func(path string)
 // object is larger than max_bytes, or nothing more could be evicted (every
 // remaining object is held by a lookup of this server or was used since
 // the last scan).
-var ErrFull = errors.New("fs: max_bytes reached")
+var ErrFull = fmt.Errorf("fs: max_bytes reached: %w", l2.ErrFull)
 
 // EvictStats are the capacity counters of one backend.
 type EvictStats struct {

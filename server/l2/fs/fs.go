@@ -52,7 +52,7 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // ErrCorrupt marks an object that failed verification (it is deleted and
 // reported as a miss).
-var ErrCorrupt = errors.New("fs: corrupt object")
+var ErrCorrupt = fmt.Errorf("fs: %w", l2.ErrCorrupt)
 
 // errInvalid marks a file that cannot be a stored object (no trailer, bad
 // magic, a length that disagrees with the file size, not a regular file).

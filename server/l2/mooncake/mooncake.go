@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	_ "embed"
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -37,9 +36,9 @@ const (
 // Sentinel errors.
 var (
 	// ErrHelper: the helper process is not running or answered with an error.
-	ErrHelper = errors.New("mooncake: helper")
+	ErrHelper = fmt.Errorf("mooncake: helper: %w", l2.ErrUnavailable)
 	// ErrStore: Mooncake returned a negative code for the key.
-	ErrStore = errors.New("mooncake: store error")
+	ErrStore = fmt.Errorf("mooncake: store error: %w", l2.ErrUnavailable)
 )
 
 func codeName(c int64) string {

@@ -26,7 +26,7 @@ func init() { l2.Register(Type, New) }
 // ErrOOM marks a store refused because Redis is full: it answered OOM
 // (used memory over maxmemory under the noeviction policy, or a volatile-*
 // policy with nothing to evict), or did less than OOMBackoff ago.
-var ErrOOM = errors.New("redis: out of memory (maxmemory reached)")
+var ErrOOM = fmt.Errorf("redis: out of memory (maxmemory reached): %w", l2.ErrFull)
 
 // OOMBackoff is how long stores fail at once, without sending their
 // payloads, after Redis answered OOM.
