@@ -29,10 +29,11 @@ import (
 // body's error as h's last error, returning its code (codeOf).
 func call[T any](h C.int64_t, body func(in *instance, s T) error) (rc C.int) {
 	defer guard(int64(h), &rc)
-	in, err := handles.lookup(int64(h))
+	in, release, err := handles.acquire(int64(h))
 	if err != nil {
 		return C.int(fail(0, err))
 	}
+	defer release()
 	s, ok := any(in).(T)
 	if !ok {
 		if s, ok = in.state.(T); !ok {

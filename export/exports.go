@@ -117,11 +117,7 @@ func kvshim_open(config *C.char, out *C.int64_t) C.int {
 //export kvshim_close
 func kvshim_close(h C.int64_t) C.int {
 	return callLib(func() error {
-		in, err := handles.remove(int64(h))
-		if err != nil {
-			return fmt.Errorf("kvshim_close: %w", err)
-		}
-		if err := in.close(); err != nil {
+		if err := handles.closeHandle(int64(h)); err != nil {
 			return fmt.Errorf("kvshim_close: %w", err)
 		}
 		return nil

@@ -19,6 +19,12 @@ type instance struct {
 	closers []func() error // run in reverse order by close
 	state   any            // the role-specific object (*shim.Scheduler, *workerState, *toolState)
 	pending map[int][]byte // by OS thread: output that did not fit the caller's buffer (kvshim_take_output)
+
+	// inflight counts the calls running on this handle (handleTable.acquire
+	// to release): kvshim_close waits for them before it frees what they
+	// use, so a close racing a call never pulls a link or a KV cache
+	// registration from under it.
+	inflight sync.WaitGroup
 }
 
 // setPending keeps data for thread tid until it takes it (one per thread:
@@ -91,6 +97,31 @@ func (t *handleTable) lookup(h int64) (*instance, error) {
 		return in, nil
 	}
 	return nil, fmt.Errorf("handle %d: %w", h, errBadHandle)
+}
+
+// acquire returns h's instance for one call, which must release it: until
+// then a kvshim_close of h waits (closeHandle). Taken under the table's lock,
+// so a call either holds h before close removes it or finds it gone.
+func (t *handleTable) acquire(h int64) (in *instance, release func(), err error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if in = t.m[h]; in == nil {
+		return nil, nil, fmt.Errorf("handle %d: %w", h, errBadHandle)
+	}
+	in.inflight.Add(1)
+	return in, in.inflight.Done, nil
+}
+
+// closeHandle is kvshim_close: h is invalid for new calls at once, the calls
+// already running on it return (each is bounded by its own timeout), then
+// its resources are freed.
+func (t *handleTable) closeHandle(h int64) error {
+	in, err := t.remove(h)
+	if err != nil {
+		return err
+	}
+	in.inflight.Wait()
+	return in.close()
 }
 
 // remove takes h out of the table; a second remove of the same h fails.

@@ -5,7 +5,11 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
+
+	"github.com/kvshim/kvshim/internal/testkit"
 )
 
 func TestHandleTable(t *testing.T) {
@@ -38,6 +42,41 @@ func TestHandleTable(t *testing.T) {
 	}
 	if err := in.close(); err != nil || len(closed) != 2 {
 		t.Errorf("a second close runs nothing: %v, %v", err, closed)
+	}
+}
+
+// A close waits for the calls already running on the handle, and refuses
+// new ones at once: the closers never run under a call that uses them.
+func TestCloseWaitsForCallsInFlight(t *testing.T) {
+	var closedAt atomic.Int64
+	in := &instance{closers: []func() error{func() error { closedAt.Store(time.Now().UnixNano()); return nil }}}
+	h := handles.add(in)
+	_, release, err := handles.acquire(h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- handles.closeHandle(h) }()
+	testkit.Eventually(t, 5*time.Second, "the handle to leave the table", func() bool { return handles.get(h) == nil })
+	if _, _, err := handles.acquire(h); !errors.Is(err, errBadHandle) {
+		t.Errorf("a call after close began: %v, want errBadHandle", err)
+	}
+	time.Sleep(20 * time.Millisecond)
+	if closedAt.Load() != 0 {
+		t.Fatal("the handle was closed while a call was in flight")
+	}
+	released := time.Now().UnixNano()
+	release()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("close did not return after the last call ended")
+	}
+	if closedAt.Load() < released {
+		t.Error("closers ran before the call in flight released the handle")
 	}
 }
 

@@ -25,6 +25,25 @@
  *     KVSHIM_EPANIC; it never crashes the host process.
  *   - The Go runtime does not survive fork(): load the library after the
  *     process has forked (vLLM workers: in the connector's constructor).
+ *
+ * Threads:
+ *   - Every function may be called from any thread, concurrently, on the
+ *     same handle or on different ones.
+ *   - The last error is per handle, not per thread: it is the message of
+ *     the latest failure on that handle from any thread. Read it right after
+ *     the failing call, or serialize calls on a handle whose messages you
+ *     need.
+ *   - Output kept after KVSHIM_ERANGE is per handle and OS thread: take it
+ *     with kvshim_take_output on the thread that got KVSHIM_ERANGE.
+ *   - kvshim_close(h) is safe against calls in flight on h: from the moment
+ *     it starts, new calls on h return KVSHIM_EBADH; it waits for the calls
+ *     already running on h to return (each is bounded by its own timeout),
+ *     then frees h's resources.
+ *   - Several KV-cache groups (hybrid models): functions that take "blocks"
+ *     take every group's block ids in one array of len(groups) equal parts,
+ *     group 0 first, each part padded with -1 to the longest; with groups
+ *     other than one full-attention group, block id 0 (vLLM's null block)
+ *     means "no block".
  */
 #ifndef KVSHIM_H
 #define KVSHIM_H
@@ -82,8 +101,9 @@ int kvshim_last_error(kvshim_handle h, char *buf, size_t len);
 int kvshim_open(const char *config_json, kvshim_handle *out);
 
 /* Closes h and releases everything it owns (connections, holds, staging
- * space, copy streams). Returns KVSHIM_OK or KVSHIM_EBADH (unknown or
- * already closed; the message is on handle 0). */
+ * space, copy streams), after the calls in flight on h have returned (see
+ * Threads above). Returns KVSHIM_OK or KVSHIM_EBADH (unknown or already
+ * closed; the message is on handle 0). */
 int kvshim_close(kvshim_handle h);
 
 /* Returns how many handles are open (a leak check for tests). */
@@ -158,7 +178,7 @@ int kvshim_sched_match_list(kvshim_handle h, const char *req_id, void *list, con
 int kvshim_tokens_from_list(void *list, uint32_t *out, size_t cap, size_t *out_len);
 
 /* Answers update_state_after_alloc: blocks are all block ids of the
- * request in token order (group 0); num_computed the tokens vLLM has;
+ * request in token order (every group's: see Threads above); num_computed the tokens vLLM has;
  * num_external the tokens to load. Plans the load; releases other holds. */
 int kvshim_sched_after_alloc(kvshim_handle h, const char *req_id, const int64_t *blocks,
                              size_t n_blocks, int64_t num_computed, int64_t num_external);
@@ -183,7 +203,7 @@ int kvshim_sched_finished(kvshim_handle h, const char *req_id, int *delay);
  * first on (first at most the prompt's full chunks: 0 is always right),
  * num_computed the tokens whose KV its blocks hold (vLLM's
  * num_computed_tokens less those still in flight), blocks[0:n_blocks] its
- * block ids in token order (group 0). The saves go with the next step's
+ * block ids in token order (every group's, as kvshim_sched_after_alloc). The saves go with the next step's
  * metadata; *delay is 1 when there are any. *delay is set even when the
  * call fails (tokens that do not fit the request: KVSHIM_EINVAL, nothing
  * new saved). */
