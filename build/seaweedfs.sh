@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Usage: build/seaweedfs.sh
+# Usage: build/seaweedfs.sh [--cached]
 # Prints the path of a SeaweedFS `weed` binary (the S3 L2 tests' real S3
-# server), building it the first time. The binary lives outside the clone,
+# server), building it the first time. With --cached it never builds: it
+# prints the path if the binary is there and exits 1 otherwise (what the
+# tests call, so a plain `go test ./...` never starts a 16-minute build). The binary lives outside the clone,
 # keyed by the module version, so reruns and later clones reuse it.
 #
 # Why it is built this way: `go install github.com/seaweedfs/seaweedfs/weed@V`
@@ -20,6 +22,12 @@ mod=github.com/seaweedfs/seaweedfs
 ver=${KVSHIM_SEAWEEDFS_VERSION:-v0.0.0-20261109003541-7506e5f91cd6}
 dir=${KVSHIM_CACHE:-$HOME/.cache/kvshim}/seaweedfs-$ver
 weed=$dir/weed
+
+if [ "${1:-}" = --cached ]; then
+  [ -x "$weed" ] || { echo "build/seaweedfs.sh: $weed is not built (run build/seaweedfs.sh)" >&2; exit 1; }
+  echo "$weed"
+  exit 0
+fi
 
 if [ ! -x "$weed" ]; then
   mkdir -p "$(dirname "$dir")"

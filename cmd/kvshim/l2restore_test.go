@@ -21,6 +21,7 @@ import (
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/server/l2/plugin/plugintest"
+	"github.com/kvshim/kvshim/server/l2/s3/s3test"
 )
 
 // A restore end to end through `kvshim serve` and an L2 plugin (the
@@ -215,4 +216,19 @@ func ServeRestore(t *testing.T, l2json, adapter string) {
 	assert.NilError(t, worker.Release(ctx, &ipc.ReleaseReq{Owner: owner, LookupID: 9}))
 	bsrv.waitMetric(t, `kvshim_l2_prefetch_chunks_total{adapter="`+adapter+`",result="ok"}`, 3)
 	bsrv.stop(t)
+}
+
+// The same restore through the s3 adapter and a real SeaweedFS S3 gateway
+// (server/l2/s3/s3test; skipped without a weed binary).
+func TestServeRestoresFromS3(t *testing.T) {
+	if _, err := s3test.Binary(); err != nil {
+		t.Skip(err.Error())
+	}
+	wdir, err := os.MkdirTemp("", "kvshim-weed-")
+	assert.NilError(t, err)
+	t.Cleanup(func() { os.RemoveAll(wdir) })
+	w, err := s3test.Start(wdir)
+	assert.NilError(t, err)
+	t.Cleanup(w.Kill)
+	ServeRestore(t, fmt.Sprintf(`{"type":"s3","endpoint":%q,"bucket":"kvshim-e2e","create_bucket":true}`, w.Endpoint), "s3")
 }
