@@ -33,6 +33,7 @@ const (
 	DefaultMaxInflightBytes = 256 << 20
 	DefaultConcurrency      = 8
 	DefaultPartSize         = 16 << 20
+	DefaultMaxRetries       = 3
 	minPartSize             = 5 << 20 // S3's least part size
 )
 
@@ -58,6 +59,7 @@ type Config struct {
 	Concurrency        int   // keys of one tile in flight at once
 	MultipartThreshold int64 // objects of at least this many bytes go multipart; 0 = never
 	PartSize           int64
+	MaxRetries         int // attempts per request (minio-go's retry with backoff), within the batch's deadline
 	Logger             *slog.Logger
 }
 
@@ -69,7 +71,7 @@ var secretKeys = []string{"access_key", "secret_key", "access_key_id", "secret_a
 // New is the l2 factory for type "s3".
 func New(cfg *l2.Config, env l2.Env) (l2.Backend, error) {
 	c := Config{Region: DefaultRegion, PathStyle: true, MaxInflightBytes: DefaultMaxInflightBytes,
-		Concurrency: DefaultConcurrency, PartSize: DefaultPartSize, Logger: env.Logger}
+		Concurrency: DefaultConcurrency, PartSize: DefaultPartSize, MaxRetries: DefaultMaxRetries, Logger: env.Logger}
 	for _, k := range secretKeys {
 		if _, ok := cfg.Extra[k]; ok {
 			return nil, fmt.Errorf("%w: key %q: credentials are never read from the adapter config (it is logged and shown by kvshim stat); "+
@@ -89,6 +91,7 @@ func New(cfg *l2.Config, env l2.Env) (l2.Backend, error) {
 		c.MaxInflightBytes = int64(n)
 	}
 	ex.Int("concurrency", &c.Concurrency, 1, 1024)
+	ex.Int("max_retries", &c.MaxRetries, 1, 20)
 	if ex.Int("multipart_threshold_bytes", &n, 0, math.MaxInt) {
 		c.MultipartThreshold = int64(n)
 	}
@@ -132,6 +135,9 @@ func Open(c Config) (*Backend, error) {
 	if c.MaxInflightBytes <= 0 {
 		c.MaxInflightBytes = DefaultMaxInflightBytes
 	}
+	if c.MaxRetries <= 0 {
+		c.MaxRetries = DefaultMaxRetries
+	}
 	if c.PartSize < minPartSize {
 		c.PartSize = DefaultPartSize
 	}
@@ -154,7 +160,7 @@ func Open(c Config) (*Backend, error) {
 		ExpectContinueTimeout: time.Second,
 	}
 	cl, err := minio.New(u.Host, &minio.Options{Creds: creds, Secure: u.Scheme == "https", Region: c.Region,
-		BucketLookup: lookup, Transport: tr})
+		BucketLookup: lookup, Transport: tr, MaxRetries: c.MaxRetries})
 	if err != nil {
 		return nil, fmt.Errorf("%w: s3: %v", l2.ErrBadConfig, err)
 	}
