@@ -123,3 +123,19 @@ all: $(BIN)
 $(BIN): $(SOURCES) $(STAMP)
 	@mkdir -p $(OUT)
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/kvshim
+
+# L2 plugins (docs/l2-plugins.md): the host that runs a plugin outside
+# kvshim's process (kvshim serve stays static, a plugin's crash stays in its
+# host), and the example plugin that passes the L2 contract suite.
+L2HOST    := $(OUT)/kvshim-l2-host
+L2EXAMPLE := $(OUT)/libkvshim-l2-example_files.so
+L2INC     := server/l2/plugin/include
+all: $(L2HOST) $(L2EXAMPLE)
+.PHONY: l2-plugins
+l2-plugins: $(L2HOST) $(L2EXAMPLE)
+$(L2HOST): server/l2/plugin/host/kvshim_l2_host.c $(L2INC)/kvshim_l2.h
+	@mkdir -p $(OUT)
+	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I$(L2INC) -o $@ $< -ldl -pthread
+$(L2EXAMPLE): examples/l2-plugin/kvshim_l2_files.c $(L2INC)/kvshim_l2.h
+	@mkdir -p $(OUT)
+	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -shared -fPIC -I$(L2INC) -o $@ $<

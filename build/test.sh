@@ -3,7 +3,7 @@
 # part in this order). Each part also runs alone: build/test.sh PART, or its
 # make target:
 #   check     gofmt, go vet, go.mod tidy, the Python linters      (make check)
-#   go        go test -race, Mooncake runs, C ABI test, GPU dry run (make test-go)
+#   go        go test -race, Mooncake and S3 runs, C ABI test, GPU dry run (make test-go)
 #   py        pytest tests/ outside tests/vllm, pyarrow traces     (make test-py)
 #   vllm      pytest tests/vllm (vLLM 0.33.0's real classes)        (make test-vllm)
 # With no argument it runs all four. Every part first installs what it needs
@@ -45,8 +45,8 @@ part_go() {
   make lib
   echo "== C ABI test"
   make ctest
-  echo "== go test -race (with fuzz seed corpora)"
-  go test -race -count=1 -timeout 20m ./...
+  echo "== go test -race (with fuzz seed corpora; the S3 tests run below)"
+  go test -race -count=1 -timeout 20m -skip 'S3' ./...
   # The Mooncake Store tests need the wheel's store client and a real
   # mooncake_master; they run on their own, one package at a time, so two
   # masters and their clients never compete for the two cores.
@@ -55,6 +55,13 @@ part_go() {
   KVSHIM_MOONCAKE_PYTHON="$mc/bin/python" go test -race -count=1 -p 1 -timeout 10m \
     ./server/l2/mooncake ./server/tier -run 'Mooncake|RoundTrip|HelperDeath|Config'
   KVSHIM_MOONCAKE_PYTHON="$mc/bin/python" go test -race -count=1 -p 1 -timeout 10m ./shim -run 'TwoHosts'
+  # The S3 adapter's tests need a real S3 server: SeaweedFS's weed, built
+  # once into the cache (build/seaweedfs.sh: ~16 minutes on 2 cores the
+  # first time, reused after). On their own, one package at a time, like
+  # Mooncake's: a weed server uses most of a core while it starts.
+  echo "== go test -race: S3 (a real SeaweedFS S3 gateway on loopback; weed from build/seaweedfs.sh)"
+  weed=$(build/seaweedfs.sh)
+  KVSHIM_WEED="$weed" go test -race -count=1 -p 1 -timeout 15m -run 'S3' ./server/l2/s3 ./cmd/kvshim
   echo "== GPU check script, dry run against the emulated CUDA driver"
   make gpu-check-dry
 }

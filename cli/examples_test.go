@@ -13,6 +13,8 @@ import (
 	is "gotest.tools/v3/assert/cmp"
 
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/plugin"
+	"github.com/kvshim/kvshim/server/l2/plugin/plugintest"
 )
 
 // The examples/ files are checked with the code `kvshim serve` runs on
@@ -26,7 +28,8 @@ const examplesDir = "../examples"
 // what this machine cannot have replaced: an fs base_path becomes a temp
 // directory; Redis opens lazily (no connection at open); Mooncake's
 // helper Python does not exist here, so its open must fail starting the
-// helper, after every key was accepted.
+// helper, after every key was accepted; the same for an S3 endpoint that
+// nothing listens on; a plugin gets the example plugin built here (cc).
 func openExampleAdapter(t *testing.T, raw string) {
 	t.Helper()
 	cfg, err := l2.ParseAdapterConfig(raw)
@@ -36,8 +39,26 @@ func openExampleAdapter(t *testing.T, raw string) {
 		cfg.Extra["base_path"], _ = json.Marshal(filepath.Join(t.TempDir(), "l2"))
 	case "mooncake_store":
 		cfg.Extra["helper_python"], _ = json.Marshal("/nonexistent/kvshim-example-python")
+	case "s3":
+		cfg.Extra["endpoint"], _ = json.Marshal("http://127.0.0.1:1")
+		cfg.Extra["max_retries"] = json.RawMessage("1")
+	case "plugin":
+		b, err := plugintest.Build()
+		if errors.Is(err, plugintest.ErrNoCompiler) {
+			t.Skip(err.Error())
+		}
+		assert.NilError(t, err)
+		t.Setenv(plugin.PathEnv, b.Dir)
+		t.Setenv(plugin.HostEnv, b.Host)
+		cfg.Extra["dir"], _ = json.Marshal(filepath.Join(t.TempDir(), "l2"))
 	}
 	a, err := l2.Open(cfg, l2.Options{})
+	if cfg.Type == "s3" {
+		assert.Assert(t, err != nil)
+		assert.Check(t, !errors.Is(err, l2.ErrBadConfig), "a key of the example is refused: %v", err)
+		assert.Check(t, is.Contains(err.Error(), "127.0.0.1:1"))
+		return
+	}
 	if cfg.Type == "mooncake_store" {
 		assert.Assert(t, err != nil)
 		assert.Check(t, !errors.Is(err, l2.ErrBadConfig), "a key of the example is refused: %v", err)
@@ -65,7 +86,7 @@ func TestExampleL2AdapterFlags(t *testing.T) {
 			openExampleAdapter(t, raw)
 		})
 	}
-	assert.Check(t, is.DeepEqual(types, map[string]bool{"fs": true, "redis": true, "mooncake_store": true}))
+	assert.Check(t, is.DeepEqual(types, map[string]bool{"fs": true, "redis": true, "mooncake_store": true, "s3": true, "plugin": true}))
 }
 
 // The connector's kv_connector_extra_config examples: their

@@ -12,6 +12,7 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/internal/testkit"
+	"github.com/kvshim/kvshim/server/l2/plugin/plugintest"
 )
 
 // childEnv, when set, makes the test binary run `kvshim serve` with the
@@ -23,7 +24,9 @@ func TestMain(m *testing.M) {
 	if args, ok := os.LookupEnv(childEnv); ok {
 		os.Exit(Main(append([]string{"kvshim", "serve"}, strings.Fields(args)...), Info{Version: "test"}))
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	plugintest.Remove() // what the examples' plugin test built
+	os.Exit(code)
 }
 
 // syncBuffer is an io.Writer a command writes from its goroutine while the

@@ -3,7 +3,12 @@
 // round), with a shared worker pool and with per-op lanes, and lookup
 // latency idle vs during a store burst. The last line of output is JSON.
 //
-//	go run ./cmd/kvshim-bench-l2 -adapters fs,redis,mooncake_store
+//	go run ./cmd/kvshim-bench-l2 -adapters fs,redis,mooncake_store,plugin,s3
+//
+// plugin is the example plugin (examples/l2-plugin, files in a temporary
+// directory, as fs) through kvshim-l2-host, both compiled with cc; s3 is
+// the s3 adapter against a SeaweedFS S3 gateway it starts (needs the weed
+// binary of build/seaweedfs.sh, or $KVSHIM_WEED).
 package main
 
 import (
@@ -26,12 +31,15 @@ import (
 	_ "github.com/kvshim/kvshim/server/l2/fs"
 	_ "github.com/kvshim/kvshim/server/l2/mooncake"
 	"github.com/kvshim/kvshim/server/l2/mooncake/mctest"
+	"github.com/kvshim/kvshim/server/l2/plugin/plugintest"
 	_ "github.com/kvshim/kvshim/server/l2/redis"
 	"github.com/kvshim/kvshim/server/l2/redis/redisserver"
+	_ "github.com/kvshim/kvshim/server/l2/s3"
+	"github.com/kvshim/kvshim/server/l2/s3/s3test"
 )
 
 var (
-	flagAdapters = flag.String("adapters", "fs,redis,mooncake_store", "adapters to run (skipped with a reason when unavailable)")
+	flagAdapters = flag.String("adapters", "fs,redis,mooncake_store,plugin,s3", "adapters to run (skipped with a reason when unavailable)")
 	flagKeys     = flag.Int("keys", 1024, "resident keys (populated first)")
 	flagValue    = flag.Int("value", 1<<20, "value size in bytes")
 	flagStores   = flag.Int("stores", 4, "concurrent store batches per burst round")
@@ -41,6 +49,7 @@ var (
 	flagIdle     = flag.Int("idle-lookups", 300, "idle lookups per mode")
 	flagDir      = flag.String("dir", "", "fs base directory (default: a temporary directory, removed)")
 	flagRedis    = flag.String("redis-addr", "", "use this Redis instead of starting redis-server")
+	flagS3       = flag.String("s3-extra", "", `extra s3 keys, e.g. ',"multipart_threshold_bytes":8388608'`)
 	flagShared   = flag.String("shared", `"num_workers":4`, "lane config of the shared-pool mode")
 	flagLanes    = flag.String("lanes", `"num_workers":1,"per_op_workers":{"lookup":1,"retrieve":1,"store":2}`, "lane config of the per-op mode")
 )
@@ -222,6 +231,29 @@ func backendConfig(name string) (string, func(), error) {
 		seg := (*flagKeys + *flagStores**flagBatch + 64) * *flagValue * 5 / 4
 		c := mctest.Config(py, m, seg, 64<<20, "")
 		return strings.TrimSuffix(strings.TrimPrefix(c, "{"), "}"), func() { m.Stop(); os.RemoveAll(d) }, nil
+	case "plugin":
+		b, err := plugintest.Build()
+		if err != nil {
+			return "", nil, err
+		}
+		d, err := os.MkdirTemp("", "kvshim-bench-l2-plugin-")
+		if err != nil {
+			return "", nil, err
+		}
+		return fmt.Sprintf(`"type":"plugin","library":%q,"host":%q,"dir":%q`, b.Example, b.Host, d),
+			func() { os.RemoveAll(d); plugintest.Remove() }, nil
+	case "s3":
+		d, err := os.MkdirTemp("", "kvshim-bench-l2-s3-")
+		if err != nil {
+			return "", nil, err
+		}
+		w, err := s3test.Start(d)
+		if err != nil {
+			os.RemoveAll(d)
+			return "", nil, err
+		}
+		return fmt.Sprintf(`"type":"s3","endpoint":%q,"bucket":"kvshim-bench","create_bucket":true%s`, w.Endpoint, *flagS3),
+			func() { w.Kill(); os.RemoveAll(d) }, nil
 	}
 	return "", nil, fmt.Errorf("unknown adapter %q", name)
 }

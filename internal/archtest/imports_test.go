@@ -27,7 +27,7 @@ var allowed = map[string][]string{
 	"cuda":              {"kv", "internal/ntcopy"},
 	"trace":             {"kv", "github.com/apache/arrow/go/v17", "github.com/google/uuid", "golang.org/x/sys"},
 	"shim":              {"kv", "ipc", "layout", "cuda", "objfmt", "trace", "github.com/google/uuid", "golang.org/x/sys"},
-	"server/l2":         {"kv", "server/l2", "github.com/redis/go-redis", "golang.org/x/sys", "github.com/prometheus"},
+	"server/l2":         {"kv", "server/l2", "github.com/redis/go-redis", "github.com/minio/minio-go", "golang.org/x/sys", "github.com/prometheus"},
 	"server/l1":         {"kv", "objfmt"},
 	"server/tier":       {"kv", "ipc", "objfmt", "server/l1", "server/l2", "trace", "github.com/prometheus"},
 	"server":            {"kv", "ipc", "objfmt", "server", "trace", "github.com/prometheus", "github.com/google/uuid", "golang.org/x/sys"},

@@ -1,6 +1,7 @@
 // Package l2 is kvshim's L2 adapter layer: one batch interface with
 // completions in front of the shared-storage backends (fs, redis,
-// mooncake_store), per-operation worker lanes, LMCache-style JSON config, a
+// mooncake_store, s3, and third-party ones through plugin's C ABI),
+// per-operation worker lanes, LMCache-style JSON config, a
 // factory registry and Prometheus metrics.
 //
 // An Adapter wraps a Backend. Every operation takes a whole batch of keys and
