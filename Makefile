@@ -22,6 +22,7 @@ $(LIB): $(SOURCES) $(STAMP)
 	CGO_ENABLED=1 $(GO) build -buildmode=c-shared -trimpath \
 		-ldflags "-X main.version=$(VERSION)" -o $(LIB) ./export
 	$(PYTHON) build/check-header.py export/kvshim.h $(OUT)/libkvshim.h
+	$(PYTHON) build/gen-abi.py export/kvshim.h python/kvshim/_abi.py
 
 # The C ABI test: compiled against the handwritten header, linked to the .so.
 # Run twice: with no CUDA driver (KVSHIM_ENOTSUP), then its device tests

@@ -13,8 +13,22 @@ import (
 // Info describes the library the CLI runs in.
 type Info struct {
 	Version string
-	ABI     int
+	ABI     int // ABIVersion
 }
+
+// The C ABI of libkvshim.so (export/kvshim.h's KVSHIM_ABI_MAJOR and _MINOR;
+// export's TestABIVersionMatchesHeader holds them to the header). They live
+// here so the library and the static out/kvshim, which has no C ABI but
+// prints the version beside it, state one number: MINOR grows when
+// something is added, MAJOR when anything is removed or changes meaning.
+const (
+	ABIMajor   = 5
+	ABIMinor   = 0
+	ABIVersion = ABIMajor*1000 + ABIMinor // what kvshim_abi_version returns
+)
+
+// ABIString is abi (MAJOR*1000 + MINOR) as "MAJOR.MINOR".
+func ABIString(abi int) string { return fmt.Sprintf("%d.%d", abi/1000, abi%1000) }
 
 type command struct {
 	summary string
@@ -53,7 +67,7 @@ func run(args []string, info Info, stdout, stderr io.Writer) int {
 		usage(stdout)
 		return 0
 	case "--version", "version":
-		fmt.Fprintf(stdout, "kvshim %s (C ABI %d, protocol %d)\n", info.Version, info.ABI, ipc.ProtocolVersion)
+		fmt.Fprintf(stdout, "kvshim %s (C ABI %s, protocol %d)\n", info.Version, ABIString(info.ABI), ipc.ProtocolVersion)
 		return 0
 	}
 	cmd, ok := commands[args[1]]

@@ -150,7 +150,7 @@ func printReport(w io.Writer, r Report) {
 	if r.MemlockBytes >= 0 {
 		mem = fmt.Sprintf("%d KiB", r.MemlockBytes>>10)
 	}
-	fmt.Fprintf(w, "library      kvshim %s (ABI %d, protocol %d, %s)\n", r.Version, r.ABI, r.Protocol, r.GoVersion)
+	fmt.Fprintf(w, "library      kvshim %s (ABI %s, protocol %d, %s)\n", r.Version, ABIString(r.ABI), r.Protocol, r.GoVersion)
 	fmt.Fprintf(w, "cpu          %s, %d logical cores, cache line %d B\n", r.CPU, r.LogicalCores, r.CacheLine)
 	fmt.Fprintf(w, "features     %v\n", r.Features)
 	fmt.Fprintf(w, "cuda         %s\n", r.CUDA)

@@ -172,7 +172,7 @@ func TestServeStatMetrics(t *testing.T) {
 	assert.Check(t, is.Contains(text, "kvshim_l1_capacity_bytes 1.0735616e+07\n"))
 	assert.Check(t, is.Contains(text, `kvshim_l1_objects{state="resident"} 1`+"\n"))
 	assert.Check(t, is.Contains(text, "kvshim_l1_used_bytes 1.048576e+06\n"))
-	assert.Check(t, is.Regexp(`\nkvshim_build_info\{abi="\d+",protocol="\d+",version="[^"]+"\} 1\n`, text))
+	assert.Check(t, is.Regexp(`\nkvshim_build_info\{abi="\d+\.\d+",protocol="\d+",version="[^"]+"\} 1\n`, text))
 	assert.Check(t, is.Contains(text, "\ngo_goroutines "))
 	// Every STATS number is on the metrics page with the same value (the
 	// stat client's own session may have closed in between).

@@ -146,7 +146,7 @@ func TestUsage(t *testing.T) {
 	assert.Check(t, is.Contains(errOut, "usage: kvshim"))
 	code, out, _ = runCmd("--version")
 	assert.Equal(t, code, 0)
-	assert.Check(t, is.Regexp(`^kvshim \S+ \(C ABI \d+, protocol \d+\)\n$`, out))
+	assert.Check(t, is.Regexp(`^kvshim \S+ \(C ABI \d+\.\d+, protocol \d+\)\n$`, out))
 	// doctor takes only flags; a bad log level is one line naming the flag.
 	code, _, errOut = runCmd("doctor", "extra")
 	assert.Equal(t, code, 2)

@@ -15,6 +15,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvshim/kvshim/cli"
 	"github.com/kvshim/kvshim/cuda"
 	"github.com/kvshim/kvshim/layout"
 )
@@ -248,4 +249,22 @@ func wrapsL2(call *ast.CallExpr) bool {
 		}
 	}
 	return false
+}
+
+// The ABI version the library reports is the header's MAJOR.MINOR.
+func TestABIVersionMatchesHeader(t *testing.T) {
+	raw, err := os.ReadFile("kvshim.h")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ver := map[string]int{}
+	for _, m := range regexp.MustCompile(`(?m)^#define KVSHIM_ABI_(MAJOR|MINOR) (\d+)$`).FindAllSubmatch(raw, -1) {
+		ver[string(m[1])], _ = strconv.Atoi(string(m[2]))
+	}
+	if len(ver) != 2 || ver["MAJOR"] != cli.ABIMajor || ver["MINOR"] != cli.ABIMinor {
+		t.Fatalf("kvshim.h says ABI %v, the library %d.%d", ver, cli.ABIMajor, cli.ABIMinor)
+	}
+	if abiVersion != ver["MAJOR"]*1000+ver["MINOR"] {
+		t.Fatalf("kvshim_abi_version returns %d", abiVersion)
+	}
 }

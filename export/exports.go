@@ -16,8 +16,9 @@ import (
 	"github.com/kvshim/kvshim/cli"
 )
 
-// abiVersion changes whenever kvshim.h changes incompatibly.
-const abiVersion = 4
+// abiVersion is what kvshim_abi_version returns (cli.ABIVersion: one
+// number for the library and the static binary).
+const abiVersion = cli.ABIVersion
 
 // version is stamped by the build (-ldflags -X main.version=...).
 var version = "0.0.0-dev"

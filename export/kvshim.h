@@ -55,10 +55,17 @@
 extern "C" {
 #endif
 
-/* 2: the walking-skeleton exports are gone; error codes follow one table.
- * 4: kvshim_sched_match_list (3 was a build reverted before release, with
- * kvshim_sched_prewake: a library that says 3 lacks this function). */
-#define KVSHIM_ABI_VERSION 4
+/* The ABI's version, MAJOR.MINOR. A caller built for MAJOR.MINOR works with
+ * any library of the same MAJOR and a MINOR at least its own: MINOR grows
+ * when functions or codes are added (a caller that can do without a newer
+ * function looks it up with dlsym), MAJOR when anything is removed or
+ * changes meaning. kvshim_abi_version() returns MAJOR * 1000 + MINOR.
+ * History: 2 dropped the walking-skeleton exports; 4 added
+ * kvshim_sched_match_list; 5.0 is 4 made MAJOR.MINOR (kvshim_close waits
+ * for calls in flight; kvshim_open refuses out-of-range fields). */
+#define KVSHIM_ABI_MAJOR 5
+#define KVSHIM_ABI_MINOR 0
+#define KVSHIM_ABI_VERSION (KVSHIM_ABI_MAJOR * 1000 + KVSHIM_ABI_MINOR)
 
 typedef int64_t kvshim_handle;
 
@@ -78,7 +85,8 @@ typedef int64_t kvshim_handle;
  * skipped, as a cache may skip, and is never an error: KVSHIM_ENOSPC is
  * for space the library needs and cannot get. */
 
-/* Returns KVSHIM_ABI_VERSION of the loaded library. Never fails. */
+/* Returns KVSHIM_ABI_VERSION of the loaded library (MAJOR * 1000 + MINOR).
+ * Never fails. */
 int kvshim_abi_version(void);
 
 /* Copies the library version string, NUL-terminated, into buf[0:len].

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"strconv"
@@ -20,7 +21,7 @@ import (
 // BuildInfo is what kvshim_build_info{version,abi,protocol} reports.
 type BuildInfo struct {
 	Version string // "" is reported as "unknown"
-	ABI     int    // the C ABI of libkvshim.so
+	ABI     int    // the C ABI of libkvshim.so: MAJOR*1000 + MINOR (kvshim_abi_version)
 }
 
 // MetricsServer is the HTTP listener of `kvshim serve --metrics-port` and
@@ -42,7 +43,7 @@ func (core *Core) ServeMetrics(ln net.Listener, bi BuildInfo) *MetricsServer {
 	}
 	build := prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvshim_build_info",
 		Help: "Always 1; the labels name this build: version, C ABI and wire protocol.",
-		ConstLabels: prometheus.Labels{"version": version, "abi": strconv.Itoa(bi.ABI),
+		ConstLabels: prometheus.Labels{"version": version, "abi": fmt.Sprintf("%d.%d", bi.ABI/1000, bi.ABI%1000), // MAJOR.MINOR
 			"protocol": strconv.Itoa(int(ipc.ProtocolVersion))}})
 	build.Set(1)
 	proc.MustRegister(build, collectors.NewGoCollector(),

@@ -1,6 +1,6 @@
 """The Python side of the C ABI against export/kvshim.h, the one source of
 truth: the return codes in kvshim.errors (and the exception each maps to),
-ABI_VERSION, and the ctypes signature of every function in
+ABI_MAJOR/ABI_MINOR (python/kvshim/_abi.py, generated from it), and the ctypes signature of every function in
 kvshim.native._SIGNATURES. A function added to, removed from or changed in
 the header fails here until the Python side follows (build/check-header.py
 holds the header to the library's exports the same way)."""
@@ -8,7 +8,10 @@ holds the header to the library's exports the same way)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,8 +71,31 @@ def test_header_parses():
 
 
 def test_abi_version_matches():
-    m = re.search(r"^#define\s+KVSHIM_ABI_VERSION\s+(\d+)", header_text(), re.M)
-    assert m and int(m[1]) == native.ABI_VERSION
+    ver = {m[1]: int(m[2]) for m in re.finditer(r"^#define\s+KVSHIM_ABI_(MAJOR|MINOR)\s+(\d+)", header_text(), re.M)}
+    assert (ver["MAJOR"], ver["MINOR"]) == (native.ABI_MAJOR, native.ABI_MINOR)
+
+
+def test_generated_abi_module_is_current():
+    """python/kvshim/_abi.py is what build/gen-abi.py makes of the header now
+    (`make lib` regenerates it; a header edited without it fails here)."""
+    gen = HEADER.parent.parent / "build" / "gen-abi.py"
+    out = subprocess.run([sys.executable, str(gen), "--print", str(HEADER)], check=True, capture_output=True, text=True)
+    assert (HEADER.parent.parent / "python" / "kvshim" / "_abi.py").read_text(encoding="utf-8") == out.stdout
+
+
+def test_abi_rule_same_major_and_at_least_the_minor(monkeypatch):
+    """The version rule: the real library's version passes; a newer minor
+    passes; an older minor or another major is refused, naming both."""
+    lib = ctypes.CDLL(os.environ["KVSHIM_LIBRARY"])
+    assert native.check_abi(lib.kvshim_abi_version(), "lib") == (native.ABI_MAJOR, native.ABI_MINOR)
+    assert native.check_abi(native.ABI_MAJOR * 1000 + native.ABI_MINOR + 3, "lib") == (
+        native.ABI_MAJOR, native.ABI_MINOR + 3)
+    for bad in ((native.ABI_MAJOR + 1) * 1000, (native.ABI_MAJOR - 1) * 1000 + 999):
+        with pytest.raises(ImportError, match=rf"needs {native.ABI_MAJOR}\.{native.ABI_MINOR}"):
+            native.check_abi(bad, "lib")
+    monkeypatch.setattr(native, "ABI_MINOR", native.ABI_MINOR + 1)
+    with pytest.raises(ImportError, match="a minor at least"):
+        native.check_abi(lib.kvshim_abi_version(), "lib")
 
 
 @pytest.mark.parametrize("name", sorted(header_codes()))

@@ -17,10 +17,10 @@ import (
 // version is stamped by the Makefile (-X main.version=…), like the .so's.
 var version = "0.0.0-dev"
 
-// abiVersion is libkvshim.so's C ABI version (export/exports.go) this
-// binary was built beside; it has no C ABI itself, but `kvshim --version`
-// prints the same line whichever way kvshim was started.
-const abiVersion = 4
+// abiVersion is libkvshim.so's C ABI version this binary was built beside;
+// it has no C ABI itself, but `kvshim --version` prints the same line
+// whichever way kvshim was started.
+const abiVersion = cli.ABIVersion
 
 func init() {
 	cli.LogLevelFromEnv()

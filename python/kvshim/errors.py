@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import builtins
 
-# kvshim.h's return codes, by the header's names less the KVSHIM_ prefix
-# (tests/test_abi_header.py checks them against the header).
-OK = 0
-EINVAL = -1
-EBADH = -2
-EPANIC = -3
-ERANGE = -4
-ENOTSUP = -5
-ETIMEDOUT = -6
-EIO = -7
-ENOSPC = -8
-ECLOSED = -9
-EINTERNAL = -10
+# kvshim.h's return codes, generated from the header (build/gen-abi.py).
+from kvshim._abi import EBADH, ECLOSED, EINTERNAL, EINVAL, EIO, ENOSPC, ENOTSUP, EPANIC, ERANGE, ETIMEDOUT, OK
+
+__all__ = [
+    "EBADH", "ECLOSED", "EINTERNAL", "EINVAL", "EIO", "ENOSPC", "ENOTSUP", "EPANIC", "ERANGE", "ETIMEDOUT", "OK",
+]
 
 
 class KVShimError(Exception):

@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, Union
 
+from kvshim import _abi
 from kvshim.errors import EBADH, ERANGE, ETIMEDOUT, InvalidArgumentError, NotSupportedError, error_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+
 
-ABI_VERSION = 4  # kvshim.h's KVSHIM_ABI_VERSION
+# The ABI this package was built against (generated from kvshim.h): a
+# library of the same major and at least this minor serves it.
+ABI_MAJOR, ABI_MINOR = _abi.ABI_MAJOR, _abi.ABI_MINOR
 
 _c_handle = ctypes.c_int64
 _u64p = ctypes.POINTER(ctypes.c_uint64)
@@ -96,15 +99,29 @@ def library() -> ctypes.CDLL:
                 "and set KVSHIM_LIBRARY=out/libkvshim.so"
             )
         lib = ctypes.CDLL(str(path))
+        lib.kvshim_abi_version.argtypes = []
+        lib.kvshim_abi_version.restype = ctypes.c_int
+        major, minor = check_abi(lib.kvshim_abi_version(), str(path))
         for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
+            fn = getattr(lib, name, None)
+            if fn is None:  # a library of this ABI has every function of its header
+                raise ImportError(f"{path} (ABI {major}.{minor}) lacks {name}")
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int
-        abi = lib.kvshim_abi_version()
-        if abi != ABI_VERSION:
-            raise ImportError(f"{path} has ABI version {abi}, this package needs {ABI_VERSION}")
         _lib, _loaded_pid = lib, os.getpid()
         return lib
+
+
+def check_abi(abi: int, path: str) -> tuple[int, int]:
+    """(major, minor) of a library's kvshim_abi_version(); ImportError unless
+    it serves this package: the same major and at least its minor."""
+    major, minor = divmod(abi, 1000)
+    if major != ABI_MAJOR or minor < ABI_MINOR:
+        raise ImportError(
+            f"{path} has ABI version {major}.{minor}, this package needs {ABI_MAJOR}.{ABI_MINOR} "
+            f"(the same major, a minor at least {ABI_MINOR})"
+        )
+    return major, minor
 
 
 def loaded() -> bool:

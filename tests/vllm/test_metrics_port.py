@@ -35,7 +35,7 @@ def test_embedded_metrics_port(tiny_model_dir):
         lines = body.splitlines()
         build = [ln for ln in lines if ln.startswith("kvshim_build_info{")]
         assert len(build) == 1 and build[0].endswith(" 1"), build
-        assert f'abi="{native.ABI_VERSION}"' in build[0] and 'protocol="' in build[0] and 'version="' in build[0]
+        assert f'abi="{native.ABI_MAJOR}.{native.ABI_MINOR}"' in build[0] and 'protocol="' in build[0] and 'version="' in build[0]
         assert any(ln.startswith("go_goroutines ") for ln in lines)
         assert any(ln.startswith("process_") for ln in lines)
         assert any(ln.startswith("kvshim_l1_used_bytes ") for ln in lines)
