@@ -114,14 +114,6 @@ int kvshim_open(const char *config_json, kvshim_handle *out);
  * closed; the message is on handle 0). */
 int kvshim_close(kvshim_handle h);
 
-/* Returns how many handles are open (a leak check for tests). */
-int kvshim_handle_count(void);
-
-/* Test hook: panics inside the library and returns KVSHIM_EPANIC with the
- * panic text as the last error of h (or of the library when h is not open).
- * It exists so tests can prove a panic never crashes the host. */
-int kvshim_debug_panic(kvshim_handle h);
-
 /* Runs the kvshim command line (doctor, serve, stat, ...) with argv[0] the
  * program name; blocks until the command ends and returns its exit code
  * (0 success, 1 failure, 2 usage error). */
@@ -161,29 +153,6 @@ int kvshim_ping(kvshim_handle h, const void *body, size_t n, void *buf, size_t c
 int kvshim_sched_match(kvshim_handle h, const char *req_id, const uint32_t *tokens,
                        size_t n_tokens, const char *extras_json, int64_t num_computed,
                        int64_t *out);
-
-/* kvshim_sched_match for a Python caller only (ctypes.PyDLL: called with
- * the GIL held, list a py_object): the prompt is the Python list of ints
- * `list`, read in one C loop as kvshim_tokens_from_list reads it, and only
- * when req_id is not keyed yet (asked again while its lookup is pending,
- * the list is not read). The GIL is released once the arguments are read,
- * while the lookup hashes and waits for the server, and held again before
- * the call returns. Besides kvshim_sched_match's errors: KVSHIM_ENOTSUP,
- * list is no list or the process has no Python C API (nothing was asked);
- * KVSHIM_EINVAL naming the first item that is no int in [0, 2^32) (convert
- * with Python for the id itself). */
-int kvshim_sched_match_list(kvshim_handle h, const char *req_id, void *list, const char *extras_json,
-                            int64_t num_computed, int64_t *out);
-
-/* For a Python caller only (ctypes.PyDLL: called with the GIL held, list a
- * py_object): writes the ids of the Python list of ints `list` into
- * out[0:cap] as uint32 in one C loop (the Python C API is found with
- * dlsym(RTLD_DEFAULT) on first use) and the list's length into *out_len.
- * KVSHIM_ERANGE: *out_len > cap, nothing written; KVSHIM_EINVAL: item
- * *out_len is no int in [0, 2^32) (no exception is left set: convert with
- * Python to get the error); KVSHIM_ENOTSUP: list is no list, or the process
- * has no Python C API. Never records a last error. */
-int kvshim_tokens_from_list(void *list, uint32_t *out, size_t cap, size_t *out_len);
 
 /* Answers update_state_after_alloc: blocks are all block ids of the
  * request in token order (every group's: see Threads above); num_computed the tokens vLLM has;
@@ -254,6 +223,44 @@ int kvshim_worker_poll(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
  * (KVSHIM_ETIMEDOUT): a caller waiting for completion blocks here instead
  * of calling kvshim_worker_poll in a loop. Reports nothing itself. */
 int kvshim_worker_wait(kvshim_handle h, int64_t timeout_ms);
+
+/* ---- CPython callers only: these read Python objects in place. ----
+ * They must be called through ctypes.PyDLL (with the GIL held; the Python C
+ * API is found with dlsym(RTLD_DEFAULT) on first use). Another engine uses
+ * kvshim_sched_match with a uint32 array. */
+
+/* kvshim_sched_match for a Python caller only (ctypes.PyDLL: called with
+ * the GIL held, list a py_object): the prompt is the Python list of ints
+ * `list`, read in one C loop as kvshim_tokens_from_list reads it, and only
+ * when req_id is not keyed yet (asked again while its lookup is pending,
+ * the list is not read). The GIL is released once the arguments are read,
+ * while the lookup hashes and waits for the server, and held again before
+ * the call returns. Besides kvshim_sched_match's errors: KVSHIM_ENOTSUP,
+ * list is no list or the process has no Python C API (nothing was asked);
+ * KVSHIM_EINVAL naming the first item that is no int in [0, 2^32) (convert
+ * with Python for the id itself). */
+int kvshim_sched_match_list(kvshim_handle h, const char *req_id, void *list, const char *extras_json,
+                            int64_t num_computed, int64_t *out);
+
+/* For a Python caller only (ctypes.PyDLL: called with the GIL held, list a
+ * py_object): writes the ids of the Python list of ints `list` into
+ * out[0:cap] as uint32 in one C loop (the Python C API is found with
+ * dlsym(RTLD_DEFAULT) on first use) and the list's length into *out_len.
+ * KVSHIM_ERANGE: *out_len > cap, nothing written; KVSHIM_EINVAL: item
+ * *out_len is no int in [0, 2^32) (no exception is left set: convert with
+ * Python to get the error); KVSHIM_ENOTSUP: list is no list, or the process
+ * has no Python C API. Never records a last error. */
+int kvshim_tokens_from_list(void *list, uint32_t *out, size_t cap, size_t *out_len);
+
+/* ---- Tests and benchmarks: not part of what a connector needs. ---- */
+
+/* Returns how many handles are open (a leak check for tests). */
+int kvshim_handle_count(void);
+
+/* Test hook: panics inside the library and returns KVSHIM_EPANIC with the
+ * panic text as the last error of h (or of the library when h is not open).
+ * It exists so tests can prove a panic never crashes the host. */
+int kvshim_debug_panic(kvshim_handle h);
 
 /* The copy engine alone, for benchmarks and the demo: copies the chunks of
  * block_ids[0:n_blocks] (token order, a positive multiple of a chunk's
