@@ -22,6 +22,7 @@ import (
 	is "gotest.tools/v3/assert/cmp"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l2/plugin/plugintest"
 )
 
 var (
@@ -33,6 +34,7 @@ var (
 
 func TestMain(m *testing.M) {
 	code := m.Run()
+	plugintest.Remove() // the plugin host and plugins the L2 tests built
 	if buildDir != "" {
 		os.RemoveAll(buildDir)
 	}
