@@ -8,7 +8,7 @@ import (
 
 	"github.com/kvshim/kvshim/server/l1"
 	"github.com/kvshim/kvshim/server/l2"
-	_ "github.com/kvshim/kvshim/server/l2/adapters" // fs, redis, mooncake_store
+	_ "github.com/kvshim/kvshim/server/l2/adapters" // fs, redis, mooncake_store, s3, plugin
 	"github.com/kvshim/kvshim/server/tier"
 )
 

@@ -69,7 +69,7 @@
 // lookup is gone; and the Go runtime returns freed heap to the OS lazily.
 //
 // L2. With Config.L2Adapters (--l2-adapter JSON, repeatable) the core
-// opens the adapters (package l2, types fs, redis, mooncake_store) and
+// opens the adapters (package l2, types fs, redis, mooncake_store, s3, plugin) and
 // wires package tier's controllers (l2tier.go):
 //
 //	COMMIT ──publish──► resident ──pin (hold owned by the writer)──►

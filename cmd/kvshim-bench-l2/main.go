@@ -31,6 +31,7 @@ import (
 	_ "github.com/kvshim/kvshim/server/l2/fs"
 	_ "github.com/kvshim/kvshim/server/l2/mooncake"
 	"github.com/kvshim/kvshim/server/l2/mooncake/mctest"
+	_ "github.com/kvshim/kvshim/server/l2/plugin"
 	"github.com/kvshim/kvshim/server/l2/plugin/plugintest"
 	_ "github.com/kvshim/kvshim/server/l2/redis"
 	"github.com/kvshim/kvshim/server/l2/redis/redisserver"

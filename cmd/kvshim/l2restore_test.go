@@ -126,6 +126,11 @@ func (s *servedProc) dial(t *testing.T, role ipc.Role) *ipc.Client {
 // value want (bounded).
 func (s *servedProc) waitMetric(t *testing.T, name string, want float64) {
 	t.Helper()
+	s.waitMetricFn(t, name, func(f float64) bool { return f == want })
+}
+
+func (s *servedProc) waitMetricFn(t *testing.T, name string, want func(float64) bool) {
+	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	last := ""
 	for time.Now().Before(deadline) {
@@ -133,14 +138,14 @@ func (s *servedProc) waitMetric(t *testing.T, name string, want float64) {
 		for _, l := range strings.Split(body, "\n") {
 			if v, ok := strings.CutPrefix(l, name+" "); ok {
 				last = l
-				if f, err := strconv.ParseFloat(v, 64); err == nil && f == want {
+				if f, err := strconv.ParseFloat(v, 64); err == nil && want(f) {
 					return
 				}
 			}
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	t.Fatalf("metric %s never reached %v (last: %q); stderr: %s", name, want, last, s.stderr.String())
+	t.Fatalf("metric %s never got the wanted value (last: %q); stderr: %s", name, last, s.stderr.String())
 }
 
 func (s *servedProc) stop(t *testing.T) {
@@ -231,4 +236,67 @@ func TestServeRestoresFromS3(t *testing.T) {
 	assert.NilError(t, err)
 	t.Cleanup(w.Kill)
 	ServeRestore(t, fmt.Sprintf(`{"type":"s3","endpoint":%q,"bucket":"kvshim-e2e","create_bucket":true}`, w.Endpoint), "s3")
+}
+
+// A plugin that crashes under `kvshim serve` costs only its saves: the
+// server keeps running, the chunks it was saving stay in L1 and are served
+// intact, and the next saves go to a new host.
+func TestServePluginCrashKeepsL1(t *testing.T) {
+	b, err := plugintest.Build()
+	if errors.Is(err, plugintest.ErrNoCompiler) {
+		t.Skip(err.Error())
+	}
+	assert.NilError(t, err)
+	binary(t)
+	dir, err := os.MkdirTemp("", "kvl2c")
+	assert.NilError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	srv := startServe(t, dir, fmt.Sprintf(`{"type":"plugin","library":%q,"host":%q,"num_workers":1}`, b.Faulty, b.Host))
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	worker, sched := srv.dial(t, ipc.RoleWorker), srv.dial(t, ipc.RoleScheduler)
+	save := func(hs []kv.Hash) {
+		ar, err := worker.Alloc(ctx, &ipc.AllocReq{Tag: kv.Tag{0x43}, Namespace: restoreNS, Hashes: hs, Sizes: []uint64{restoreObj, restoreObj, restoreObj}[:len(hs)]})
+		assert.NilError(t, err)
+		for i, l := range ar.Locs {
+			assert.Equal(t, ar.Status[i], ipc.StatusOK)
+			buf, err := worker.Segments().ResolveWait(l, 5*time.Second)
+			assert.NilError(t, err)
+			copy(buf, restoreObject(hs[i]))
+		}
+		_, err = worker.Commit(ctx, &ipc.CommitReq{Tag: kv.Tag{0x43}, Namespace: restoreNS, Hashes: hs})
+		assert.NilError(t, err)
+	}
+	hs := restoreHashes("crash", 3)
+	hs[1][0] = 0xde // the faulty plugin segfaults on it
+	save(hs)
+	srv.waitMetricFn(t, `kvshim_l2_store_errors_total{adapter="plugin"}`, func(f float64) bool { return f >= 1 })
+
+	assert.NilError(t, sched.Lookup(ctx, &ipc.LookupReq{LookupID: 5, Namespace: restoreNS, WorldSize: 1, Hashes: hs}))
+	var lr *ipc.LookupResultResp
+	for {
+		lr, err = sched.LookupResult(ctx, &ipc.LookupResultReq{LookupID: 5})
+		assert.NilError(t, err)
+		if lr.Status != ipc.StatusPending {
+			break
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	assert.DeepEqual(t, *lr, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 3})
+	owner := kv.Tag(sched.Hello().Instance)
+	rr, err := worker.Retrieve(ctx, &ipc.RetrieveReq{Owner: owner, LookupID: 5, End: ^uint32(0)})
+	assert.NilError(t, err)
+	for i, l := range rr.Locs {
+		assert.Equal(t, rr.Status[i], ipc.StatusOK)
+		got, err := worker.Resolve(l)
+		assert.NilError(t, err)
+		assert.Assert(t, string(got) == string(restoreObject(hs[i])), "chunk %d: L1 bytes differ after the plugin's crash", i)
+	}
+	assert.NilError(t, worker.Release(ctx, &ipc.ReleaseReq{Owner: owner, LookupID: 5}))
+
+	// Saves after the crash reach a new host (the faulty plugin accepts them).
+	time.Sleep(1100 * time.Millisecond) // the restart interval
+	save(restoreHashes("after", 2))
+	srv.waitMetricFn(t, `kvshim_l2_store_saved_objects_total{adapter="plugin"}`, func(f float64) bool { return f >= 2 })
+	srv.stop(t)
 }

@@ -23,6 +23,7 @@ import (
 
 	"github.com/kvshim/kvshim/cli"
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/l2/plugin/plugintest"
 )
 
 var (
@@ -34,6 +35,7 @@ var (
 
 func TestMain(m *testing.M) {
 	code := m.Run()
+	plugintest.Remove() // the plugin host and plugins the L2 tests built
 	if buildDir != "" {
 		os.RemoveAll(buildDir)
 	}

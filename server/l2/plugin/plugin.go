@@ -302,7 +302,10 @@ func (b *Backend) spawn() (*proc, error) {
 		}
 		return nil, fmt.Errorf("%w: plugin %s: open: %s: %s", wrap, b.cfg.Library, statusName(rep.rc), rep.msg)
 	}
-	b.name = strings.TrimSuffix(strings.TrimPrefix(filepath.Base(b.cfg.Library), "libkvshim-l2-"), ".so")
+	b.name = rep.msg // the table's name
+	if b.name == "" {
+		b.name = strings.TrimSuffix(strings.TrimPrefix(filepath.Base(b.cfg.Library), "libkvshim-l2-"), ".so")
+	}
 	return p, nil
 }
 

@@ -9,9 +9,11 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 
@@ -239,4 +241,30 @@ func TestPluginHang(t *testing.T) {
 		assert.Assert(t, time.Now().Before(deadline), "no working host after the kill: %v", r.Err)
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// The host maps the window and nothing of L1: an L1 segment registered
+// with the adapter (as the server registers each one) is not in the host's
+// address space.
+func TestHostMapsOnlyTheWindow(t *testing.T) {
+	b := built(t)
+	a := l2test.Open(t, exampleConfig(b, t.TempDir(), ""))
+	fd, err := unix.MemfdCreate("kvshim-l1-test-segment", unix.MFD_CLOEXEC)
+	assert.NilError(t, err)
+	defer unix.Close(fd)
+	assert.NilError(t, unix.Ftruncate(fd, 1<<20))
+	mem, err := unix.Mmap(fd, 0, 1<<20, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	assert.NilError(t, err)
+	defer unix.Munmap(mem)
+	assert.NilError(t, a.RegisterL1Segment(fd, mem))
+	// a store and a load from buffers inside the segment
+	k := l2test.Key(77)
+	copy(mem, l2test.Payload(77, 4096))
+	assert.Equal(t, l2test.Wait(t, a.Store(context.Background(), []kv.Key{k}, [][]byte{mem[:4096]}))[0].Status, l2.StatusOK)
+	assert.Equal(t, l2test.Wait(t, a.Load(context.Background(), []kv.Key{k}, [][]byte{mem[8192 : 8192+4096]}))[0].Status, l2.StatusOK)
+	assert.Assert(t, bytes.Equal(mem[:4096], mem[8192:8192+4096]))
+	maps, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", a.Backend().(*plugin.Backend).Pid()))
+	assert.NilError(t, err)
+	assert.Assert(t, is.Contains(string(maps), "kvshim-l2-plugin-window"))
+	assert.Assert(t, !strings.Contains(string(maps), "kvshim-l1-test-segment"), "the host maps L1:\n%s", maps)
 }

@@ -17,7 +17,8 @@
  *              op LOOKUP/STORE/LOAD/REMOVE (2..5): n records of
  *                ns[16] rank u32 hash[32] off u64 len u64   (68 bytes)
  *   reply    u64 id, i32 rc, u32 n, n x (i32 status, u64 size), u32 m, m bytes message
- *              OPEN: rc is open()'s code, and one entry (host ABI, plugin ABI)
+ *              OPEN: rc is open()'s code, one entry (host ABI, plugin ABI), and
+ *                    the message: the plugin's name on success, else why not
  *              batch: rc 0, an entry per key
  * EOF on stdin: wait for the batches in flight, call close(), exit 0.
  * Each batch runs on a thread of its own (kvshim bounds how many it sends).
@@ -274,7 +275,8 @@ int main(int argc, char **argv) {
         err[sizeof err - 1] = 0;
         free(cfg);
         opened = rc == KVSHIM_L2_OK;
-        reply(id, rc, 1, abi, pabi, err);
+        /* On success the message is the plugin's name (for kvshim's logs). */
+        reply(id, rc, 1, abi, pabi, opened ? (plugin->name ? plugin->name : "") : err);
       }
       free(body);
       continue;
