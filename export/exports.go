@@ -17,7 +17,7 @@ import (
 )
 
 // abiVersion changes whenever kvshim.h changes incompatibly.
-const abiVersion = 4
+const abiVersion = 5
 
 // version is stamped by the build (-ldflags -X main.version=...).
 var version = "0.0.0-dev"

@@ -54,8 +54,9 @@ type Core struct {
 	l1       *l1.Cache // allocator, object table, LRU, object states
 	staging  map[stageKey]stageEntry
 	sessions map[kv.Tag]*Session
-	fences   map[*Session][]uint32 // ended sessions' fenced slots (fence.go)
-	pinned   map[uint32]uint32     // object → pins (see Pin)
+	fences   map[*Session][]uint32   // ended sessions' fenced slots (fence.go)
+	pinned   map[uint32]uint32       // object → pins (see Pin)
+	gens     map[kv.Namespace]uint64 // namespace generations (reset.go)
 	cnt      counters
 	now      func() time.Time
 
@@ -76,6 +77,7 @@ type counters struct {
 	ttlHolds, ttlStaging             uint64
 	pins                             uint64 // holds owned by the writer
 	cleared, clearedBytes            uint64
+	resets                           uint64 // namespaces reset (OpReset with Bump)
 	sessionsOpened, sessionsClosed   uint64
 	fencesExited, fencesDrained      uint64 // fenced sessions released by the writer's exit / its own word
 }
