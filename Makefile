@@ -99,6 +99,11 @@ bench-l2:
 bench-keys:
 	$(GO) run ./cmd/kvshim-bench-keys
 
+# L2 write traffic of a prefix_repetition-shaped run: write-through vs --l2-store-after-lookups 1, 2 (one JSON line).
+.PHONY: bench-l2-admission
+bench-l2-admission:
+	KVSHIM_BENCH_L2_ADMISSION=1 $(GO) test -count=1 -run '^TestBenchStoreAfterLookups$$' -v ./server/tier/ | grep '^{'
+
 # kvshim serve beside the real LMCache 0.5.6 MP server (python/requirements-bench-peer.txt): lookups and 32 MiB store/retrieve.
 .PHONY: bench-peer
 bench-peer: $(LIB)

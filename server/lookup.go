@@ -117,6 +117,7 @@ func (core *Core) Lookup(s *Session, req *ipc.LookupReq) error {
 	if err != nil {
 		return err
 	}
+	core.takeAdmitted()
 	if t != nil && !core.filler.Fill(t.request(), t) {
 		t.Done()
 	}
@@ -149,6 +150,7 @@ func (core *Core) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
 	core.cnt.lookupsNow++
 	core.cnt.lookups++
 	p := core.extend(lk, 0)
+	core.countLookups(lk, p)
 	if p > 0 {
 		lk.sources = []ipc.SourceRun{{Tier: ipc.TierL1, Chunks: p}}
 	}

@@ -130,6 +130,7 @@ func (core *Core) snapshot() []metric {
 		k("kvshim_l1_ttl_reclaimed_holds_total", "Holds reclaimed by the hold TTL.", c.ttlHolds),
 		k("kvshim_l1_ttl_reclaimed_staging_total", "Staging objects reclaimed by the staging TTL.", c.ttlStaging),
 		k("kvshim_l1_cleared_objects_total", "Objects dropped by CLEAR or a reset.", c.cleared),
+		k("kvshim_l2_store_admitted_by_lookups_total", "Objects handed to the L2 writer once --l2-store-after-lookups lookups found them.", c.admittedL2),
 		k("kvshim_resets_total", "Namespaces reset (a new generation: every chunk stored before misses).", c.resets),
 		k("kvshim_l1_segment_errors_total", "Failures to obtain a new L1 segment.", a.SegmentErrors),
 		k("kvshim_sessions_opened_total", "Sessions opened.", c.sessionsOpened),
