@@ -80,3 +80,14 @@ func kvshim_sched_received(h C.int64_t, idsJSON *C.char) C.int {
 		return nil
 	})
 }
+
+//export kvshim_worker_take_latencies
+func kvshim_worker_take_latencies(h C.int64_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) C.int {
+	return call(h, func(in *instance, ws *workerState) error {
+		b, err := json.Marshal(ws.w.TakeLatencies())
+		if err != nil {
+			return err
+		}
+		return output(in, b, buf, capacity, outLen)
+	})
+}

@@ -40,7 +40,8 @@ extern "C" {
  * 4: kvshim_sched_match_list (3 was a build reverted before release, with
  * kvshim_sched_prewake: a library that says 3 lacks this function).
  * 5: the scheduler's controls (kvshim_sched_reset, _hit_sources,
- * _request_options, _received) and the scheduler's "kv_role" key. */
+ * _request_options, _received), the scheduler's "kv_role" key and
+ * kvshim_worker_take_latencies. */
 #define KVSHIM_ABI_VERSION 5
 
 typedef int64_t kvshim_handle;
@@ -229,6 +230,12 @@ int kvshim_sched_request_options(kvshim_handle h, const char *req_id, const char
  * (aborted) after its load was planned and before this is recorded as a
  * cancelled load (trace record kind cancel, event load_dropped). */
 int kvshim_sched_received(kvshim_handle h, const char *ids_json);
+
+/* Worker role, for vLLM's /metrics: the durations in seconds of the load
+ * and save jobs that ended since the last call, as JSON {"load": [...],
+ * "save": [...], "dropped": n} (at most 4096 of each kept between calls;
+ * dropped counts the rest) (variable-length output). */
+int kvshim_worker_take_latencies(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* ---- Worker role: the vLLM worker-side connector (one per rank). ---- */
 

@@ -58,6 +58,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_sched_hit_sources": [_c_handle, ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_sched_request_options": [_c_handle, ctypes.c_char_p, ctypes.c_char_p],
     "kvshim_sched_received": [_c_handle, ctypes.c_char_p],
+    "kvshim_worker_take_latencies": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_worker_register": [_c_handle, ctypes.c_char_p],
     "kvshim_worker_bind": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64],
     "kvshim_worker_start_loads": [_c_handle],
@@ -499,6 +500,12 @@ class Worker(_Role):
             return False
         self.handle.check(rc)
         return True
+
+    def take_latencies(self) -> dict[str, Any]:
+        """Load and save job durations (seconds) since the last call:
+        {"load": [...], "save": [...], "dropped": n}."""
+        out: dict[str, Any] = json.loads(self.handle.output("kvshim_worker_take_latencies"))
+        return out
 
     def stats(self) -> WorkerStats:
         st = self._stats()

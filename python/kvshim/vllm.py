@@ -196,12 +196,15 @@ class KVShimStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVShimStats:
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            if isinstance(v, list):  # latencies (load_seconds, save_seconds): every sample kept
+                self.data[k] = [*self.data.get(k, ()), *v]
+            else:
+                self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in self.SUMMARY}
-        out.update((k, self.data[k]) for k in sorted(self.data) if k not in out)
+        out.update((k, self.data[k]) for k in sorted(self.data) if k not in out and not isinstance(self.data[k], list))
         return out
 
     def is_empty(self) -> bool:
@@ -1001,8 +1004,12 @@ class KVShimWorker:
     def get_stats(self) -> KVShimStats | None:
         """The counters since the last report, as metric names."""
         now = self.native.stats().counters
-        delta = {_snake(k): v - self._reported.get(k, 0) for k, v in now.items()}
+        delta: dict[str, Any] = {_snake(k): v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
+        lat = self.native.take_latencies()  # job durations for vLLM's /metrics (kvshim.prom)
+        for kind in ("load", "save"):
+            if lat.get(kind):
+                delta[f"{kind}_seconds"] = lat[kind]
         st = KVShimStats(data=delta)
         return None if st.is_empty() else st
 
@@ -1159,6 +1166,14 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         return self.scheduler.hit_sources(request, num_external_tokens)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        # kvshim's stats in vLLM's own /metrics, labelled per engine (kvshim.prom).
+        from kvshim.prom import KVShimPromMetrics
+
+        return KVShimPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVShimStats:

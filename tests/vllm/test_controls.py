@@ -158,3 +158,36 @@ def test_kv_role(kv, role):
     else:
         assert saved == 0 and loaded == 0  # nothing was saved to load
     assert_clean(h)
+
+
+def test_build_prom_metrics_in_vllms_registry(kv):
+    # vLLM's own KVConnectorProm (what PrometheusStatLogger builds for
+    # /metrics) over kvshim's connector class, fed each step's
+    # SchedulerStats.kv_connector_stats as vLLM's logger feeds it.
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    h, r = kv()
+    prom = KVConnectorProm(h.vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+    assert prom.prom_metrics is not None
+    p = prompt(76, 2 * CHUNK + 5)
+    store(h, r, p)
+    _, loaded = hit(h, p)
+    assert loaded == 2
+    for st in h.steps:
+        for eco in st.engine_core_outputs.values():
+            if eco.scheduler_stats and eco.scheduler_stats.kv_connector_stats:
+                prom.observe(eco.scheduler_stats.kv_connector_stats, 0)
+
+    def sample(name: str) -> float:
+        v = prometheus_client.REGISTRY.get_sample_value(name, {"model_name": "tiny", "engine": "0"})
+        assert v is not None, name
+        return v
+
+    assert sample("vllm:kvshim_saved_chunks_total") == 2
+    assert sample("vllm:kvshim_loaded_chunks_total") == 2
+    assert sample("vllm:kvshim_hit_tokens_total") == 2 * CHUNK
+    assert sample("vllm:kvshim_failed_loads_total") == 0
+    assert sample("vllm:kvshim_load_seconds_count") >= 1  # one load job (one rank)
+    assert sample("vllm:kvshim_save_seconds_count") >= 1
+    assert sample("vllm:kvshim_load_seconds_sum") > 0
