@@ -31,8 +31,8 @@ def test_worker_reports_saved_chunks_once(tiny_model_dir):
         # The step's own stats read (vLLM's, in the runner) may already have
         # counted saves that ended within the step: the two reports add up.
         st = KVShimStats(data={})
-        for part in (step.kv_connector_output and step.kv_connector_output.kv_connector_stats,
-                     r.connector.get_kv_connector_stats()):
+        out = step.kv_connector_output
+        for part in (out.kv_connector_stats if out is not None else None, r.connector.get_kv_connector_stats()):
             if part is not None:
                 st.aggregate(part)
         assert st.data["saved_chunks"] == 3
