@@ -11,7 +11,7 @@ SOURCES := $(shell find . -path ./$(OUT) -prune -o \( -name '*.go' -o -name '*.c
 STAMP   := $(OUT)/version.stamp
 $(shell mkdir -p $(OUT); [ "$$(cat $(STAMP) 2>/dev/null)" = "$(VERSION)" ] || echo "$(VERSION)" > $(STAMP))
 
-.PHONY: all lib ctest test check test-go test-py test-vllm chaos demo wheel bench-ipc bench-match bench-server bench-copy bench-l2 bench-keys gpu-check gpu-check-dry clean
+.PHONY: all lib ctest test check test-go test-py test-vllm test-e2e chaos demo wheel bench-ipc bench-match bench-server bench-copy bench-l2 bench-keys gpu-check gpu-check-dry clean
 
 all: lib
 
@@ -34,7 +34,7 @@ ctest: $(LIB)
 	KVSHIM_LIBCUDA=$(CURDIR)/$(OUT)/libcuda-fake.so FAKECUDA_COPY_DELAY_US=100000 $(OUT)/abi_test
 
 # Everything CI runs: installs what a fresh machine lacks, then the four
-# parts below in order. Each part runs alone as well (build/test.sh PART).
+# parts below in order (e2e last). Each part runs alone as well (build/test.sh PART).
 test:
 	build/test.sh
 
@@ -54,6 +54,11 @@ test-py:
 # pytest tests/vllm: the connector through vLLM 0.33.0's real classes.
 test-vllm:
 	build/test.sh vllm
+
+# pytest tests/e2e: real `vllm serve` (the CPU build of vLLM 0.32.0, its own
+# cached venv) of a tiny model made here, with kvshim; docs/e2e.md.
+test-e2e:
+	build/test.sh e2e
 
 # The fault tests at the issue's counts (make test runs a few rounds of
 # each): a writer frozen past its heartbeat, the server SIGKILLed mid-copy.
