@@ -16,7 +16,7 @@
 # Install hook: a requirements file whose pins pip cannot install alone (the
 # CPU build of vLLM: python/requirements-e2e.txt) names a script on a line
 #   #!install: SCRIPT [FILE...]
-# (paths relative to the repository root). venv.sh then runs
+# (paths relative to the repository root, or absolute). venv.sh then runs
 #   SCRIPT BUILD_DIR REQUIREMENTS_FILE [FILE...]
 # in place of `pip install -r`, inside the same lock and atomic publish. The
 # key then also hashes SCRIPT and every FILE, so editing the installer (or a
@@ -29,7 +29,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 hook=()
 if line=$(grep -m1 '^#!install:' "$req"); then
   read -r -a hook <<<"${line#\#!install:}"
-  for i in "${!hook[@]}"; do hook[i]=$root/${hook[i]}; done
+  for i in "${!hook[@]}"; do [[ ${hook[i]} == /* ]] || hook[i]=$root/${hook[i]}; done
 fi
 key=$( (cat "$req"; $py -c 'import sys; print(sys.version)'; [ ${#hook[@]} -eq 0 ] || cat "${hook[@]}") | sha256sum | cut -c1-16)
 name=$(basename "$req" .txt)
