@@ -109,6 +109,16 @@ bench-keys:
 bench-peer: $(LIB)
 	KVSHIM_LIBRARY=$(CURDIR)/$(LIB) PYTHONPATH=$(CURDIR)/python KVSHIM_PEER_KVSHIM_PYTHON=$$(build/venv.sh python/requirements-test.txt)/bin/python $$(build/venv.sh python/requirements-bench-peer.txt)/bin/python build/bench_peer.py
 
+# Real `vllm serve` (the CPU build, tests/e2e's tiny model) under seven cache
+# configurations: no cache, vLLM's prefix cache, kvshim, both, a too-small
+# vLLM cache with and without kvshim, LMCache 0.5.6's MP server; `vllm bench
+# serve` prefix_repetition and a multi-turn chat (build/bench_serve.py,
+# docs/e2e.md). Runs in python/requirements-bench-serve.txt's layer over the
+# e2e venv.
+.PHONY: bench-serve
+bench-serve: $(LIB) $(OUT)/kvshim
+	KVSHIM_LIBRARY=$(CURDIR)/$(LIB) PYTHONPATH=$(CURDIR)/python $$(build/venv.sh python/requirements-bench-serve.txt)/bin/python build/bench_serve.py $(BENCH_SERVE_ARGS)
+
 # Builds the GPU check's binaries here; build/gpu-check.sh runs them on a GPU machine.
 gpu-check:
 	build/gpu-check.sh --prepare

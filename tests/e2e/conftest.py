@@ -9,7 +9,6 @@ model (tiny_model.py). They run in the CPU build's venv:
 
 from __future__ import annotations
 
-import random
 import shutil
 import sys
 from collections.abc import Generator, Iterator
@@ -20,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Processes, kvshim_binary
-from tiny_model import VOCAB, model_dir
+from tiny_model import model_dir
 
 _by_module: dict[str, Processes] = {}
 
@@ -64,10 +63,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             for name, tail in ps.tails():
                 rep.sections.append((f"log of {name} (last 80 lines; whole file in {ps.workdir})", tail))
     return rep
-
-
-def prompt_ids(n: int, seed: int) -> list[int]:
-    """n token ids from a seeded RNG, never the special tokens (ids 0-2):
-    prompts sent as token lists have exact lengths (chunk multiples)."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB) for _ in range(n)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,12 +32,21 @@ from typing import Any
 
 import requests
 
+from tiny_model import VOCAB
+
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_READY_TIMEOUT_S = float(os.environ.get("KVSHIM_E2E_READY_TIMEOUT_S", "300"))
 REQUEST_TIMEOUT_S = float(os.environ.get("KVSHIM_E2E_REQUEST_TIMEOUT_S", "120"))
 KVSHIM_READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
 MODEL_NAME = "tiny"
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """n token ids from a seeded RNG, never the special tokens (ids 0-2):
+    prompts sent as token lists have exact lengths (chunk multiples)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
 def free_port() -> int:

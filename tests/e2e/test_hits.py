@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from conftest import prompt_ids
-from harness import Processes, VllmServer, kvshim_config, warm_up
+from harness import Processes, VllmServer, kvshim_config, prompt_ids, warm_up
 
 CHUNK = 256  # kvshim.chunk_size (its default): hits are whole chunks
 
