@@ -53,7 +53,13 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+# A child of vLLM's `vllm` logger: vLLM configures only that tree
+# (vllm/logger.py: its handler, format and VLLM_LOGGING_LEVEL; it does not
+# propagate to the root logger), so the connector's lines, the start-up one
+# included, land in vLLM's own log. Tests capture it by adding caplog's
+# handler to it (tests/vllm/conftest.py, kvshim_log).
+LOGGER_NAME = "vllm.kvshim"
+logger = logging.getLogger(LOGGER_NAME)
 
 # kv_connector_extra_config keys: name -> (default, meaning).
 CONFIG_KEYS: dict[str, tuple[Any, str]] = {
