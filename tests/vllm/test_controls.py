@@ -136,7 +136,7 @@ def test_kv_transfer_params_skip_save_and_skip_load(kv):
 def test_kv_transfer_params_unknown_key_is_named_and_fails_closed(kv, caplog):
     h, r = kv()
     p = prompt(74, 2 * CHUNK + 5)
-    with caplog.at_level(logging.WARNING, logger="kvshim.vllm"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kvshim"):
         store(h, r, p, kv_transfer_params={"kvshim.skip_saves": True})
     assert any('"kvshim.skip_saves"' in m for m in caplog.messages), caplog.messages
     # The engine went on; the request was served without kvshim: nothing saved.
