@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
+	"time"
 
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
@@ -95,16 +96,26 @@ func (s *Scheduler) forgetKeyed() {
 // the first request is keyed (a scheduler that starts after a reset must
 // not key with generation 0). A server that cannot be reached leaves it
 // unknown: the request is a miss anyway. s.mu held.
-func (s *Scheduler) learnGeneration() {
-	if s.genKnown {
+//
+// A scheduler that never looks up (a kv_producer, or a request that skips
+// loads) gets no lookup answers to learn a reset from: it asks again when
+// its last answer is older than genRefresh, so its saves move to the new
+// generation within that time.
+func (s *Scheduler) learnGeneration(lookups bool) {
+	if s.genKnown && (lookups || time.Since(s.genAsked) < genRefresh) {
 		return
 	}
+	s.genAsked = time.Now()
 	resp, err := s.resetCall(false)
 	if err != nil {
 		return
 	}
 	s.gen, s.genKnown = max(s.gen, resp.Generation), true
 }
+
+// genRefresh is how often a scheduler that does not look up asks the
+// server for the generation (one round trip, only while requests arrive).
+const genRefresh = time.Second
 
 // checkGeneration compares a lookup answer's generation with the one r was
 // keyed under: a newer one means another instance reset the deployment

@@ -169,3 +169,37 @@ func lookupsTotal(r *rig) float64 {
 	v, _ := r.srv.Core.Stat("kvshim_lookups_total")
 	return v
 }
+
+// A producer never looks up, so no lookup answer tells it of a reset made
+// by a consumer: it asks the server again (at most once a second) and its
+// saves move to the new generation, where the consumer finds them.
+func TestProducerLearnsAResetWithoutLookups(t *testing.T) {
+	r := newRig(t, 1)
+	open := func(role Role) *Scheduler {
+		s, err := NewScheduler(SchedulerConfig{Socket: r.cfg.Socket, Namespace: r.sched.cfg.Namespace, BlockSize: tBS,
+			Timeout: 2 * time.Second, Instance: uuid.New(), Role: role})
+		assert.NilError(t, err)
+		t.Cleanup(func() { s.Close() })
+		return s
+	}
+	producer, consumer := open(RoleProducer), open(RoleConsumer)
+	tokens := tokensOf(19, 4)
+	r.sched = producer
+	_, saved := saveChunks(t, r, "P1", tokens, 3)
+	assert.Equal(t, saved, 3)
+	gen, err := consumer.Reset()
+	assert.NilError(t, err)
+	r.sched = consumer
+	assert.Equal(t, r.match(t, "C1", withTail(tokens), Extras{}, 0), 0)
+	r.sched.Finished("C1")
+	time.Sleep(genRefresh + 100*time.Millisecond)
+	r.sched = producer
+	_, saved = saveChunks(t, r, "P2", tokens, 3)
+	assert.Equal(t, saved, 3, "saved under the new generation: new keys")
+	assert.Equal(t, producer.Generation(), gen)
+	r.sched = consumer
+	n := r.match(t, "C2", withTail(tokens), Extras{}, 0)
+	assert.Equal(t, n, 3*tChunk)
+	r.load(t, "C2", n)
+	r.sched.Finished("C2")
+}

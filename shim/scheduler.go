@@ -60,6 +60,7 @@ type Scheduler struct {
 	// reset_cache); genKnown: learnt from (or set on) the server.
 	gen      uint64
 	genKnown bool
+	genAsked time.Time                 // the last time the generation was asked for (learnGeneration)
 	opts     map[string]RequestOptions // settings of requests not keyed yet (options.go)
 	// loading: requests whose planned load vLLM has not seen finish, and
 	// its chunks (controls.go: an abort meanwhile is a cancel).
@@ -200,13 +201,14 @@ func (s *Scheduler) Match(req string, tokens []uint32, ex Extras, numComputed in
 }
 
 func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, error) {
-	s.learnGeneration()
+	opt := s.options(req)
+	s.learnGeneration(!opt.SkipLoad)
 	hashes, err := ChunkHashes(s.rootNS(), tokens, s.chunk, ex)
 	if err != nil {
 		return nil, err
 	}
 	r := &schedReq{id: req, prompt: len(tokens), hashes: hashes, extras: ex, g: make([]groupReq, len(s.groups)), gen: s.gen,
-		opt: s.options(req)} // kept until the finish: a preempted request is keyed again
+		opt: opt} // s.opts[req] is kept until the finish: a preempted request is keyed again
 	for i := range r.g {
 		s.nextLookup++
 		r.g[i] = groupReq{lookupID: s.nextLookup, holdsFreed: true}
