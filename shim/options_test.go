@@ -3,6 +3,7 @@ package shim
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +12,7 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/cli"
+	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/trace"
 )
 
@@ -202,4 +204,33 @@ func TestProducerLearnsAResetWithoutLookups(t *testing.T) {
 	assert.Equal(t, n, 3*tChunk)
 	r.load(t, "C2", n)
 	r.sched.Finished("C2")
+}
+
+// Prefill/decode disaggregation through a shared L2 with two servers: the
+// producer's server writes its chunks through to the fs L2, the consumer's
+// server (its own L1, empty) fills them from disk.
+func TestRolesThroughASharedL2(t *testing.T) {
+	dir := t.TempDir()
+	ns := NamespaceSpec{Model: "m", DType: "bfloat16", LayoutFingerprint: "test", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk}
+	withL2 := func(c *server.Config) { c.L2Adapters = []string{fmt.Sprintf(`{"type":"fs","base_path":%q}`, dir)} }
+	as := func(r *rig, role Role) {
+		s, err := NewScheduler(SchedulerConfig{Socket: r.cfg.Socket, Namespace: ns, BlockSize: tBS,
+			Timeout: 2 * time.Second, Instance: uuid.New(), Role: role})
+		assert.NilError(t, err)
+		t.Cleanup(func() { s.Close() })
+		r.sched = s
+	}
+	prefill, decode := newRigWith(t, ns, withL2, nil), newRigWith(t, ns, withL2, nil)
+	as(prefill, RoleProducer)
+	as(decode, RoleConsumer)
+	tokens := tokensOf(23, 6)
+	_, saved := saveChunks(t, prefill, "P", tokens, 3)
+	assert.Equal(t, saved, 3)
+	prefill.flushL2(t)
+	n := decode.match(t, "D", withTail(tokens), Extras{}, 0)
+	assert.Equal(t, n, 3*tChunk)
+	decode.load(t, "D", n)
+	assert.DeepEqual(t, decode.sched.HitSources("D", n), map[HitSource]int{SourceDisk: 3 * tChunk})
+	decode.sched.Finished("D")
+	assert.Equal(t, decode.workers[0].Stats().SavedChunks, uint64(0))
 }
