@@ -3,7 +3,6 @@ package server
 import (
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l1"
-	"github.com/kvshim/kvshim/server/tier"
 )
 
 // Admission to L2 by reuse (--l2-store-after-lookups N, Config.
@@ -82,5 +81,3 @@ func (core *Core) takeAdmitted() {
 		core.onCommit(pins)
 	}
 }
-
-var _ = tier.Object{} // the pins are tier.Objects (pinLocked)
