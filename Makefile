@@ -11,7 +11,7 @@ SOURCES := $(shell find . -path ./$(OUT) -prune -o \( -name '*.go' -o -name '*.c
 STAMP   := $(OUT)/version.stamp
 $(shell mkdir -p $(OUT); [ "$$(cat $(STAMP) 2>/dev/null)" = "$(VERSION)" ] || echo "$(VERSION)" > $(STAMP))
 
-.PHONY: all lib ctest test check test-go test-py test-vllm chaos demo wheel bench-ipc bench-match bench-server bench-copy bench-l2 bench-keys gpu-check gpu-check-dry clean
+.PHONY: all lib ctest test check test-go test-py test-vllm test-e2e chaos demo wheel bench-ipc bench-match bench-server bench-copy bench-l2 bench-keys gpu-check gpu-check-dry clean
 
 all: lib
 
@@ -35,7 +35,7 @@ ctest: $(LIB)
 	KVSHIM_LIBCUDA=$(CURDIR)/$(OUT)/libcuda-fake.so FAKECUDA_COPY_DELAY_US=100000 $(OUT)/abi_test
 
 # Everything CI runs: installs what a fresh machine lacks, then the four
-# parts below in order. Each part runs alone as well (build/test.sh PART).
+# parts below in order (e2e last). Each part runs alone as well (build/test.sh PART).
 test:
 	build/test.sh
 
@@ -55,6 +55,11 @@ test-py:
 # pytest tests/vllm: the connector through vLLM 0.33.0's real classes.
 test-vllm:
 	build/test.sh vllm
+
+# pytest tests/e2e: real `vllm serve` (the CPU build of vLLM 0.32.0, its own
+# cached venv) of a tiny model made here, with kvshim; docs/e2e.md.
+test-e2e:
+	build/test.sh e2e
 
 # The fault tests at the issue's counts (make test runs a few rounds of
 # each): a writer frozen past its heartbeat, the server SIGKILLed mid-copy.
@@ -100,10 +105,25 @@ bench-l2:
 bench-keys:
 	$(GO) run ./cmd/kvshim-bench-keys
 
+# L2 write traffic of a prefix_repetition-shaped run: write-through vs --l2-store-after-lookups 1, 2 (one JSON line).
+.PHONY: bench-l2-admission
+bench-l2-admission:
+	KVSHIM_BENCH_L2_ADMISSION=1 $(GO) test -count=1 -run '^TestBenchStoreAfterLookups$$' -v ./server/tier/ | grep '^{'
+
 # kvshim serve beside the real LMCache 0.5.6 MP server (python/requirements-bench-peer.txt): lookups and 32 MiB store/retrieve.
 .PHONY: bench-peer
 bench-peer: $(LIB)
 	KVSHIM_LIBRARY=$(CURDIR)/$(LIB) PYTHONPATH=$(CURDIR)/python KVSHIM_PEER_KVSHIM_PYTHON=$$(build/venv.sh python/requirements-test.txt)/bin/python $$(build/venv.sh python/requirements-bench-peer.txt)/bin/python build/bench_peer.py
+
+# Real `vllm serve` (the CPU build, tests/e2e's tiny model) under seven cache
+# configurations: no cache, vLLM's prefix cache, kvshim, both, a too-small
+# vLLM cache with and without kvshim, LMCache 0.5.6's MP server; `vllm bench
+# serve` prefix_repetition and a multi-turn chat (build/bench_serve.py,
+# docs/e2e.md). Runs in python/requirements-bench-serve.txt's layer over the
+# e2e venv.
+.PHONY: bench-serve
+bench-serve: $(LIB) $(OUT)/kvshim
+	KVSHIM_LIBRARY=$(CURDIR)/$(LIB) PYTHONPATH=$(CURDIR)/python $$(build/venv.sh python/requirements-bench-serve.txt)/bin/python build/bench_serve.py $(BENCH_SERVE_ARGS)
 
 # Builds the GPU check's binaries here; build/gpu-check.sh runs them on a GPU machine.
 gpu-check:

@@ -25,3 +25,7 @@ echo "== mypy"
 export MYPY_CACHE_DIR="$cache/mypy"
 MYPYPATH=python:tests "$lint/bin/mypy" --python-executable "$test_venv/bin/python" python/kvshim tests/*.py
 MYPYPATH=python:tests/vllm "$lint/bin/mypy" --python-executable "$test_venv/bin/python" tests/vllm
+# tests/e2e runs in the CPU build's venv (vLLM 0.32.0); its imports (requests,
+# transformers, pytest) are in the test venv as well, and it imports nothing
+# of vLLM's.
+MYPYPATH=python:tests/e2e "$lint/bin/mypy" --python-executable "$test_venv/bin/python" tests/e2e

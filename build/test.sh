@@ -6,7 +6,8 @@
 #   go        go test -race, Mooncake and S3 runs, C ABI test, GPU dry run (make test-go)
 #   py        pytest tests/ outside tests/vllm, pyarrow traces     (make test-py)
 #   vllm      pytest tests/vllm (vLLM 0.33.0's real classes)        (make test-vllm)
-# With no argument it runs all four. Every part first installs what it needs
+#   e2e       pytest tests/e2e (real `vllm serve`, CPU build 0.32.0) (make test-e2e)
+# With no argument it runs all five. Every part first installs what it needs
 # and this machine lacks, saying what before it installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,7 +81,7 @@ part_py() {
   venv=$(test_venv)
   echo "== pytest tests/ (outside tests/vllm)"
   # No automatic rerun: a flaky test is a bug to find, not to retry.
-  "$venv/bin/python" -m pytest -q -rs -rf tests --ignore=tests/vllm --ignore=tests/test_trace_pyarrow.py
+  "$venv/bin/python" -m pytest -q -rs -rf tests --ignore=tests/vllm --ignore=tests/e2e --ignore=tests/test_trace_pyarrow.py
 }
 
 part_vllm() {
@@ -91,11 +92,21 @@ part_vllm() {
   "$venv/bin/python" -m pytest -q -rs -rf tests/vllm
 }
 
+part_e2e() {
+  deps_go
+  pytest_env
+  make out/kvshim
+  echo "== virtualenv under $cache from python/requirements-e2e.txt (the CPU build of vLLM 0.32.0 + PyPI's torch 2.13.0: ~6.3 GB and ~13 minutes the first time, reused after)" >&2
+  ev=$(build/venv.sh python/requirements-e2e.txt)
+  echo "== pytest tests/e2e (real vllm serve processes of a tiny model made here)"
+  "$ev/bin/python" -m pytest -q -rs -rf tests/e2e
+}
+
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(check go py vllm)
+[ ${#parts[@]} -gt 0 ] || parts=(check go py vllm e2e)
 for p in "${parts[@]}"; do
   case $p in
-    check | go | py | vllm) "part_$p" ;;
-    *) echo "build/test.sh: unknown part \"$p\" (parts: check go py vllm)" >&2; exit 2 ;;
+    check | go | py | vllm | e2e) "part_$p" ;;
+    *) echo "build/test.sh: unknown part \"$p\" (parts: check go py vllm e2e)" >&2; exit 2 ;;
   esac
 done

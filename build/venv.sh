@@ -12,10 +12,26 @@
 # symlink onto VENV, so nobody ever sees half of one, and a run that was
 # killed leaves only a build directory that the next one removes.
 # Everything but the printed path goes to stderr, pip's progress included.
+#
+# Install hook: a requirements file whose pins pip cannot install alone (the
+# CPU build of vLLM: python/requirements-e2e.txt) names a script on a line
+#   #!install: SCRIPT [FILE...]
+# (paths relative to the repository root, or absolute). venv.sh then runs
+#   SCRIPT BUILD_DIR REQUIREMENTS_FILE [FILE...]
+# in place of `pip install -r`, inside the same lock and atomic publish. The
+# key then also hashes SCRIPT and every FILE, so editing the installer (or a
+# base requirements file a layer builds on) makes a new virtualenv. Files
+# without the line keep the keys they always had.
 set -euo pipefail
 req=$1
 py=${PYTHON:-python3}
-key=$( (cat "$req"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
+root=$(cd "$(dirname "$0")/.." && pwd)
+hook=()
+if line=$(grep -m1 '^#!install:' "$req"); then
+  read -r -a hook <<<"${line#\#!install:}"
+  for i in "${!hook[@]}"; do [[ ${hook[i]} == /* ]] || hook[i]=$root/${hook[i]}; done
+fi
+key=$( (cat "$req"; $py -c 'import sys; print(sys.version)'; [ ${#hook[@]} -eq 0 ] || cat "${hook[@]}") | sha256sum | cut -c1-16)
 name=$(basename "$req" .txt)
 venv=${KVSHIM_CACHE:-$HOME/.cache/kvshim}/venv-$name-$key
 
@@ -39,7 +55,12 @@ if [ ! -f "$venv/.complete" ]; then
     "$build/bin/python" -m pip install --upgrade pip >&2
     # No --quiet: pip's own progress (each package as it is collected and
     # downloaded, with its size) shows while the first run downloads.
-    "$build/bin/python" -m pip install -r "$req" >&2
+    if [ ${#hook[@]} -gt 0 ]; then
+      echo "installing with ${hook[0]#"$root/"} (the requirements file's #!install: line)" >&2
+      "${hook[0]}" "$build" "$req" "${hook[@]:1}" >&2
+    else
+      "$build/bin/python" -m pip install -r "$req" >&2
+    fi
     touch "$build/.complete"
     ln -s "$(basename "$build")" "$venv.link-$$"
     mv -T "$venv.link-$$" "$venv"  # rename(2): atomic, replaces an old symlink

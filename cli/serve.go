@@ -51,6 +51,7 @@ func parseServe(args []string, stdout, stderr io.Writer) (o serveOptions, code i
 	fs.Var(&l2, "l2-adapter", "L2 adapter as a `JSON` object, LMCache style (repeatable), e.g.\n"+
 		`'{"type": "fs", "base_path": "/mnt/kv", "num_workers": 4}'`)
 	storePolicy := fs.String("l2-store-policy", "all", `which L1 objects are written to L2: "all" or "none"`)
+	storeAfter := fs.Int("l2-store-after-lookups", 0, "write an object to L2 only once `N` lookups have found it in L1 (0: every object at commit, write-through)")
 	prefetchBudget := fs.Float64("l2-prefetch-budget-gb", 0, "`GiB` of L1 that L2 prefetches may reserve (0: a quarter of L1)")
 	prefetchTimeout := fs.Duration("l2-prefetch-timeout", 0, "how long a lookup waits for its L2 prefetch, a `duration` (0: 5s)")
 	admissionWait := fs.Duration("l2-admission-wait", 0, "how long a prefetch waits for budget, a `duration` (0: 1s; negative: never waits)")
@@ -78,6 +79,7 @@ func parseServe(args []string, stdout, stderr io.Writer) (o serveOptions, code i
 	cfg.MetricsPort = *port
 	cfg.L2Adapters = l2
 	cfg.L2StorePolicy = *storePolicy
+	cfg.L2StoreAfterLookups = *storeAfter
 	cfg.L2PrefetchBudgetGB, cfg.L2StoreMaxInflightGB = *prefetchBudget, *storeInflight
 	cfg.L2PrefetchTimeout, cfg.L2AdmissionWait = *prefetchTimeout, *admissionWait
 	cfg.L2PrefetchRetain = *prefetchRetain

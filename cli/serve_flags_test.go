@@ -41,6 +41,7 @@ func TestServeBadFlags(t *testing.T) {
 		{"l2 adapter key missing", []string{"--l2-adapter", `{"type": "fs"}`}, `--l2-adapter #1: l2: open fs adapter "fs": l2: bad adapter config: key "base_path": missing`},
 		{"l2 adapter key unknown", []string{"--l2-adapter", `{"type": "fs", "base_path": "/tmp", "bogus": 1}`}, `key "bogus": unknown for type "fs"`},
 		{"l2 store policy", []string{"--l2-store-policy", "some"}, "--l2-store-policy: "},
+		{"l2 store after", []string{"--l2-store-after-lookups", "-1"}, "--l2-store-after-lookups must be >= 0 (0: write-through), got -1"},
 		{"l2 prefetch budget", []string{"--l2-prefetch-budget-gb", "-1"}, "--l2-prefetch-budget-gb must be in [0, --l1-size-gb], got -1"},
 		{"l2 inflight", []string{"--l1-size-gb", "1", "--l2-store-max-inflight-gb", "2"}, "--l2-store-max-inflight-gb must be in [0, --l1-size-gb], got 2"},
 		{"l2 prefetch timeout", []string{"--l2-prefetch-timeout", "-1s"}, "--l2-prefetch-timeout must not be negative"},
@@ -72,7 +73,7 @@ func TestServeBadFlags(t *testing.T) {
 	code, stdout, _ := runCmd("serve", "--help")
 	assert.Equal(t, code, 0)
 	for _, f := range []string{"-socket", "-l1-size-gb", "-eviction-policy", "-l1-high-watermark", "-l1-low-watermark", "-hold-ttl", "-metrics-port", "-metrics-host", "-l2-adapter",
-		"-l2-store-policy", "-l2-prefetch-budget-gb", "-l2-prefetch-timeout", "-l2-admission-wait", "-l2-prefetch-retain", "-l2-store-max-inflight-gb",
+		"-l2-store-policy", "-l2-store-after-lookups", "-l2-prefetch-budget-gb", "-l2-prefetch-timeout", "-l2-admission-wait", "-l2-prefetch-retain", "-l2-store-max-inflight-gb",
 		"-max-lookups-per-session", "-max-lookup-cells-per-session", "-max-sessions-per-uid"} {
 		assert.Check(t, is.Contains(stdout, "\n  -"+f))
 	}

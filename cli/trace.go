@@ -43,21 +43,24 @@ type phases struct {
 }
 
 type traceRequest struct {
-	RequestID string       `json:"request_id"`
-	LookupID  uint64       `json:"lookup_id"`
-	Owner     string       `json:"owner"`
-	Namespace string       `json:"namespace"`
-	Asked     uint32       `json:"asked_chunks"`
-	Found     *uint32      `json:"found_chunks"`  // the lookup's final answer (nil: none seen)
-	Used      *uint32      `json:"used_chunks"`   // chunks a load was planned for (nil: no load)
-	Loaded    *uint32      `json:"loaded_chunks"` // chunks restored on every rank that loaded
-	Stop      string       `json:"stop,omitempty"`
-	Cancelled bool         `json:"cancelled"`
-	Failures  []traceFail  `json:"failures"`
-	Saved     uint32       `json:"saved_chunks"`
-	Timeline  []traceEvent `json:"timeline"`
-	first     int64
-	loaded    map[int32]uint32
+	RequestID string  `json:"request_id"`
+	LookupID  uint64  `json:"lookup_id"`
+	Owner     string  `json:"owner"`
+	Namespace string  `json:"namespace"`
+	Asked     uint32  `json:"asked_chunks"`
+	Found     *uint32 `json:"found_chunks"`  // the lookup's final answer (nil: none seen)
+	Used      *uint32 `json:"used_chunks"`   // chunks a load was planned for (nil: no load)
+	Loaded    *uint32 `json:"loaded_chunks"` // chunks restored on every rank that loaded
+	Stop      string  `json:"stop,omitempty"`
+	Cancelled bool    `json:"cancelled"`
+	// LoadDropped: aborted while its load was in flight; loaded_chunks is
+	// what the workers loaded anyway, and vLLM dropped it.
+	LoadDropped bool         `json:"load_dropped"`
+	Failures    []traceFail  `json:"failures"`
+	Saved       uint32       `json:"saved_chunks"`
+	Timeline    []traceEvent `json:"timeline"`
+	first       int64
+	loaded      map[int32]uint32
 }
 
 type traceFail struct {
@@ -245,6 +248,13 @@ func buildTraceReport(recs []trace.Record, files int) *traceReport {
 		case trace.KindCancel:
 			q.Cancelled = true
 			sum.Cancels++
+			if r.Event == "load_dropped" {
+				q.LoadDropped = true
+				if q.Used == nil {
+					u := r.Chunks
+					q.Used = &u
+				}
+			}
 		}
 		q.Timeline = append(q.Timeline, ev)
 	}
@@ -348,6 +358,9 @@ func printTraceReport(w io.Writer, rep *traceReport) {
 			name, q.LookupID, q.Owner, q.Asked, optU(q.Found), optU(q.Used), optU(q.Loaded), q.Saved)
 		if q.Cancelled {
 			fmt.Fprint(w, "  CANCELLED")
+		}
+		if q.LoadDropped {
+			fmt.Fprintf(w, " (aborted during its load: %s chunks loaded anyway, dropped)", optU(q.Loaded))
 		}
 		fmt.Fprintln(w)
 		if q.Stop != "" {

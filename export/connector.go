@@ -49,8 +49,12 @@ func openScheduler(in *instance, raw []byte) error {
 		}
 		in.closers = append(in.closers, release)
 	}
+	role, err := shim.ParseRole(cfg.KVRole)
+	if err != nil {
+		return err
+	}
 	s, err := shim.NewScheduler(shim.SchedulerConfig{Socket: r.Socket, Namespace: ns, BlockSize: cfg.BlockSize,
-		Timeout: r.Timeout, Instance: r.Instance})
+		Timeout: r.Timeout, Instance: r.Instance, Role: role})
 	if err != nil {
 		return fmt.Errorf("%w: %w", err, errInvalid)
 	}

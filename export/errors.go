@@ -94,6 +94,8 @@ var codeTable = []sentinel{
 	{"shim.ErrBadPrefix", shim.ErrBadPrefix, codeInval},
 	{"shim.ErrBadNamespaceSpec", shim.ErrBadNamespaceSpec, codeInval},
 	{"shim.ErrNoChunkHash", shim.ErrNoChunkHash, codeInval},
+	{"shim.ErrBadParams", shim.ErrBadParams, codeInval},
+	{"shim.ErrBadRole", shim.ErrBadRole, codeInval},
 
 	// layout: geometry of the registered KV caches (bad tensors, registered
 	// twice, block ids out of range) and objects that do not verify.

@@ -62,9 +62,12 @@ extern "C" {
  * changes meaning. kvshim_abi_version() returns MAJOR * 1000 + MINOR.
  * History: 2 dropped the walking-skeleton exports; 4 added
  * kvshim_sched_match_list; 5.0 is 4 made MAJOR.MINOR (kvshim_close waits
- * for calls in flight; kvshim_open refuses out-of-range fields). */
+ * for calls in flight; kvshim_open refuses out-of-range fields); 5.1 adds
+ * the scheduler's controls (kvshim_sched_reset, _hit_sources,
+ * _request_options, _received), the scheduler's "kv_role" key and
+ * kvshim_worker_take_latencies. */
 #define KVSHIM_ABI_MAJOR 5
-#define KVSHIM_ABI_MINOR 0
+#define KVSHIM_ABI_MINOR 1
 #define KVSHIM_ABI_VERSION (KVSHIM_ABI_MAJOR * 1000 + KVSHIM_ABI_MINOR)
 
 typedef int64_t kvshim_handle;
@@ -187,6 +190,49 @@ int kvshim_sched_finished(kvshim_handle h, const char *req_id, int *delay);
 int kvshim_sched_finished_tokens(kvshim_handle h, const char *req_id, const uint32_t *tokens,
                                  size_t n_tokens, int64_t first, int64_t num_computed,
                                  const int64_t *blocks, size_t n_blocks, int *delay);
+
+/* ---- Scheduler role: vLLM's controls. ----
+ *
+ * The scheduler role's open config may name vLLM's "kv_role":
+ * "kv_producer" (saves, never looks up or loads), "kv_consumer" (looks up
+ * and loads, never saves) or "kv_both" (the default); another value is
+ * KVSHIM_EINVAL naming it. */
+
+/* Answers reset_cache (vLLM's reset_prefix_cache with reset_connector): the
+ * server moves this deployment's namespaces to a new generation, after
+ * which no chunk stored before is found in any tier (L1 or L2), by this
+ * instance or any other of the deployment; *generation is the generation
+ * now in force. KVSHIM_EIO: the server was not reached and nothing was
+ * reset (*generation is the old one). */
+int kvshim_sched_reset(kvshim_handle h, uint64_t *generation);
+
+/* Answers get_external_cache_hit_sources: the num_external tokens of
+ * req_id's planned load split by the tier each chunk came from, as a JSON
+ * object of vLLM's CacheHitSource values ("host": L1, "disk": an fs L2,
+ * "external_unspecified": a networked L2 or unknown) to token counts, only
+ * non-zero ones, summing to num_external (variable-length output). */
+int kvshim_sched_hit_sources(kvshim_handle h, const char *req_id, int64_t num_external, void *buf,
+                             size_t cap, size_t *out_len);
+
+/* Sets req_id's kvshim settings from its kv_transfer_params (params_json,
+ * a JSON object or NULL) before its first kvshim_sched_match: keys
+ * "kvshim.skip_load" and "kvshim.skip_save" (booleans); keys without the
+ * "kvshim." prefix are other connectors' and are passed over. An unknown
+ * kvshim key or a value that is no boolean is KVSHIM_EINVAL naming it, and
+ * the request is then neither loaded nor saved. */
+int kvshim_sched_request_options(kvshim_handle h, const char *req_id, const char *params_json);
+
+/* Tells the scheduler the requests whose loads vLLM saw finish
+ * (finished_recving), a JSON array of request ids: a request finished
+ * (aborted) after its load was planned and before this is recorded as a
+ * cancelled load (trace record kind cancel, event load_dropped). */
+int kvshim_sched_received(kvshim_handle h, const char *ids_json);
+
+/* Worker role, for vLLM's /metrics: the durations in seconds of the load
+ * and save jobs that ended since the last call, as JSON {"load": [...],
+ * "save": [...], "dropped": n} (at most 4096 of each kept between calls;
+ * dropped counts the rest) (variable-length output). */
+int kvshim_worker_take_latencies(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* ---- Worker role: the vLLM worker-side connector (one per rank). ---- */
 

@@ -14,7 +14,7 @@ import (
 //	CommitResp       n u32 | n×status i32
 //	LookupReq        id u64 ns[16] world u32 mla u8 pad[3] | n u32 | n×hash[32]
 //	LookupResultReq  id u64
-//	LookupResultResp status i32 chunks u32
+//	LookupResultResp status i32 chunks u32 generation u64 | n u32 | n×source run (controls.go)
 //	FreeReq          id u64 start u32 end u32
 //	RetrieveReq      owner[16] id u64 rank u32 start u32 end u32
 //	RetrieveResp     n u32 | n×status i32 | n×loc
@@ -274,13 +274,16 @@ func DecodeLookupResultReq(b []byte) (*LookupResultReq, error) {
 // AppendLookupResultResp encodes r.
 func AppendLookupResultResp(b []byte, r *LookupResultResp) ([]byte, error) {
 	b = putU32(b, uint32(r.Status))
-	return putU32(b, r.Chunks), nil
+	b = putU32(b, r.Chunks)
+	b = putU64(b, r.Generation)
+	return appendSources(b, r.Sources), nil
 }
 
 // DecodeLookupResultResp decodes a LookupResultResp.
 func DecodeLookupResultResp(b []byte) (*LookupResultResp, error) {
 	d := newDec("lookup result response", b)
-	r := &LookupResultResp{Status: Status(d.u32()), Chunks: d.u32()}
+	r := &LookupResultResp{Status: Status(d.u32()), Chunks: d.u32(), Generation: d.u64()}
+	r.Sources = d.sources()
 	if err := d.done(); err != nil {
 		return nil, err
 	}

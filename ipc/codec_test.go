@@ -84,7 +84,11 @@ var codecCases = []codecCase{
 		return &LookupResultReq{LookupID: r.Uint64()}
 	}, AppendLookupResultReq, DecodeLookupResultReq),
 	cc("LookupResultResp", func(r *rand.Rand, n int) *LookupResultResp {
-		return &LookupResultResp{Status: Status(r.Int32()), Chunks: r.Uint32()}
+		m := &LookupResultResp{Status: Status(r.Int32()), Chunks: r.Uint32(), Generation: r.Uint64()}
+		for range n % 5 {
+			m.Sources = append(m.Sources, SourceRun{Tier: Tier(r.IntN(numTiers)), Chunks: r.Uint32()})
+		}
+		return m
 	}, AppendLookupResultResp, DecodeLookupResultResp),
 	cc("FreeReq", func(r *rand.Rand, n int) *FreeReq {
 		return &FreeReq{LookupID: r.Uint64(), Start: r.Uint32(), End: r.Uint32()}
@@ -115,6 +119,18 @@ var codecCases = []codecCase{
 	cc("ClearResp", func(r *rand.Rand, n int) *ClearResp {
 		return &ClearResp{Objects: r.Uint64(), Bytes: r.Uint64()}
 	}, AppendClearResp, DecodeClearResp),
+	cc("ResetReq", func(r *rand.Rand, n int) *ResetReq {
+		m := &ResetReq{Bump: r.IntN(2) == 1, AtLeast: r.Uint64()}
+		for range n % 9 {
+			var ns kv.Namespace
+			randBytes(r, ns[:])
+			m.Namespaces = append(m.Namespaces, ns)
+		}
+		return m
+	}, AppendResetReq, DecodeResetReq),
+	cc("ResetResp", func(r *rand.Rand, n int) *ResetResp {
+		return &ResetResp{Generation: r.Uint64(), Objects: r.Uint64(), Bytes: r.Uint64()}
+	}, AppendResetResp, DecodeResetResp),
 	cc("Hello", func(r *rand.Rand, n int) *Hello {
 		h := &Hello{Version: ProtocolVersion, Role: Role(1 + r.IntN(3)), PID: r.Uint32()}
 		randBytes(r, h.Instance[:])
@@ -257,6 +273,8 @@ func FuzzDecodeReleaseReq(f *testing.F)       { fuzzDecoder(f, "ReleaseReq") }
 func FuzzDecodeStatsResp(f *testing.F)        { fuzzDecoder(f, "StatsResp") }
 func FuzzDecodeClearResp(f *testing.F)        { fuzzDecoder(f, "ClearResp") }
 func FuzzDecodeHello(f *testing.F)            { fuzzDecoder(f, "Hello") }
+func FuzzDecodeResetReq(f *testing.F)         { fuzzDecoder(f, "ResetReq") }
+func FuzzDecodeResetResp(f *testing.F)        { fuzzDecoder(f, "ResetResp") }
 func FuzzDecodeFrame(f *testing.F)            { fuzzDecoder(f, "FrameHeader") }
 
 // Socket-level decoders (welcome, segment announcement, refusal).

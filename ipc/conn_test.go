@@ -75,6 +75,9 @@ func (s *testService) Stats() (*StatsResp, error) {
 	return &StatsResp{Stats: []Stat{{"sessions", float64(len(s.l.Conns()))}}}, nil
 }
 func (s *testService) Clear() (*ClearResp, error) { return &ClearResp{Objects: 1, Bytes: 2}, nil }
+func (s *testService) Reset(r *ResetReq) (*ResetResp, error) {
+	return &ResetResp{Generation: r.AtLeast + 1}, nil
+}
 
 type testServer struct {
 	l     *Listener

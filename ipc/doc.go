@@ -12,6 +12,7 @@
 //	futex.go     FUTEX_WAIT/FUTEX_WAKE on shared memory (no PRIVATE flag)
 //	codec*.go    frame header, hello, every request/response body of msg.go
 //	sock.go      socket dir/path, SO_PEERCRED check, SCM_RIGHTS messages
+//	stale.go     RemoveDeadSockets: dead servers' socket files (ours, nobody listening)
 //	server.go    Listen, Listener, handshake;  serverconn.go: ServerConn, Serve, Handler
 //	client.go    Dial, Client.Call (goroutine-safe), Resolve;  service.go: typed API
 //

@@ -10,8 +10,9 @@ import "github.com/kvshim/kvshim/kv"
 
 // ProtocolVersion is carried in the hello and checked by both sides.
 // Version 2: the hello carries flags (HelloDrained), the ring's closed word
-// a reason.
-const ProtocolVersion uint32 = 2
+// a reason. Version 3: OpReset; a lookup's answer carries its namespace's
+// generation and the tier that served each chunk.
+const ProtocolVersion uint32 = 3
 
 // Op identifies a request type on the submission ring. Responses on the
 // completion ring carry the same Op.
@@ -29,6 +30,7 @@ const (
 	OpStats        Op = 9  // server counters
 	OpClear        Op = 10 // drop every resident object that has no holds
 	OpPing         Op = 11 // liveness / round-trip probe; the answer echoes the request body
+	OpReset        Op = 12 // new generation for namespaces: every chunk stored before misses (controls.go)
 )
 
 // Status is the per-response (and per-key) outcome. Zero is success.
@@ -100,9 +102,14 @@ type LookupResultReq struct {
 }
 
 // LookupResultResp: Status is Pending, Unknown, or OK with Chunks final.
+// With OK, Generation is the lookup's namespace generation when it was
+// registered (a client keyed with an older one looked up stale keys: see
+// OpReset) and Sources the tier of each of the Chunks, as runs.
 type LookupResultResp struct {
-	Status Status
-	Chunks uint32
+	Status     Status
+	Chunks     uint32
+	Generation uint64
+	Sources    []SourceRun
 }
 
 // FreeReq releases the holds of chunks [Start, End) of a lookup on every rank

@@ -36,6 +36,7 @@ type Service interface {
 	Release(*ReleaseReq) error
 	Stats() (*StatsResp, error)
 	Clear() (*ClearResp, error)
+	Reset(*ResetReq) (*ResetResp, error)
 }
 
 // ServiceHandler adapts svc to a Handler: it decodes each request (a
@@ -87,6 +88,8 @@ func dispatch(svc Service, op Op, b, out []byte) ([]byte, error) {
 		return typed(b, out, decodeNothing, func(struct{}) (*StatsResp, error) { return svc.Stats() }, AppendStatsResp)
 	case OpClear:
 		return typed(b, out, decodeNothing, func(struct{}) (*ClearResp, error) { return svc.Clear() }, AppendClearResp)
+	case OpReset:
+		return typed(b, out, DecodeResetReq, svc.Reset, AppendResetResp)
 	case OpPing:
 		return append(out, b...), nil // echo: a round-trip probe carrying any body
 	}
@@ -201,6 +204,11 @@ func (c *Client) Stats(ctx context.Context) (*StatsResp, error) {
 // Clear sends OpClear.
 func (c *Client) Clear(ctx context.Context) (*ClearResp, error) {
 	return call(c, ctx, OpClear, struct{}{}, encNothing, DecodeClearResp)
+}
+
+// Reset sends OpReset.
+func (c *Client) Reset(ctx context.Context, r *ResetReq) (*ResetResp, error) {
+	return call(c, ctx, OpReset, r, AppendResetReq, DecodeResetResp)
 }
 
 // Ping sends OpPing (a round trip through the server's session loop).

@@ -30,6 +30,7 @@ const GiB = 1 << 30
 //	--l2-adapter JSON        L2Adapters     (repeatable, LMCache's format, e.g.
 //	                         '{"type":"fs","base_path":"/mnt/kv","num_workers":4}')
 //	--l2-store-policy P      L2StorePolicy  ("all" = default, "none")
+//	--l2-store-after-lookups N L2StoreAfterLookups (0 = write-through at commit; N: after N lookups found it)
 //	--l2-prefetch-budget-gb F L2PrefetchBudgetGB (0: a quarter of L1)
 //	--l2-prefetch-timeout D  L2PrefetchTimeout  (0: 5 s)
 //	--l2-admission-wait D    L2AdmissionWait    (0: 1 s; negative: never wait)
@@ -60,6 +61,7 @@ type Config struct {
 	// L2 tier (package tier). With no adapter the server is L1 only.
 	L2Adapters           []string
 	L2StorePolicy        string
+	L2StoreAfterLookups  int // 0: write-through; N > 0: write an object once N lookups found it (admit.go)
 	L2PrefetchBudgetGB   float64
 	L2PrefetchTimeout    time.Duration
 	L2AdmissionWait      time.Duration
@@ -208,6 +210,9 @@ func (c *Config) validateL2() []string {
 	}
 	if len(c.L2Adapters) > 64 {
 		errs = append(errs, fmt.Sprintf("at most 64 --l2-adapter, got %d", len(c.L2Adapters)))
+	}
+	if c.L2StoreAfterLookups < 0 {
+		errs = append(errs, fmt.Sprintf("--l2-store-after-lookups must be >= 0 (0: write-through), got %d", c.L2StoreAfterLookups))
 	}
 	if _, err := tier.ParseStorePolicy(c.L2StorePolicy); err != nil {
 		errs = append(errs, fmt.Sprintf("--l2-store-policy: %v", err))

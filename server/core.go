@@ -54,8 +54,11 @@ type Core struct {
 	l1       *l1.Cache // allocator, object table, LRU, object states
 	staging  map[stageKey]stageEntry
 	sessions map[kv.Tag]*Session
-	fences   map[*Session][]uint32 // ended sessions' fenced slots (fence.go)
-	pinned   map[uint32]uint32     // object → pins (see Pin)
+	fences   map[*Session][]uint32   // ended sessions' fenced slots (fence.go)
+	pinned   map[uint32]uint32       // object → pins (see Pin)
+	gens     map[kv.Namespace]uint64 // namespace generations (reset.go)
+	looks    map[lookKey]uint32      // lookups of each object, with --l2-store-after-lookups (admit.go)
+	admitted []tier.Object           // objects admitted to L2 by their lookups, not handed over yet
 	cnt      counters
 	now      func() time.Time
 
@@ -76,6 +79,8 @@ type counters struct {
 	ttlHolds, ttlStaging             uint64
 	pins                             uint64 // holds owned by the writer
 	cleared, clearedBytes            uint64
+	resets                           uint64 // namespaces reset (OpReset with Bump)
+	admittedL2                       uint64 // objects handed to the L2 writer by their lookups (admit.go)
 	sessionsOpened, sessionsClosed   uint64
 	fencesExited, fencesDrained      uint64 // fenced sessions released by the writer's exit / its own word
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 
+	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l1"
 	"github.com/kvshim/kvshim/server/tier"
@@ -25,11 +26,12 @@ type FillTask struct {
 	Hashes    []kv.Hash
 
 	core     *Core
-	lk       *lookup            // nil once the lookup is gone or answered (guarded by core.mu)
-	done     bool               // Done was called
-	answered bool               // the lookup was made final (Answer or Done)
-	staged   map[fillKey]uint32 // reserved, not yet committed
-	filled   map[fillKey]uint32 // committed temporary objects, not yet held
+	lk       *lookup             // nil once the lookup is gone or answered (guarded by core.mu)
+	done     bool                // Done was called
+	answered bool                // the lookup was made final (Answer or Done)
+	staged   map[fillKey]uint32  // reserved, not yet committed
+	filled   map[fillKey]uint32  // committed temporary objects, not yet held
+	from     map[uint32]ipc.Tier // chunk → the tier an L2 load of it came from (Served)
 
 	cancelled bool               // the lookup was dropped (cancelLocked)
 	ctx       context.Context    // made by Context, ended by cancelLocked
@@ -85,6 +87,22 @@ func (t *FillTask) Reserve(rank, chunk uint32, size uint64, temporary bool) (mem
 		t.staged[k] = idx
 	}
 	return core.l1.Bytes(idx), true, nil
+}
+
+// Served records that chunk's object on some rank came from an L2 adapter
+// of adapterType (tier.SourceRecorder): the lookup's answer names that tier
+// as the chunk's source (a chunk loaded from L2 on any rank is an L2 hit).
+func (t *FillTask) Served(chunk uint32, adapterType string) {
+	core := t.core
+	core.mu.Lock()
+	defer core.mu.Unlock()
+	if t.from == nil {
+		t.from = map[uint32]ipc.Tier{}
+	}
+	src := tierOf(adapterType)
+	if cur, ok := t.from[chunk]; !ok || src > cur {
+		t.from[chunk] = src
+	}
 }
 
 // tempBit marks a staged fill object as temporary. Arena indices stay
@@ -174,6 +192,13 @@ func (t *FillTask) answerLocked() {
 	}
 	from := uint32(len(lk.held[0]))
 	p := core.extend(lk, from)
+	for c := from; c < p; c++ {
+		src, ok := t.from[c]
+		if !ok {
+			src = ipc.TierL1 // resident when the fill ended (another writer, or retained)
+		}
+		lk.sources = ipc.AddSource(lk.sources, src)
+	}
 	core.cnt.hitChunks += uint64(p - from)
 	core.cnt.missedChunks -= uint64(p - from)
 	lk.chunks = p

@@ -47,7 +47,7 @@ func TestFillPrefixCounterExample(t *testing.T) {
 		ft.Done() // idempotent
 		r, err := st.LookupResult(s, &ipc.LookupResultReq{LookupID: 3})
 		assert.NilError(t, err)
-		assert.DeepEqual(t, *r, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 1})
+		assert.DeepEqual(t, *r, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 1, Sources: []ipc.SourceRun{{Tier: ipc.TierL1, Chunks: 1}}})
 		assert.Equal(t, holds(t, st), 1.0)
 		if temporary {
 			// Chunk 2's temporary copy had no hold: freed at once.

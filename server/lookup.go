@@ -77,11 +77,13 @@ type lookup struct {
 	mla     bool   // stored once under rank 0
 	hashes  []kv.Hash
 	state   lookupState
-	chunks  uint32     // final answer
-	held    [][]uint32 // [reader rank][chunk] object index, l1.Nil = no hold
-	holds   uint64     // holds still owned
-	freed   []bool     // chunks FREEd while pending (nil: none)
-	since   int64      // registration, unix nanoseconds (hold TTL)
+	chunks  uint32          // final answer
+	gen     uint64          // the namespace's generation at registration (reset.go)
+	sources []ipc.SourceRun // the tier of each chunk [0, chunks) (hit sources)
+	held    [][]uint32      // [reader rank][chunk] object index, l1.Nil = no hold
+	holds   uint64          // holds still owned
+	freed   []bool          // chunks FREEd while pending (nil: none)
+	since   int64           // registration, unix nanoseconds (hold TTL)
 	fill    *FillTask
 	dropped bool
 }
@@ -115,6 +117,7 @@ func (core *Core) Lookup(s *Session, req *ipc.LookupReq) error {
 	if err != nil {
 		return err
 	}
+	core.takeAdmitted()
 	if t != nil && !core.filler.Fill(t.request(), t) {
 		t.Done()
 	}
@@ -137,7 +140,7 @@ func (core *Core) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
 	}
 	lk := &lookup{
 		owner: s, id: req.LookupID, ns: req.Namespace, world: req.WorldSize, mla: req.MLA,
-		hashes: req.Hashes, since: core.now().UnixNano(),
+		hashes: req.Hashes, since: core.now().UnixNano(), gen: core.generationLocked(req.Namespace),
 	}
 	s.lookups[lk.id] = lk
 	if cells := lk.cells(); cells > 0 {
@@ -147,6 +150,10 @@ func (core *Core) register(s *Session, req *ipc.LookupReq) (*FillTask, error) {
 	core.cnt.lookupsNow++
 	core.cnt.lookups++
 	p := core.extend(lk, 0)
+	core.countLookups(lk, p)
+	if p > 0 {
+		lk.sources = []ipc.SourceRun{{Tier: ipc.TierL1, Chunks: p}}
+	}
 	core.cnt.hitChunks += uint64(p)
 	core.cnt.missedChunks += uint64(n - int(p))
 	var t *FillTask
@@ -255,7 +262,7 @@ func (core *Core) LookupResult(s *Session, req *ipc.LookupResultReq) (*ipc.Looku
 	}
 	lk.state = lkConsumed
 	core.traceConsumed(lk)
-	resp := &ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: lk.chunks}
+	resp := &ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: lk.chunks, Generation: lk.gen, Sources: lk.sources}
 	core.maybeForget(lk)
 	return resp, nil
 }

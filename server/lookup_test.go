@@ -77,7 +77,7 @@ func TestLookupResultConsumedOnce(t *testing.T) {
 	assert.NilError(t, st.Lookup(s, &ipc.LookupReq{LookupID: 1, Namespace: ns1, WorldSize: 1, Hashes: hs}))
 	r1, err := st.LookupResult(s, &ipc.LookupResultReq{LookupID: 1})
 	assert.NilError(t, err)
-	assert.DeepEqual(t, *r1, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 2})
+	assert.DeepEqual(t, *r1, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 2, Sources: []ipc.SourceRun{{Tier: ipc.TierL1, Chunks: 2}}})
 	r2, err := st.LookupResult(s, &ipc.LookupResultReq{LookupID: 1})
 	assert.NilError(t, err)
 	assert.Equal(t, r2.Status, ipc.StatusUnknown)
@@ -126,7 +126,7 @@ func TestPendingVersusFinalZero(t *testing.T) {
 		hs := hashes("hit", 2)
 		save(t, st, s, 1, 0, hs)
 		r := lookupNow(t, st, s, 1, 1, false, hs)
-		assert.DeepEqual(t, *r, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 2})
+		assert.DeepEqual(t, *r, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 2, Sources: []ipc.SourceRun{{Tier: ipc.TierL1, Chunks: 2}}})
 		assert.Equal(t, len(pf.tasks), 0)
 	})
 }

@@ -22,10 +22,11 @@ const (
 	opRelease      = "release"
 	opStats        = "stats"
 	opClear        = "clear"
+	opReset        = "reset"
 )
 
 var opNames = []string{opAlloc, opCommit, opAbort, opLookup, opLookupResult, opFree,
-	opRetrieve, opRelease, opStats, opClear}
+	opRetrieve, opRelease, opStats, opClear, opReset}
 
 // metrics is the core's Prometheus side, on a private registry so several
 // stores (tests, embedded + standalone) coexist in one process.
@@ -128,7 +129,9 @@ func (core *Core) snapshot() []metric {
 		k("kvshim_l1_aborts_total", "Staging objects aborted.", c.aborts),
 		k("kvshim_l1_ttl_reclaimed_holds_total", "Holds reclaimed by the hold TTL.", c.ttlHolds),
 		k("kvshim_l1_ttl_reclaimed_staging_total", "Staging objects reclaimed by the staging TTL.", c.ttlStaging),
-		k("kvshim_l1_cleared_objects_total", "Objects dropped by CLEAR.", c.cleared),
+		k("kvshim_l1_cleared_objects_total", "Objects dropped by CLEAR or a reset.", c.cleared),
+		k("kvshim_l2_store_admitted_by_lookups_total", "Objects handed to the L2 writer once --l2-store-after-lookups lookups found them.", c.admittedL2),
+		k("kvshim_resets_total", "Namespaces reset (a new generation: every chunk stored before misses).", c.resets),
 		k("kvshim_l1_segment_errors_total", "Failures to obtain a new L1 segment.", a.SegmentErrors),
 		k("kvshim_sessions_opened_total", "Sessions opened.", c.sessionsOpened),
 		k("kvshim_sessions_closed_total", "Sessions closed.", c.sessionsClosed),

@@ -81,7 +81,7 @@ func TestFillAnswerKeepsReservations(t *testing.T) {
 	ft.Answer()
 	r, err := st.LookupResult(s, &ipc.LookupResultReq{LookupID: 1})
 	assert.NilError(t, err)
-	assert.DeepEqual(t, *r, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 1})
+	assert.DeepEqual(t, *r, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 1, Sources: []ipc.SourceRun{{Tier: ipc.TierL1, Chunks: 1}}})
 	_, _, err = ft.Reserve(1, 2, objSize, true)
 	assert.Assert(t, errors.Is(err, ErrFill))
 	assert.Equal(t, stat(t, st, "kvshim_l1_objects{state=staging}"), 1.0) // chunk 1 still loading

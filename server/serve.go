@@ -107,6 +107,11 @@ func (x *service) Clear() (*ipc.ClearResp, error) {
 	return wrap(ipc.OpClear, v, err)
 }
 
+func (x *service) Reset(r *ipc.ResetReq) (*ipc.ResetResp, error) {
+	v, err := x.core.Reset(x.s, r)
+	return wrap(ipc.OpReset, v, err)
+}
+
 // Server is a Core behind an ipc listener: what `kvshim serve` and the
 // embedded mode run.
 type Server struct {

@@ -64,7 +64,7 @@ func TestServeEndToEnd(t *testing.T) {
 	assert.NilError(t, sched.Lookup(ctx, &ipc.LookupReq{LookupID: 11, Namespace: ns1, WorldSize: 1, Hashes: hs}))
 	lr, err := sched.LookupResult(ctx, &ipc.LookupResultReq{LookupID: 11})
 	assert.NilError(t, err)
-	assert.DeepEqual(t, *lr, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 3})
+	assert.DeepEqual(t, *lr, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 3, Sources: []ipc.SourceRun{{Tier: ipc.TierL1, Chunks: 3}}})
 	owner := kv.Tag(sched.Hello().Instance)
 	rr, err := worker.Retrieve(ctx, &ipc.RetrieveReq{Owner: owner, LookupID: 11, End: ^uint32(0)})
 	assert.NilError(t, err)

@@ -136,7 +136,7 @@ func (core *Core) finishWrite(s *Session, req *ipc.CommitReq, publish bool) (*ip
 		if !published { // a copy already resident: discarded
 			continue
 		}
-		if core.onCommit != nil {
+		if core.onCommit != nil && core.storeAfter() == 0 {
 			pins = append(pins, core.pinLocked(e.idx))
 		}
 	}

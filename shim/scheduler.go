@@ -20,6 +20,7 @@ type SchedulerConfig struct {
 	BlockSize int           // vLLM's block size in tokens; divides ChunkSize
 	Timeout   time.Duration // per server call, and the longest a lookup stays pending
 	Instance  uuid.UUID     // this connector's id: the Owner workers retrieve with
+	Role      Role          // vLLM's kv_role (options.go)
 }
 
 // Scheduler is the scheduler-side state machine: it turns vLLM's questions
@@ -55,6 +56,16 @@ type Scheduler struct {
 	// workers wait for before the step's loads and forward pass).
 	fence map[int64]string
 	trace schedTrace // lifecycle records (schedtrace.go)
+	// gen is the generation requests are keyed under (controls.go: vLLM's
+	// reset_cache); genKnown: learnt from (or set on) the server.
+	gen      uint64
+	genKnown bool
+	genAsked time.Time                 // the last time the generation was asked for (learnGeneration)
+	opts     map[string]RequestOptions // settings of requests not keyed yet (options.go)
+	// loading: requests whose planned load vLLM has not seen finish, and
+	// its chunks (controls.go: an abort meanwhile is a cancel).
+	loading        map[string]int
+	cancelledLoads uint64
 }
 
 type lookupState uint8
@@ -96,8 +107,11 @@ type schedReq struct {
 	extras    Extras    // what keyed hashes besides the tokens (extends them at the finish)
 	state     lookupState
 	submitted time.Time
-	hits      int // final answer, folded over the groups
-	local     int // vLLM's own prefix-cache hit, as last given to Match
+	hits      int             // final answer, folded over the groups
+	local     int             // vLLM's own prefix-cache hit, as last given to Match
+	gen       uint64          // the generation its hashes were keyed under
+	opt       RequestOptions  // its settings (and the role's)
+	sources   []ipc.SourceRun // group 0's answer: the tier of each chunk
 
 	g           []groupReq // one per KV-cache group
 	winTried    bool       // windowed groups' second lookups were considered
@@ -187,18 +201,21 @@ func (s *Scheduler) Match(req string, tokens []uint32, ex Extras, numComputed in
 }
 
 func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, error) {
-	hashes, err := ChunkHashes(s.ns, tokens, s.chunk, ex)
+	opt := s.options(req)
+	s.learnGeneration(!opt.SkipLoad)
+	hashes, err := ChunkHashes(s.rootNS(), tokens, s.chunk, ex)
 	if err != nil {
 		return nil, err
 	}
-	r := &schedReq{id: req, prompt: len(tokens), hashes: hashes, extras: ex, g: make([]groupReq, len(s.groups))}
+	r := &schedReq{id: req, prompt: len(tokens), hashes: hashes, extras: ex, g: make([]groupReq, len(s.groups)), gen: s.gen,
+		opt: opt} // s.opts[req] is kept until the finish: a preempted request is keyed again
 	for i := range r.g {
 		s.nextLookup++
 		r.g[i] = groupReq{lookupID: s.nextLookup, holdsFreed: true}
 	}
 	s.reqs[req] = r
-	if len(hashes) == 0 {
-		return r, nil
+	if len(hashes) == 0 || r.opt.SkipLoad {
+		return r, nil // nothing to look up: a miss (its chunks are still keyed for saves)
 	}
 	for i := range r.g {
 		lk := &ipc.LookupReq{LookupID: r.g[i].lookupID, Namespace: s.gns[i], WorldSize: uint32(s.cfg.Namespace.KVWorldSize()),
@@ -227,6 +244,7 @@ func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, e
 // get a second lookup of just their window there (submitWindows), and the
 // request's hit is the fold of all answers (foldHits).
 func (s *Scheduler) poll(r *schedReq) {
+	stale := false
 	read := func(id uint64) (lookupState, int) {
 		res, err := s.lookupResult(id)
 		switch {
@@ -234,6 +252,12 @@ func (s *Scheduler) poll(r *schedReq) {
 			return lookupNone, 0
 		case res.Status == ipc.StatusPending:
 			return lookupPending, 0
+		}
+		if !s.checkGeneration(r, res.Generation) {
+			stale = true // keyed before a reset: its holds are released below
+		}
+		if id == r.g[0].lookupID {
+			r.sources = res.Sources
 		}
 		return lookupFinal, int(res.Chunks)
 	}
@@ -252,7 +276,7 @@ func (s *Scheduler) poll(r *schedReq) {
 		none = none || g.state == lookupNone
 	}
 	switch {
-	case none:
+	case none || stale:
 		s.free(r, 0)
 		r.state = lookupNone
 	case pending:
@@ -556,6 +580,10 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 	// vLLM itself keeps the blocks of a request whose load is in flight
 	// (WAITING_FOR_REMOTE_KVS) until the workers report it received.
 	r.loadPlanned = true
+	if s.loading == nil {
+		s.loading = map[string]int{}
+	}
+	s.loading[req] = last - first
 	return nil
 }
 
@@ -571,6 +599,9 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 // chunks saved are one SaveSpec per run of consecutive chunks. The blocks
 // a windowed save reads are fenced (see fence).
 func (s *Scheduler) groupSave(r *schedReq, i int, full int, hashes []kv.Hash, blocks []int64) []SaveSpec {
+	if r.opt.SkipSave {
+		return nil
+	}
 	g, gs := &r.g[i], s.groups[i]
 	bs := s.cfg.BlockSize
 	cb := s.chunk / bs
@@ -690,6 +721,7 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 				s.free(r, 0)
 			}
 			delete(s.reqs, id)
+			delete(s.loading, id)
 		}
 	}
 	s.fenceStep(m, step)
@@ -741,7 +773,7 @@ func (s *Scheduler) decodedChunks(r *schedReq, sr *StepRequest) int {
 	}
 	if full > len(r.hashes) {
 		// The tokens before TokensFrom are in r.hashes already.
-		hashes, err := ExtendChunkHashesTail(s.ns, r.hashes, sr.Tokens, sr.TokensFrom, s.chunk, r.extras)
+		hashes, err := ExtendChunkHashesTail(genRoot(s.ns, r.gen), r.hashes, sr.Tokens, sr.TokensFrom, s.chunk, r.extras)
 		if err != nil {
 			return 0
 		}
@@ -826,6 +858,7 @@ type FinishState struct {
 func (s *Scheduler) FinishedSaving(req string, fin *FinishState) (delay bool, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	delete(s.opts, req)
 	r := s.reqs[req]
 	if r == nil {
 		return false, nil
@@ -833,6 +866,12 @@ func (s *Scheduler) FinishedSaving(req string, fin *FinishState) (delay bool, er
 	delete(s.reqs, req)
 	if !r.loadPlanned {
 		s.free(r, 0)
+	}
+	if chunks, ok := s.loading[req]; ok {
+		delete(s.loading, req)
+		if fin == nil {
+			s.loadCancelled(r, chunks)
+		}
 	}
 	if fin != nil {
 		var svs []SaveSpec
@@ -878,7 +917,7 @@ func (s *Scheduler) finalSave(r *schedReq, fin *FinishState) ([]SaveSpec, error)
 		// The chunks past the prompt's: chained on from its last key (the
 		// tokens before First are in r.hashes already).
 		tail := fin.Tokens[:full*s.chunk-fin.First]
-		if hashes, err = ExtendChunkHashesTail(s.ns, slices.Clip(r.hashes), tail, fin.First, s.chunk, r.extras); err != nil {
+		if hashes, err = ExtendChunkHashesTail(genRoot(s.ns, r.gen), slices.Clip(r.hashes), tail, fin.First, s.chunk, r.extras); err != nil {
 			return nil, err
 		}
 	}

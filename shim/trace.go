@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvshim/kvshim/cuda"
 	"github.com/kvshim/kvshim/layout"
@@ -102,9 +103,10 @@ func (w *Worker) loadRecord(ev string, ld *LoadSpec) trace.Record {
 // traceLoad records a load as planned; the function it returns (deferred
 // by load) records each chunk's result and the load's end.
 func (w *Worker) traceLoad(ld *LoadSpec) func() {
+	start := time.Now()
 	t := w.tracer()
 	if t == nil {
-		return func() {}
+		return func() { w.lat.observe(&w.lat.load, time.Since(start)) }
 	}
 	lt := &loadTrace{t0: trace.Mono(), failAt: int(ld.End - ld.Start)}
 	t.mu.Lock()
@@ -112,6 +114,7 @@ func (w *Worker) traceLoad(ld *LoadSpec) func() {
 	t.mu.Unlock()
 	t.w.Emit(w.loadRecord("planned", ld))
 	return func() {
+		w.lat.observe(&w.lat.load, time.Since(start))
 		t.mu.Lock()
 		delete(t.loads, ld)
 		t.mu.Unlock()
@@ -256,15 +259,17 @@ func (w *Worker) traceSaveEvent(meta *StepMeta) {
 // traceSave starts a save; the function it returns (deferred by save)
 // records a save that ended before COMMIT (ALLOC failed, nothing staged).
 func (w *Worker) traceSave(sv *SaveSpec) func() {
+	start := time.Now()
 	t := w.tracer()
 	if t == nil {
-		return func() {}
+		return func() { w.lat.observe(&w.lat.save, time.Since(start)) }
 	}
 	s := &saveTrace{}
 	t.mu.Lock()
 	t.saves[sv] = s
 	t.mu.Unlock()
 	return func() {
+		w.lat.observe(&w.lat.save, time.Since(start))
 		t.mu.Lock()
 		delete(t.saves, sv)
 		t.mu.Unlock()

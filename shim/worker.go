@@ -43,6 +43,7 @@ type Worker struct {
 	kvRank uint32
 	writer bool // MLA: only one rank per TP group stores
 	link   *link
+	lat    latencies // load/save job durations for vLLM's /metrics (latency.go)
 
 	mu       sync.Mutex
 	layout   *layout.Layout   // KV-cache group 0's

@@ -144,6 +144,34 @@ def test_a_dead_runs_leftovers_are_replaced(repo_root: Path, venv_setup):
     assert (venv / ".complete").exists()
 
 
+def test_an_install_hook_replaces_pip_and_joins_the_key(repo_root: Path, venv_setup, tmp_path: Path):
+    """A requirements file's `#!install: SCRIPT FILE` line (the CPU build of
+    vLLM uses it): venv.sh runs SCRIPT VENV REQ FILE inside its lock instead of
+    `pip install -r`, and a change to SCRIPT or FILE is a new virtualenv."""
+    req, env = venv_setup
+    base = tmp_path / "base.txt"
+    base.write_text("base 1\n")
+    hook = executable(tmp_path / "hook.sh", '#!/bin/bash\nset -e\necho "$2 $(cat "$3")" > "$1/hooked"\n')
+    req.write_text(f"#!install: {hook} {base}\nnot-a-package-pip-could-install==1\n")
+    p = run_venv_sh(repo_root, req, env)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    venv = Path(out.strip())
+    assert (venv / "hooked").read_text() == f"{req} base 1\n"
+    assert f"installing with {hook}" in err, err
+    base.write_text("base 2\n")  # the file a layer builds on changed: a new key
+    p = run_venv_sh(repo_root, req, env)
+    out2, err2 = p.communicate(timeout=600)
+    assert p.returncode == 0, err2
+    assert out2 != out
+    assert (Path(out2.strip()) / "hooked").read_text() == f"{req} base 2\n"
+    # A failing hook publishes nothing.
+    hook.write_text("#!/bin/bash\nexit 3\n")
+    p = run_venv_sh(repo_root, req, env)
+    out3, _ = p.communicate(timeout=600)
+    assert p.returncode != 0 and out3 == ""
+
+
 STUB_POSTINST = r"""#!/bin/bash
 # apt-get stub: "install" runs what Debian's postinst of a service does.
 echo "STUB apt-get $*" >&2

@@ -43,7 +43,10 @@ type Config struct {
 	Namespace Namespace `json:"namespace"`
 	BlockSize int       `json:"block_size"` // scheduler
 	Rank      int       `json:"rank"`       // worker
-	TimeoutMS int       `json:"timeout_ms"`
+	// KVRole is vLLM's kv_role (scheduler): "kv_producer" saves and never
+	// loads, "kv_consumer" loads and never saves, "kv_both" (or "") both.
+	KVRole    string `json:"kv_role"`
+	TimeoutMS int    `json:"timeout_ms"`
 
 	// Verify is kvshim.verify (worker role): "l2" (default), "always" or
 	// "off" (objfmt.ParseVerifyPolicy).

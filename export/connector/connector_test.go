@@ -2,6 +2,7 @@ package connector
 
 import (
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -205,5 +206,43 @@ func TestEmbeddedServerRefusesBadSettings(t *testing.T) {
 	}
 	if _, err := os.Stat(socket); err == nil {
 		t.Error("a failed start left its socket behind")
+	}
+}
+
+// A starting embedded server removes the sockets its dead predecessors left
+// in its directory (vLLM SIGKILLs the engine core by default), and keeps a
+// live server's.
+func TestEmbeddedServerRemovesDeadServersSockets(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "sock")
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	old := time.Now().Add(-time.Hour)
+	listen := func(name string) *net.UnixListener {
+		ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: filepath.Join(dir, name), Net: "unixpacket"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chtimes(filepath.Join(dir, name), old, old); err != nil {
+			t.Fatal(err)
+		}
+		return ln
+	}
+	dead := listen("embedded-dead.sock")
+	dead.SetUnlinkOnClose(false)
+	dead.Close()
+	live := listen("embedded-live.sock")
+	defer live.Close()
+
+	release, err := AcquireEmbedded(filepath.Join(dir, "embedded-new.sock"), smallServer(t), server.BuildInfo{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer release()
+	if _, err := os.Lstat(filepath.Join(dir, "embedded-dead.sock")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the dead server's socket is still there: %v", err)
+	}
+	if _, err := os.Lstat(filepath.Join(dir, "embedded-live.sock")); err != nil {
+		t.Errorf("the live server's socket was removed: %v", err)
 	}
 }

@@ -86,6 +86,10 @@ func startEmbedded(socket string, c *Config, info server.BuildInfo) (*embeddedSe
 	if err := ipc.EnsureSocketDir(filepath.Dir(socket)); err != nil {
 		return nil, err
 	}
+	// vLLM's default --shutdown-timeout 0 SIGKILLs the engine core, so an
+	// embedded server rarely removes its socket, and each run has a new
+	// engine id: the dead ones go here (ours, nobody listening).
+	ipc.RemoveDeadSockets(filepath.Dir(socket), "embedded-", ".sock", ipc.StaleSocketAge)
 	srv, err := server.Start(sc, nil, server.Options{})
 	if err != nil {
 		return nil, fmt.Errorf("embedded server: %w", err)

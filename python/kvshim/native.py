@@ -56,6 +56,12 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_sched_finished": [_c_handle, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)],
     "kvshim_sched_finished_tokens": [_c_handle, ctypes.c_char_p, _u32p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64,
                                      _i64p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int)],
+    # vLLM's controls (kvshim.h, "Scheduler role: vLLM's controls")
+    "kvshim_sched_reset": [_c_handle, _u64p],
+    "kvshim_sched_hit_sources": [_c_handle, ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t, _sizep],
+    "kvshim_sched_request_options": [_c_handle, ctypes.c_char_p, ctypes.c_char_p],
+    "kvshim_sched_received": [_c_handle, ctypes.c_char_p],
+    "kvshim_worker_take_latencies": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_worker_register": [_c_handle, ctypes.c_char_p],
     "kvshim_worker_bind": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64],
     "kvshim_worker_start_loads": [_c_handle],
@@ -448,6 +454,32 @@ class Scheduler(_Role):
         st = self._stats()
         return SchedulerStats(st["requests"], st.get("server"), st.get("server_error"))
 
+    # vLLM's controls: thin calls; what they do is in Go (shim/controls.go, shim/options.go).
+
+    def reset(self) -> int:
+        """reset_cache: this deployment's new generation (nothing stored
+        before is found in any tier). Raises IOError-like KVShimError when the
+        server was not reached (nothing was reset)."""
+        gen = ctypes.c_uint64()
+        self.handle.check(library().kvshim_sched_reset(self.handle.value, ctypes.byref(gen)))
+        return gen.value
+
+    def hit_sources(self, req_id: str, num_external: int) -> dict[str, int]:
+        """get_external_cache_hit_sources: {CacheHitSource value: tokens}."""
+        out: dict[str, int] = json.loads(self.handle.output("kvshim_sched_hit_sources", req_id.encode(), num_external))
+        return out
+
+    def request_options(self, req_id: str, params: Mapping[str, Any]) -> None:
+        """The request's kvshim.* kv_transfer_params, before its first
+        match. InvalidArgumentError names a bad key or value (the request is
+        then neither loaded nor saved)."""
+        self.handle.check(library().kvshim_sched_request_options(
+            self.handle.value, req_id.encode(), json.dumps(dict(params)).encode()))
+
+    def received(self, req_ids: list[str]) -> None:
+        """The requests whose loads vLLM saw finish (finished_recving)."""
+        self.handle.check(library().kvshim_sched_received(self.handle.value, json.dumps(req_ids).encode()))
+
 
 class Worker(_Role):
     """The worker-side connector: one per rank."""
@@ -485,6 +517,12 @@ class Worker(_Role):
             return False
         self.handle.check(rc)
         return True
+
+    def take_latencies(self) -> dict[str, Any]:
+        """Load and save job durations (seconds) since the last call:
+        {"load": [...], "save": [...], "dropped": n}."""
+        out: dict[str, Any] = json.loads(self.handle.output("kvshim_worker_take_latencies"))
+        return out
 
     def stats(self) -> WorkerStats:
         st = self._stats()

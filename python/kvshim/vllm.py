@@ -33,6 +33,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+try:  # vLLM 0.33 (0.32 has no per-tier hit sources: the hook is then never called)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older vLLM
+    CacheHitSource = None  # type: ignore[assignment,misc]
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
 
@@ -48,7 +53,13 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+# A child of vLLM's `vllm` logger: vLLM configures only that tree
+# (vllm/logger.py: its handler, format and VLLM_LOGGING_LEVEL; it does not
+# propagate to the root logger), so the connector's lines, the start-up one
+# included, land in vLLM's own log. Tests capture it by adding caplog's
+# handler to it (tests/vllm/conftest.py, kvshim_log).
+LOGGER_NAME = "vllm.kvshim"
+logger = logging.getLogger(LOGGER_NAME)
 
 # kv_connector_extra_config keys: name -> (default, meaning).
 CONFIG_KEYS: dict[str, tuple[Any, str]] = {
@@ -191,12 +202,15 @@ class KVShimStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVShimStats:
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            if isinstance(v, list):  # latencies (load_seconds, save_seconds): every sample kept
+                self.data[k] = [*self.data.get(k, ()), *v]
+            else:
+                self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in self.SUMMARY}
-        out.update((k, self.data[k]) for k in sorted(self.data) if k not in out)
+        out.update((k, self.data[k]) for k in sorted(self.data) if k not in out and not isinstance(self.data[k], list))
         return out
 
     def is_empty(self) -> bool:
@@ -648,6 +662,8 @@ def _open_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
             "hold_ttl_s": float(cfg["kvshim.hold_ttl_s"]),
             "l2_adapters": [a if isinstance(a, str) else json.dumps(a) for a in cfg["kvshim.l2_adapters"]],
             "metrics_port": int(cfg["kvshim.metrics_port"]),
+            # kv_producer saves and never loads, kv_consumer loads and never saves (Go: shim.Role)
+            "kv_role": str(tc.kv_role or "kv_both"),
         }
     return common | {"rank": int(vllm_config.parallel_config.rank), "verify": str(cfg["kvshim.verify"])}
 
@@ -671,6 +687,8 @@ class KVShimScheduler:
         rid = request.request_id
         ids = self._ids.get(rid)
         dec = self._decoding.get(rid)
+        if ids is None:
+            self._request_options(request)
         if ids is None or (dec is not None and dec[2] != request.num_preemptions):
             # Once per request, and once more each time it is resumed after a
             # preemption: vLLM asks again while a lookup is pending. A resumed
@@ -713,6 +731,40 @@ class KVShimScheduler:
                 # process cannot read lists, and the array is used from now on.
                 ids = self._ids[rid] = _u32(ids)
         return self.native.match(rid, ids, extras, num_computed)
+
+    def _request_options(self, request: Request) -> None:
+        """The request's kvshim.* kv_transfer_params (docs/vllm-controls.md),
+        checked by Go. A bad key or value never fails the request or the
+        engine: it is logged, and the request is served without kvshim
+        (neither loaded nor saved: a misspelt skip_save must not save)."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not params or not any(isinstance(k, str) and k.startswith("kvshim.") for k in params):
+            return
+        try:
+            self.native.request_options(request.request_id, params)
+        except KVShimError as e:
+            logger.warning("kvshim: request %s: %s", request.request_id, e)
+
+    def reset(self) -> bool:
+        """reset_cache: True once the server moved the deployment to a new
+        generation (nothing stored before is found in any tier)."""
+        try:
+            gen = self.native.reset()
+        except KVShimError as e:
+            logger.warning("kvshim: reset_cache failed, the cache was not reset: %s", e)
+            return False
+        logger.info("kvshim: cache reset (generation %d)", gen)
+        return True
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """get_external_cache_hit_sources, per chunk from the tier that served it."""
+        if num_external_tokens <= 0:
+            return {}
+        try:
+            got = self.native.hit_sources(request.request_id, num_external_tokens)
+        except KVShimError:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {CacheHitSource(k): v for k, v in got.items() if v}
 
     @staticmethod
     def _lookup_ids(request: Request) -> Any:
@@ -796,6 +848,9 @@ class KVShimScheduler:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._delay_freed.difference_update(connector_output.finished_sending or ())
+        if connector_output.finished_recving:
+            # A request aborted before vLLM saw its load finish is a cancelled load (its trace record).
+            self.native.received(sorted(connector_output.finished_recving))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         delay = self._finish(request, block_ids)
@@ -955,8 +1010,12 @@ class KVShimWorker:
     def get_stats(self) -> KVShimStats | None:
         """The counters since the last report, as metric names."""
         now = self.native.stats().counters
-        delta = {_snake(k): v - self._reported.get(k, 0) for k, v in now.items()}
+        delta: dict[str, Any] = {_snake(k): v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
+        lat = self.native.take_latencies()  # job durations for vLLM's /metrics (kvshim.prom)
+        for kind in ("load", "save"):
+            if lat.get(kind):
+                delta[f"{kind}_seconds"] = lat[kind]
         st = KVShimStats(data=delta)
         return None if st.is_empty() else st
 
@@ -1102,6 +1161,25 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         if self.connector_scheduler is not None:
             return self.connector_scheduler.get_stats()
         return self.worker.get_stats()
+
+    # ----------------------------------------------------------- vLLM's controls
+
+    def reset_cache(self) -> bool | None:
+        # Scheduler.reset_prefix_cache(reset_connector=True), POST /reset_prefix_cache.
+        if self.connector_scheduler is None:
+            return None
+        return self.connector_scheduler.reset()
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        return self.scheduler.hit_sources(request, num_external_tokens)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        # kvshim's stats in vLLM's own /metrics, labelled per engine (kvshim.prom).
+        from kvshim.prom import KVShimPromMetrics
+
+        return KVShimPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVShimStats:

@@ -35,11 +35,17 @@ func (c *Cache) MaybeEvict() {
 
 // Clear frees every resident object that has no holds and returns how
 // many and their bytes. Staging, temporary and held objects stay.
-func (c *Cache) Clear() (objects, bytes uint64) {
+func (c *Cache) Clear() (objects, bytes uint64) { return c.clear(NoShard) }
+
+// ClearShard drops every resident object of shard sh that has no holds.
+func (c *Cache) ClearShard(sh Shard) (objects, bytes uint64) { return c.clear(sh) }
+
+// clear drops the unheld resident objects of sh (NoShard: of every shard).
+func (c *Cache) clear(sh Shard) (objects, bytes uint64) {
 	for i := c.lru.tail; i != Nil; {
 		o := c.objs.get(i)
 		prev := o.prev
-		if o.holds == 0 {
+		if o.holds == 0 && (sh == NoShard || o.shard == uint32(sh)) {
 			objects++
 			bytes += o.size
 			c.Free(i)

@@ -89,7 +89,12 @@ func TestServeL2EndToEnd(t *testing.T) {
 				}
 				time.Sleep(time.Millisecond)
 			}
-			assert.DeepEqual(t, *lr, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 3})
+			// Every chunk came from L2: the answer names the adapter's tier.
+			from := ipc.TierRemote
+			if name == "fs" {
+				from = ipc.TierDisk
+			}
+			assert.DeepEqual(t, *lr, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 3, Sources: []ipc.SourceRun{{Tier: from, Chunks: 3}}})
 			owner := kv.Tag(sched.Hello().Instance)
 			rr, err := worker.Retrieve(ctx, &ipc.RetrieveReq{Owner: owner, LookupID: 7, End: ^uint32(0)})
 			assert.NilError(t, err)

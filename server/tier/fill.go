@@ -271,6 +271,9 @@ func (r *fillRun) startLoads() (allDone chan struct{}, bad [][]kv.Key) {
 					}
 					pc.chunksOK[a].Add(1)
 					pc.bytesLoaded[a].Add(int64(ev.Bytes))
+					if sr, ok := r.f.(SourceRecorder); ok {
+						sr.Served(cl.chunk, pc.adapters[a].Type())
+					}
 				case l2.StatusMiss:
 					pc.chunksMiss[a].Add(1)
 				default:

@@ -63,6 +63,13 @@ type Fill interface {
 	TraceAdmission(Admission)
 }
 
+// SourceRecorder is a Fill that wants to know which adapter served each
+// chunk (vLLM's hit sources: a disk or a remote store). The filler calls
+// Served for a loaded, checked object before committing it.
+type SourceRecorder interface {
+	Served(chunk uint32, adapterType string)
+}
+
 // FillRequest describes a fill: chunks [Start, Start+len(Hashes)) of a
 // lookup over Ranks storage ranks (1 for MLA).
 type FillRequest struct {

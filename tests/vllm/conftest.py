@@ -59,3 +59,19 @@ def kv(tiny_model_dir):
     yield make
     for h in made:
         h.close()
+
+
+@pytest.fixture(autouse=True)
+def kvshim_log(caplog):
+    """caplog sees the connector's log: its logger (kvshim.vllm.LOGGER_NAME,
+    "vllm.kvshim") is a child of vLLM's `vllm` logger so that its lines reach
+    vLLM's log, and vLLM stops that tree from propagating to the root logger,
+    where caplog listens."""
+    import logging
+
+    lg = logging.getLogger("vllm.kvshim")
+    lg.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        lg.removeHandler(caplog.handler)

@@ -63,7 +63,7 @@ def test_connector_says_it_is_active_and_warns_once_when_the_server_is_away(tiny
 
     cfg = kvshim_config(tiny_model_dir, server=str(tmp_path / "none.sock"), timeout_ms=300, enable_prefix_caching=False)
     kvc = make_kv_cache_config(num_blocks=64)
-    with caplog.at_level("INFO", logger="kvshim.vllm"):
+    with caplog.at_level("INFO", logger="vllm.kvshim"):
         h = SchedulerHarness(cfg, kvc)
     try:
         assert "active: role=scheduler server=" + str(tmp_path / "none.sock") in caplog.text

@@ -110,6 +110,6 @@ def test_a_request_kvshim_cannot_key_is_a_miss_not_a_crash(kv, caplog):
     instead of raising out of get_num_new_matched_tokens."""
     h, _ = kv()
     req = h.make_request(prompt(12, 3 * CHUNK), max_tokens=1, lora_request=LoRARequest("big", 5, "p" * 5000))
-    with caplog.at_level("WARNING", logger="kvshim.vllm"):
+    with caplog.at_level("WARNING", logger="vllm.kvshim"):
         assert h.connector.get_num_new_matched_tokens(req, 0) == (0, False)
     assert "is a miss" in caplog.text and "lora" in caplog.text

@@ -174,7 +174,7 @@ def test_request_with_an_id_past_uint32_is_a_miss(kv, caplog):
     assert conn.get_num_new_matched_tokens(good, 0) == (2 * CHUNK, True)
     conn.request_finished(good, [])
     bad = h.make_request([*p[:5], 2**32 + p[5], *p[6:]], max_tokens=1)  # wrapped, this is p
-    with caplog.at_level(logging.WARNING, logger="kvshim.vllm"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kvshim"):
         assert conn.get_num_new_matched_tokens(bad, 0) == (0, False)
     assert f"token id {2**32 + p[5]} at position 5 is outside" in caplog.text
     conn.request_finished(bad, [])
