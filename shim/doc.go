@@ -41,4 +41,38 @@
 // byte, so no two inputs hash the same bytes (FuzzExtrasInjective); an empty
 // salt is no salt, as in vLLM. The encoding is pinned by golden vectors in testdata/: a change to any byte
 // of it changes every key of every deployment and must bump the version tags.
+//
+// # A request's life in the scheduler
+//
+// Scheduler keeps one schedReq per request it has keyed; its state is
+// lookupState plus two flags (loadPlanned, savesOut). vLLM's calls are the
+// events:
+//
+//	               Match: full chunks           Match: none / no server / skip_load / producer
+//	 (not keyed) ─────────────────► PENDING ──────────────────────────────► NONE (final 0)
+//	                                  │ Match reads the answer (once)
+//	                                  ▼
+//	                               FINAL(h) ── AfterAlloc, external > 0 ──► LOADING (holds are the workers')
+//	                                  │  AfterAlloc, external 0: holds freed  │  Match again after a failed load:
+//	                                  │                                       │  FINAL(0), its chunks saved again
+//	                                  ▼                                       ▼
+//	      BuildMeta: new full chunks of a prefill or a decode ──► SAVING (savesOut: blocks may be read)
+//	                                  │
+//	        Finished / preempted ─────┴──► (not keyed): holds released; delay while SAVING
+//
+//	state \ event  Match             AfterAlloc            BuildMeta          Finished           preempted (step)
+//	not keyed      key, LOOKUP:      nothing               nothing            nothing            nothing
+//	               PENDING or NONE
+//	PENDING        poll; None        frees holds           -                  FREE, forget       FREE, forget
+//	FINAL(h)       cached answer     plan load (LOADING)   saves (SAVING)     FREE, forget       FREE, forget
+//	               (h chunks)        or free holds
+//	LOADING        FINAL(0): the     record blocks only    load + saves       forget (vLLM       workers wait for
+//	               load failed                                                keeps the blocks)  its copies; forget
+//	SAVING         as FINAL          as FINAL              more saves         final saves,       forget (keyed again
+//	                                                                          delay = true       on resume)
+//
+// A reset (Reset, reset_cache) moves the namespace to a new generation
+// (controls.go): every keyed request is forgotten, so the next Match keys it
+// again under the new root. An abort of a LOADING request before the
+// workers report it received is recorded as a cancel (Received).
 package shim
