@@ -27,6 +27,11 @@ type ClientConfig struct {
 	// directory answered by another user's process is refused.
 	ServerUIDs []uint32
 	Logger     *slog.Logger
+	// Populate: how the client fills its own page tables of each L1
+	// segment, in the background as segments are mapped (populate.go; off
+	// by default: a client that writes no L1 needs none). KVSHIM_POPULATE
+	// overrides a mode that is not off.
+	Populate PopulateMode
 }
 
 func (c ClientConfig) withDefaults() ClientConfig {
@@ -58,6 +63,8 @@ type Client struct {
 	token    chan struct{} // holder is the only reader of the completion ring
 	pendMu   sync.Mutex
 	pending  map[uint64]chan reply
+
+	pop *populator // nil: mappings fault on first touch
 }
 
 type reply struct {
@@ -79,6 +86,11 @@ func DialConfig(path string, hello Hello, timeout time.Duration, cfg *ClientConf
 		cc = *cfg
 	}
 	cc = cc.withDefaults()
+	mode, err := populateMode(cc.Populate)
+	if err != nil {
+		return nil, fmt.Errorf("ipc: dial %s: %w", path, err)
+	}
+	cc.Populate = mode
 	if hello.Version == 0 {
 		hello.Version = ProtocolVersion
 	}
@@ -173,6 +185,10 @@ func handshakeClient(uc *net.UnixConn, hello Hello, deadline time.Time, cfg Clie
 	}
 	uc.SetReadDeadline(time.Time{})
 	sq.BeatProducer()
+	if cfg.Populate != PopulateOff {
+		c.pop = newPopulator(c, cfg.Populate)
+		c.segs.Subscribe(c.pop.enqueue) // the session's end closes the table; no cancel needed
+	}
 	go c.watchSocket()
 	go c.heartbeat(w.BeatEvery, w.BeatExpire, func(err error) {
 		c.log.Warn("kvshim ipc: server missed its heartbeat; ending the session", "reason", err)

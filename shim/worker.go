@@ -74,6 +74,11 @@ type WorkerStats struct {
 	// KeyMismatches counts retrieved objects whose header names another
 	// key (bytes stored under the wrong name): load errors, never loaded.
 	KeyMismatches uint64
+	// L1 mappings populated ahead of copies (a CPU worker: ipc.Populate;
+	// the process's counters, so two workers in one process add up) and
+	// the current session's segments still waiting for it.
+	PopulatedSegments, PopulatedBytes, PopulateNanos uint64
+	PopulatePending                                  int
 }
 
 // NewWorker checks cfg; Register must follow before any step.
@@ -157,6 +162,17 @@ func (w *Worker) Register(descs []layout.TensorDesc) error {
 		// Register each session's L1 as soon as it is dialled, not on the
 		// first copy (the first copy would wait on cuMemHostRegister).
 		w.link.setOnDial(pins.watch)
+	} else {
+		// The host engine writes L1 through this process's own mapping:
+		// populate it as segments are mapped, not page by page in the first
+		// save into each (ipc.PopulateMode), and dial now so that happens
+		// while vLLM is still starting.
+		w.link.setPopulate(ipc.PopulateAuto)
+		w.wg.Add(1)
+		go func() {
+			defer w.wg.Done()
+			w.link.prewarm()
+		}()
 	}
 	return nil
 }
@@ -844,8 +860,14 @@ func (w *Worker) WaitFor(reqs []string, timeout time.Duration) (err error) {
 // Stats returns the worker's counters.
 func (w *Worker) Stats() WorkerStats {
 	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.stats
+	st := w.stats
+	w.mu.Unlock()
+	pc := ipc.PopulateCounters()
+	st.PopulatedSegments, st.PopulatedBytes, st.PopulateNanos = pc.Segments, pc.Bytes, pc.Nanos
+	if c := w.link.current(); c != nil {
+		st.PopulatePending = c.PopulatePending()
+	}
+	return st
 }
 
 // Close waits (bounded) for copies, then closes the engine and the session.
