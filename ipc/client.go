@@ -64,7 +64,8 @@ type Client struct {
 	pendMu   sync.Mutex
 	pending  map[uint64]chan reply
 
-	pop *populator // nil: mappings fault on first touch
+	pop    *populator  // nil: mappings fault on first touch
+	direct *directConn // non-nil: an in-process session (direct.go), no rings
 }
 
 type reply struct {
@@ -306,7 +307,7 @@ func (c *Client) Use() (done func(), err error) {
 // holding a Use. A load that finds Live true after its copy has completed
 // read objects whose read holds were in place for the whole copy.
 func (c *Client) Live() bool {
-	return !c.closed.Load() && !c.rx.IsShutdown()
+	return !c.closed.Load() && (c.rx == nil || !c.rx.IsShutdown())
 }
 
 // Freed is closed once the session has ended and every Use is done: its
@@ -338,6 +339,9 @@ func (c *Client) errOrClosed() error {
 // body (an error message when the status is not OK). Errors: ErrTimeout,
 // ErrRingFull, or the session's end reason (ErrPeerGone, ...).
 func (c *Client) Call(ctx context.Context, op Op, body []byte) (Status, []byte, error) {
+	if c.direct != nil {
+		return c.callDirect(ctx, op, body)
+	}
 	if !c.acquire() {
 		return 0, nil, c.errOrClosed()
 	}

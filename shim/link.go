@@ -41,6 +41,22 @@ type link struct {
 	// worker, whose cuMemHostRegister of each segment does that work).
 	populate ipc.PopulateMode
 	closed   bool // close ran: prewarm dials no more
+	// direct: a server on path in this process is called directly
+	// (ipc.DialDirect), not over a ring: a scheduler's lookups then cross no
+	// thread. Workers keep the ring (their L1 mappings come with it).
+	direct bool
+}
+
+// LookupPathEnv set to "ring" makes every scheduler of the process ask an
+// in-process server over the ring (SchedulerConfig.RingOnly for all: an
+// A/B through the C ABI, e.g. make bench-peer's embedded rows).
+const LookupPathEnv = "KVSHIM_LOOKUP_PATH"
+
+// directUnless turns on direct calls to an in-process server unless
+// ringOnly or LookupPathEnv says ring.
+func (l *link) directUnless(ringOnly bool) *link {
+	l.direct = !ringOnly && os.Getenv(LookupPathEnv) != "ring"
+	return l
 }
 
 // warnEvery rate-limits the warning of a link that cannot reach its server.
@@ -96,6 +112,9 @@ func (l *link) client() (*ipc.Client, error) {
 }
 
 func (l *link) dialLocked() (*ipc.Client, error) {
+	if l.direct && ipc.HasDirect(l.path) {
+		return ipc.DialDirect(l.path, l.helloLocked(), nil)
+	}
 	return ipc.DialConfig(l.path, l.helloLocked(), l.timeout, &ipc.ClientConfig{Populate: l.populate})
 }
 

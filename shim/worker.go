@@ -61,6 +61,9 @@ type Worker struct {
 	// reported gets a token when a load ends or a request's copies end
 	// (WaitReport); capacity 1, never blocks a sender.
 	reported chan struct{}
+	// prewarming: Register's dial (link.prewarm) is still running; it
+	// counts as a segment pending population in Stats.
+	prewarming atomic.Bool
 }
 
 // WorkerStats are cumulative counters of one worker.
@@ -169,8 +172,10 @@ func (w *Worker) Register(descs []layout.TensorDesc) error {
 		// while vLLM is still starting.
 		w.link.setPopulate(ipc.PopulateAuto)
 		w.wg.Add(1)
+		w.prewarming.Store(true)
 		go func() {
 			defer w.wg.Done()
+			defer w.prewarming.Store(false)
 			w.link.prewarm()
 		}()
 	}
@@ -866,6 +871,9 @@ func (w *Worker) Stats() WorkerStats {
 	st.PopulatedSegments, st.PopulatedBytes, st.PopulateNanos = pc.Segments, pc.Bytes, pc.Nanos
 	if c := w.link.current(); c != nil {
 		st.PopulatePending = c.PopulatePending()
+	}
+	if w.prewarming.Load() {
+		st.PopulatePending++
 	}
 	return st
 }
