@@ -87,6 +87,14 @@ func TestDirectAndRingLookupsAgree(t *testing.T) {
 		// Restart: L1 empty, the chunks in L2.
 		assert.NilError(t, r.srv.Core.Writer().Flush(ctx))
 		restart()
+		// The worker notices the old session's end on its own (its socket's
+		// EOF): a load issued before that would try the dead session.
+		for i := 0; i < 500; i++ {
+			if c := r.workers[0].link.current(); c == nil || c.Err() != nil {
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
 		req, n := firstHitAfterRestart(t, r, tokens)
 		log = append(log, fmt.Sprintf("after restart %d holds %v", n, metric(t, r.srv, "kvshim_l1_holds")))
 		assert.NilError(t, r.sched.AfterAlloc(req, seq(50, 7), -1, n))
