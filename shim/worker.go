@@ -64,6 +64,7 @@ type Worker struct {
 	// prewarming: Register's dial (link.prewarm) is still running; it
 	// counts as a segment pending population in Stats.
 	prewarming atomic.Bool
+	layered    *layerStep // the current step's layer-wise loads (layerwise.go); guarded by mu
 }
 
 // WorkerStats are cumulative counters of one worker.
@@ -82,6 +83,8 @@ type WorkerStats struct {
 	// the current session's segments still waiting for it.
 	PopulatedSegments, PopulatedBytes, PopulateNanos uint64
 	PopulatePending                                  int
+	// LayerwiseLoads counts loads run layer by layer (kvshim.layerwise).
+	LayerwiseLoads uint64
 }
 
 // NewWorker checks cfg; Register must follow before any step.
