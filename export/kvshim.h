@@ -227,6 +227,24 @@ int kvshim_worker_poll(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
  * of calling kvshim_worker_poll in a loop. Reports nothing itself. */
 int kvshim_worker_wait(kvshim_handle h, int64_t timeout_ms);
 
+/* Layer-wise loads (kvshim.layerwise; docs/datapath.md). Starts the bound
+ * step's loads layer by layer: one copy per layer in registration order
+ * (the forward pass's), each once every chunk is checked. Loads started so
+ * are not reported in "recving" (vLLM loads them synchronously); their
+ * failed blocks are in "error_blocks" once kvshim_worker_wait_layers
+ * returned. */
+int kvshim_worker_start_loads_layered(kvshim_handle h);
+
+/* Blocks until the bound step's copies of the layer named layer (vLLM's
+ * layer name, as registered) have ended, or timeout_ms (KVSHIM_ETIMEDOUT);
+ * a name not registered on its own (a cross-layer cache) waits for every
+ * layer. Returns at once when the step has no layer-wise load. */
+int kvshim_worker_wait_layer(kvshim_handle h, const char *layer, int64_t timeout_ms);
+
+/* Blocks until every layer-wise load of the bound step has ended and its
+ * failures are reported to kvshim_worker_poll, or timeout_ms. */
+int kvshim_worker_wait_layers(kvshim_handle h, int64_t timeout_ms);
+
 /* The copy engine alone, for benchmarks and the demo: copies the chunks of
  * block_ids[0:n_blocks] (token order, a positive multiple of a chunk's
  * blocks; loads accept -1 to skip a block) between h's registered KV cache
