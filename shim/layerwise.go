@@ -227,19 +227,20 @@ func (w *Worker) loadLayered(lds []LoadSpec, l *layout.Layout, eng cuda.Engine, 
 		}
 		chk.stop()
 	}
-	// One job per tensor, in the forward pass's order, all submitted now:
-	// the engine copies them one after the other while the forward pass
-	// consumes the layers already copied.
+	// One job per tensor, in the forward pass's order. A CUDA stream runs
+	// its copies in order, so every job is submitted now and the engine
+	// copies them one after the other while the forward pass consumes the
+	// layers already copied. The host engine's goroutines take whole jobs
+	// from a queue, side by side: there each job is submitted once the one
+	// before it has ended (each job still uses every goroutine), else the
+	// first layer would end no sooner than the last.
+	_, inOrder := eng.(*cuda.HostEngine)
 	type tjob struct {
 		job   cuda.Job
 		spans int
-		bytes uint64
 		err   error
 	}
-	jobs := make([]tjob, l.NumTensors())
-	var spans []kv.Span
-	for ti := range jobs {
-		spans = spans[:0]
+	plan := func(ti int, spans []kv.Span) []kv.Span {
 		for _, x := range loads {
 			for k := 0; k < x.failAt; k++ {
 				var err error
@@ -248,14 +249,29 @@ func (w *Worker) loadLayered(lds []LoadSpec, l *layout.Layout, eng cuda.Engine, 
 				}
 			}
 		}
+		return spans
+	}
+	var spans []kv.Span
+	submit := func(ti int) tjob {
+		spans = plan(ti, spans[:0])
 		if len(spans) == 0 {
-			continue
+			return tjob{}
 		}
 		job, err := eng.Submit(spans, kv.Load)
-		jobs[ti] = tjob{job: job, spans: len(spans), bytes: spansBytes(spans), err: err}
+		return tjob{job: job, spans: len(spans), err: err}
+	}
+	jobs := make([]tjob, l.NumTensors())
+	if !inOrder {
+		for ti := range jobs {
+			jobs[ti] = submit(ti)
+		}
 	}
 	stuck := false
-	for ti, j := range jobs {
+	for ti := range jobs {
+		if inOrder && !stuck {
+			jobs[ti] = submit(ti)
+		}
+		j := jobs[ti]
 		err := j.err
 		if err == nil && j.job != nil {
 			err = w.waitCopy(j.job, kv.Load, j.spans, stuck)
