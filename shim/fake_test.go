@@ -43,6 +43,7 @@ func TestWorkerOnFakeCUDA(t *testing.T) {
 	assert.Check(t, is.Contains(out, "--- PASS: TestConnectorSaveThenRestoreIntoOtherBlocks"))
 	assert.Check(t, is.Contains(out, "--- PASS: TestFakeCUDAServerRestart"))
 	assert.Check(t, is.Contains(out, "--- PASS: TestFakeCUDALayerwiseLoad"))
+	assert.Check(t, is.Contains(out, "--- PASS: TestFakeCUDALayerwiseCopyFails"))
 }
 
 // kvDevice is the device the rig's KV caches claim to be on; for cuda:0

@@ -3,6 +3,7 @@ package shim
 import (
 	"bytes"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -87,5 +88,27 @@ func TestFakeCUDALayerwiseLoad(t *testing.T) {
 	w.wg.Wait()
 	_, recving, errBlocks := w.Poll()
 	assert.Equal(t, len(recving)+len(errBlocks), 0)
+	d.Reset(0)
+}
+
+// A layer whose copy fails (the emulated driver fails layer 1's batch when
+// it executes: one batch per layer here): every chunk of the load is a
+// load error, in Poll once WaitLayers has returned, while layer 0 was
+// released as loaded.
+func TestFakeCUDALayerwiseCopyFails(t *testing.T) {
+	d := fakeDriver(t)
+	r, m, _, dst := lwRig(t)
+	w := r.workers[0]
+	d.Reset(5 * time.Millisecond)
+	d.Inject("cuMemcpyBatchAsync_v2", 2, 1, true) // the load's second copy call: layer 1's
+	w.StartLoadsLayered(m)
+	assert.NilError(t, w.WaitLayer("layer0", 10*time.Second))
+	assert.NilError(t, w.WaitLayers(10*time.Second))
+	w.wg.Wait()
+	_, recving, errBlocks := w.Poll()
+	assert.Equal(t, len(recving), 0)
+	slices.Sort(errBlocks)
+	assert.DeepEqual(t, errBlocks, dst)
+	assert.Equal(t, w.Stats().LoadedChunks, uint64(0))
 	d.Reset(0)
 }

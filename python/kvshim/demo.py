@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import statistics
 import sys
@@ -393,7 +394,7 @@ class Engine:
         deadline = time.monotonic() + timeout_s
         while True:
             s = self.stats()
-            if "PopulatedBytes" not in s:
+            if "PopulatedBytes" not in s or os.environ.get("KVSHIM_POPULATE") == "off":
                 return None
             if s["PopulatedBytes"] >= nbytes and not s.get("PopulatePending"):
                 return round((time.perf_counter() - t_start) * 1e3, 1)
