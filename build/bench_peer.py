@@ -139,8 +139,11 @@ class KvshimSide:
         self.scheduler = native.Scheduler({**common, "block_size": BLOCK, **extra})
         self.sched = self.scheduler.handle
         self.workers, self.bufs = [], []
+        populated_before = None
         for r in range(world):
             w = native.Handle(json.dumps({**common, "role": "worker", "rank": r}))
+            if populated_before is None:  # the process's counter, before any of these workers mapped L1
+                populated_before = json.loads(w.output("kvshim_stats"))["worker"].get("PopulatedBytes", 0)
             buf = np.zeros((layers, blocks, BLOCK, heads // world, 2 * head), dtype=np.uint16)
             views = [buf[i].transpose(0, 2, 1, 3) for i in range(layers)]
             desc = [{"layer": f"model.layers.{i}.self_attn.attn", "group": 0, "backend": "paged", "device": "cpu",
@@ -149,16 +152,21 @@ class KvshimSide:
             w.check(self.lib.kvshim_worker_register(w.value, json.dumps(desc).encode()))
             self.workers.append(w)
             self.bufs.append(buf)
-        self.populate_s = self.wait_populated()
+        # Every server here prepares all of its L1 at start-up (the default
+        # prefault, min(4 GiB, L1)): each worker maps and populates all of it.
+        want = world * int(float(os.environ.get("KVSHIM_PEER_L1_GB", "2")) * 2**30)
+        self.populate_s = self.wait_populated(populated_before or 0, want)
 
-    def wait_populated(self, timeout_s: float = 120.0) -> float:
-        """Waits until every worker has populated its mapping of L1 (the
+    def wait_populated(self, before: int, want: int, timeout_s: float = 120.0) -> float:
+        """Waits until the workers have populated their mappings of L1 (the
         library does it in the background from registration, as vLLM
-        starts): seconds waited. Not timed as part of any lookup."""
+        starts; an embedded server announces its segments as it prepares
+        them): seconds waited. Not timed as part of any lookup."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             stats = [json.loads(w.output("kvshim_stats"))["worker"] for w in self.workers]
-            if all(st.get("PopulatePending", 0) == 0 for st in stats):
+            done = stats[0].get("PopulatedBytes", 0) - before
+            if done >= want and all(st.get("PopulatePending", 0) == 0 for st in stats):
                 break
             time.sleep(0.01)
         return round(time.monotonic() - t0, 2)
