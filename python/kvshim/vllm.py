@@ -999,7 +999,9 @@ class KVShimWorker:
 
     def get_stats(self) -> KVShimStats | None:
         """The counters since the last report, as metric names."""
-        now = self.native.stats().counters
+        # Populate* describe the start-up's L1 mapping (a gauge among them),
+        # not a step's work: not reported as vLLM's per-step counters.
+        now = {k: v for k, v in self.native.stats().counters.items() if not k.startswith("Populate")}
         delta = {_snake(k): v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         st = KVShimStats(data=delta)
