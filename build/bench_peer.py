@@ -129,12 +129,21 @@ class KvshimSide:
         self.native, self.lib = native, native.library()
         ns = {"model": model, "dtype": "bfloat16", "layout": f"paged LBNHC {layers}x(B,{heads // world},16,{2 * head})",
               "world_size": world, "tp_size": world, "chunk_size": CHUNK, "kv_group": 0, "mla": False}
-        common = {"server": sock, "engine_id": "bench-peer", "namespace": ns, "timeout_ms": 10_000}
-        self.scheduler = native.Scheduler({**common, "block_size": BLOCK})
+        # sock "embedded": the server runs in this process (the connector's
+        # default), started by the scheduler handle; its lookups call the
+        # server's core directly, its workers use the ring.
+        self.embedded = sock == "embedded"
+        engine = f"bench-peer-{uuid.uuid4().hex[:8]}" if self.embedded else "bench-peer"
+        common = {"server": sock, "engine_id": engine, "namespace": ns, "timeout_ms": 10_000}
+        extra = {"l1_size_gb": float(os.environ.get("KVSHIM_PEER_L1_GB", "2"))} if self.embedded else {}
+        self.scheduler = native.Scheduler({**common, "block_size": BLOCK, **extra})
         self.sched = self.scheduler.handle
         self.workers, self.bufs = [], []
+        populated_before = None
         for r in range(world):
             w = native.Handle(json.dumps({**common, "role": "worker", "rank": r}))
+            if populated_before is None:  # the process's counter, before any of these workers mapped L1
+                populated_before = json.loads(w.output("kvshim_stats"))["worker"].get("PopulatedBytes", 0)
             buf = np.zeros((layers, blocks, BLOCK, heads // world, 2 * head), dtype=np.uint16)
             views = [buf[i].transpose(0, 2, 1, 3) for i in range(layers)]
             desc = [{"layer": f"model.layers.{i}.self_attn.attn", "group": 0, "backend": "paged", "device": "cpu",
@@ -143,6 +152,24 @@ class KvshimSide:
             w.check(self.lib.kvshim_worker_register(w.value, json.dumps(desc).encode()))
             self.workers.append(w)
             self.bufs.append(buf)
+        # Every server here prepares all of its L1 at start-up (the default
+        # prefault, min(4 GiB, L1)): each worker maps and populates all of it.
+        want = world * int(float(os.environ.get("KVSHIM_PEER_L1_GB", "2")) * 2**30)
+        self.populate_s = self.wait_populated(populated_before or 0, want)
+
+    def wait_populated(self, before: int, want: int, timeout_s: float = 120.0) -> float:
+        """Waits until the workers have populated their mappings of L1 (the
+        library does it in the background from registration, as vLLM
+        starts; an embedded server announces its segments as it prepares
+        them): seconds waited. Not timed as part of any lookup."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            stats = [json.loads(w.output("kvshim_stats"))["worker"] for w in self.workers]
+            done = stats[0].get("PopulatedBytes", 0) - before
+            if done >= want and all(st.get("PopulatePending", 0) == 0 for st in stats):
+                break
+            time.sleep(0.01)
+        return round(time.monotonic() - t0, 2)
 
     def close(self) -> None:
         for w in self.workers:
@@ -441,7 +468,8 @@ def serve_client(kind: str, where: str) -> int:
             if op == "setup":
                 open_runs[sc] = open_run(kind, where, sc, run)
                 side = open_runs[sc][0]
-                reply = {"ok": True, "token_conversion": getattr(side, "token_path", None)}
+                reply = {"ok": True, "token_conversion": getattr(side, "token_path", None),
+                         "populate_s": getattr(side, "populate_s", None)}
             elif op == "iter":
                 reply = open_runs[sc][1].iteration(cmd["i"])
             elif op == "close":
@@ -624,6 +652,7 @@ def main() -> int:
     samples: dict[str, dict[str, list[dict]]] = {}
     cpu: dict[str, dict[str, float]] = {}
     conversion = None
+    populate_s: dict[str, dict[str, float]] = {}
     try:
         start_s: dict[str, float] = {}
         deadline = time.monotonic() + 180
@@ -638,22 +667,35 @@ def main() -> int:
         for k in servers:
             clients[k] = Client(k, where[k], kv_python if k == "kvshim" else sys.executable, env if k == "kvshim" else lm_env,
                                 tmp / f"client-{k}.log")
+        # The connector's default: the server embedded in the scheduler's
+        # process (one per scenario, started by its scheduler handle).
+        clients["kvshim-embedded"] = Client("kvshim", "embedded", kv_python, env, tmp / "client-kvshim-embedded.log")
         c0 = {k: s.cpu_s() for k, s in servers.items()}
         time.sleep(10)
         cpu["idle_10s"] = {k: round(s.cpu_s() - c0[k], 3) for k, s in servers.items()}
         plan = [("chunk_32mib", args.chunks, 3, [k for k in ("kvshim", "lmcache", "lmcache-shm") if k in clients])]
         if args.n:
             n8 = max(10, args.n // 2)
-            plan = [("tp1_64", args.n, max(2, args.n // 10), ["kvshim", "lmcache"]),
-                    ("tp8_512", n8, max(2, n8 // 10), ["kvshim", "lmcache"])] + plan
+            lookup_sides = ["kvshim", "kvshim-embedded", "lmcache"]
+            plan = [("tp1_64", args.n, max(2, args.n // 10), lookup_sides),
+                    ("tp8_512", n8, max(2, n8 // 10), lookup_sides)] + plan
         for sc, n, warm, who in plan:
             if not n:
                 continue
             for k in who:
                 r = clients[k].call(op="setup", scenario=sc)
                 conversion = r.get("token_conversion") or conversion
+                if r.get("populate_s") is not None:
+                    populate_s.setdefault(k, {})[sc] = r["populate_s"]
+            if sc == "tp8_512" and "kvshim" in who:
+                # kvshim serve with its scheduler and 8 worker sessions open
+                # and idle (a TP 8 engine between requests).
+                c0 = {"kvshim": servers["kvshim"].cpu_s()}
+                t0 = time.monotonic()
+                time.sleep(5)
+                cpu["idle_9_sessions_pct"] = {"kvshim": round((servers["kvshim"].cpu_s() - c0["kvshim"]) / (time.monotonic() - t0) * 100, 2)}
             print(f"{sc}: {n} iterations each, {' and '.join(who)} alternating", file=sys.stderr)
-            c0 = {k: servers[k].cpu_s() for k in who}
+            c0 = {k: servers[k].cpu_s() for k in who if k in servers}
             for i in range(warm + n):
                 # Paired samples: every iteration runs each side once, the
                 # order rotating, so load from elsewhere falls on both alike.
@@ -663,7 +705,7 @@ def main() -> int:
                     if i >= warm:
                         samples.setdefault(k, {}).setdefault(sc, []).append(x)
                     time.sleep(0.001)
-            cpu[sc] = {k: round((servers[k].cpu_s() - c0[k]) / (warm + n) * 1e3, 2) for k in who}
+            cpu[sc] = {k: round((servers[k].cpu_s() - c0[k]) / (warm + n) * 1e3, 2) for k in who if k in servers}
             for k in who:
                 clients[k].call(op="close", scenario=sc)
         floor = clients["kvshim"].call(op="floor", n=max(1000, args.n * 25))
@@ -686,6 +728,11 @@ def main() -> int:
         "server_start_s": start_s, "l1_size_gb": args.l1_size_gb, "kvshim_token_conversion": conversion,
         "lmcache_omp_num_threads": lm_env["OMP_NUM_THREADS"],
         "server_cpu_idle_10s_s": cpu["idle_10s"],
+        # kvshim serve, a scheduler and 8 worker sessions connected, idle 5 s:
+        # % of one core (target <= 0.5).
+        "kvshim_serve_idle_cpu_pct_9_sessions": cpu.get("idle_9_sessions_pct", {}).get("kvshim"),
+        # Untimed set-up: workers populating their mappings of L1.
+        "kvshim_worker_populate_s": populate_s,
     }
     rows = []
     for sc, label in (("tp1_64", "lookup, 64 chunks, TP 1"), ("tp8_512", "lookup, 512 chunks x TP 8")):
@@ -693,13 +740,20 @@ def main() -> int:
             continue
         kvs, lms = samples["kvshim"][sc], samples["lmcache"][sc]
         k, m = summarize(kvs, "us"), summarize(lms, "us")
+        emb = samples.get("kvshim-embedded", {}).get(sc, [])
+        e = summarize(emb, "us") if emb else None
         out[sc] = {"kvshim_us": k, "lmcache_us": m,
                    "kvshim_answers": sorted({x["hit"] for x in kvs}), "lmcache_answers": sorted({x["hit"] for x in lms}),
                    "kvshim_calls_p50": float(np.median([x["calls"] for x in kvs])),
                    "lmcache_calls_p50": float(np.median([x["calls"] for x in lms])),
                    "server_cpu_ms_per_lookup": cpu[sc],
                    "ratio_p50": ratio(m["p50"], k["p50"]), "ratio_p99": ratio(m["p99"], k["p99"])}
-        rows.append((label, k, m, out[sc]["ratio_p50"], out[sc]["ratio_p99"]))
+        rows.append((label + ", kvshim serve", k, m, out[sc]["ratio_p50"], out[sc]["ratio_p99"]))
+        if e:
+            out[sc].update({"kvshim_embedded_us": e, "kvshim_embedded_answers": sorted({x["hit"] for x in emb}),
+                            "kvshim_embedded_calls_p50": float(np.median([x["calls"] for x in emb])),
+                            "ratio_embedded_p50": ratio(m["p50"], e["p50"]), "ratio_embedded_p99": ratio(m["p99"], e["p99"])})
+            rows.append((label + ", embedded", e, m, out[sc]["ratio_embedded_p50"], out[sc]["ratio_embedded_p99"]))
     ok = True
     if "chunk_32mib" in samples.get("kvshim", {}):
         chunk_bytes = LLAMA_LAYERS * CHUNK * LLAMA_HEADS * 2 * LLAMA_HEAD * 2

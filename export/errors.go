@@ -162,6 +162,8 @@ var codeTable = []sentinel{
 	{"ipc.ErrRange", ipc.ErrRange, codeIO},
 	{"ipc.ErrRemote", ipc.ErrRemote, codeIO},
 	{"ipc.ErrLimit", ipc.ErrLimit, codeIO},
+	{"ipc.ErrConfig", ipc.ErrConfig, codeInval},
+	{"shim.ErrLayerTimeout", shim.ErrLayerTimeout, codeTimedOut},
 
 	// The standard library's, as the packages above wrap them.
 	{"stdlib errors.ErrUnsupported", errors.ErrUnsupported, codeNotSup},

@@ -65,9 +65,10 @@ extern "C" {
  * for calls in flight; kvshim_open refuses out-of-range fields); 5.1 adds
  * the scheduler's controls (kvshim_sched_reset, _hit_sources,
  * _request_options, _received), the scheduler's "kv_role" key and
- * kvshim_worker_take_latencies. */
+ * kvshim_worker_take_latencies; 5.2 adds layer-wise loads
+ * (kvshim_worker_start_loads_layered, _wait_layer, _wait_layers). */
 #define KVSHIM_ABI_MAJOR 5
-#define KVSHIM_ABI_MINOR 1
+#define KVSHIM_ABI_MINOR 2
 #define KVSHIM_ABI_VERSION (KVSHIM_ABI_MAJOR * 1000 + KVSHIM_ABI_MINOR)
 
 typedef int64_t kvshim_handle;
@@ -269,6 +270,24 @@ int kvshim_worker_poll(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
  * (KVSHIM_ETIMEDOUT): a caller waiting for completion blocks here instead
  * of calling kvshim_worker_poll in a loop. Reports nothing itself. */
 int kvshim_worker_wait(kvshim_handle h, int64_t timeout_ms);
+
+/* Layer-wise loads (kvshim.layerwise; docs/datapath.md). Starts the bound
+ * step's loads layer by layer: one copy per layer in registration order
+ * (the forward pass's), each once every chunk is checked. Loads started so
+ * are not reported in "recving" (vLLM loads them synchronously); their
+ * failed blocks are in "error_blocks" once kvshim_worker_wait_layers
+ * returned. */
+int kvshim_worker_start_loads_layered(kvshim_handle h);
+
+/* Blocks until the bound step's copies of the layer named layer (vLLM's
+ * layer name, as registered) have ended, or timeout_ms (KVSHIM_ETIMEDOUT);
+ * a name not registered on its own (a cross-layer cache) waits for every
+ * layer. Returns at once when the step has no layer-wise load. */
+int kvshim_worker_wait_layer(kvshim_handle h, const char *layer, int64_t timeout_ms);
+
+/* Blocks until every layer-wise load of the bound step has ended and its
+ * failures are reported to kvshim_worker_poll, or timeout_ms. */
+int kvshim_worker_wait_layers(kvshim_handle h, int64_t timeout_ms);
 
 /* ---- CPython callers only: these read Python objects in place. ----
  * They must be called through ctypes.PyDLL (with the GIL held; the Python C

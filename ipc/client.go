@@ -27,6 +27,11 @@ type ClientConfig struct {
 	// directory answered by another user's process is refused.
 	ServerUIDs []uint32
 	Logger     *slog.Logger
+	// Populate: how the client fills its own page tables of each L1
+	// segment, in the background as segments are mapped (populate.go; off
+	// by default: a client that writes no L1 needs none). KVSHIM_POPULATE
+	// overrides a mode that is not off.
+	Populate PopulateMode
 }
 
 func (c ClientConfig) withDefaults() ClientConfig {
@@ -58,6 +63,9 @@ type Client struct {
 	token    chan struct{} // holder is the only reader of the completion ring
 	pendMu   sync.Mutex
 	pending  map[uint64]chan reply
+
+	pop    *populator  // nil: mappings fault on first touch
+	direct *directConn // non-nil: an in-process session (direct.go), no rings
 }
 
 type reply struct {
@@ -79,6 +87,11 @@ func DialConfig(path string, hello Hello, timeout time.Duration, cfg *ClientConf
 		cc = *cfg
 	}
 	cc = cc.withDefaults()
+	mode, err := populateMode(cc.Populate)
+	if err != nil {
+		return nil, fmt.Errorf("ipc: dial %s: %w", path, err)
+	}
+	cc.Populate = mode
 	if hello.Version == 0 {
 		hello.Version = ProtocolVersion
 	}
@@ -173,6 +186,10 @@ func handshakeClient(uc *net.UnixConn, hello Hello, deadline time.Time, cfg Clie
 	}
 	uc.SetReadDeadline(time.Time{})
 	sq.BeatProducer()
+	if cfg.Populate != PopulateOff {
+		c.pop = newPopulator(c, cfg.Populate)
+		c.segs.Subscribe(c.pop.enqueue) // the session's end closes the table; no cancel needed
+	}
 	go c.watchSocket()
 	go c.heartbeat(w.BeatEvery, w.BeatExpire, func(err error) {
 		c.log.Warn("kvshim ipc: server missed its heartbeat; ending the session", "reason", err)
@@ -290,7 +307,7 @@ func (c *Client) Use() (done func(), err error) {
 // holding a Use. A load that finds Live true after its copy has completed
 // read objects whose read holds were in place for the whole copy.
 func (c *Client) Live() bool {
-	return !c.closed.Load() && !c.rx.IsShutdown()
+	return !c.closed.Load() && (c.rx == nil || !c.rx.IsShutdown())
 }
 
 // Freed is closed once the session has ended and every Use is done: its
@@ -322,6 +339,9 @@ func (c *Client) errOrClosed() error {
 // body (an error message when the status is not OK). Errors: ErrTimeout,
 // ErrRingFull, or the session's end reason (ErrPeerGone, ...).
 func (c *Client) Call(ctx context.Context, op Op, body []byte) (Status, []byte, error) {
+	if c.direct != nil {
+		return c.callDirect(ctx, op, body)
+	}
 	if !c.acquire() {
 		return 0, nil, c.errOrClosed()
 	}

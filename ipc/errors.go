@@ -39,4 +39,6 @@ var (
 	ErrRemote = errors.New("ipc: remote error")
 	// ErrLimit: a server limit (e.g. sessions per uid) refused the request.
 	ErrLimit = errors.New("ipc: over a server limit")
+	// ErrConfig: a client option (or its environment override) is invalid.
+	ErrConfig = errors.New("ipc: bad configuration")
 )

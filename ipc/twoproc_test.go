@@ -82,6 +82,8 @@ func runChild(role string) error {
 			return err
 		}
 		return unix.Kill(os.Getpid(), unix.SIGKILL)
+	case "populate":
+		return runPopulateChild()
 	case "dial":
 		_, err := Dial(os.Getenv("KVSHIM_SOCK"), Hello{Role: RoleTool}, 5*time.Second)
 		return err

@@ -144,6 +144,17 @@ func FuzzPlan(f *testing.F) {
 			t.Fatalf("Plan load: %v", err)
 		}
 		checkPlan(t, l, gen, ids, save, load, objBase)
+		// A layer-wise load's plans, one per tensor, copy the same bytes.
+		var saveLW, loadLW []kv.Span
+		for ti := range l.NumTensors() {
+			if saveLW, err = l.AppendPlanTensor(saveLW, ids, objBase, kv.Save, ti); err != nil {
+				t.Fatalf("AppendPlanTensor save %d: %v", ti, err)
+			}
+			if loadLW, err = l.AppendPlanTensor(loadLW, ids, objBase, kv.Load, ti); err != nil {
+				t.Fatalf("AppendPlanTensor load %d: %v", ti, err)
+			}
+		}
+		checkPlan(t, l, gen, ids, saveLW, loadLW, objBase)
 	})
 }
 

@@ -3,7 +3,9 @@ package server
 import (
 	"errors"
 	"fmt"
+	"os"
 	"sync"
+	"time"
 
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
@@ -119,6 +121,13 @@ type Server struct {
 	Listener *ipc.Listener
 	done     chan error
 
+	// In-process sessions (ipc.DialDirect: the embedded server's own
+	// scheduler), ended and waited for by Close like the ring sessions.
+	directMu     sync.Mutex
+	directs      map[*ipc.Client]struct{}
+	directClosed bool
+	unregDirect  func()
+
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -153,9 +162,61 @@ func Start(cfg Config, ipcCfg *ipc.ServerConfig, o Options) (*Server, error) {
 		src.Close() // segments prepared meanwhile
 		return nil, err
 	}
-	srv := &Server{Core: core, Listener: ln, done: make(chan error, 1)}
+	srv := &Server{Core: core, Listener: ln, done: make(chan error, 1), directs: map[*ipc.Client]struct{}{}}
+	srv.unregDirect = ipc.RegisterDirect(cfg.Socket, srv.dialDirect)
 	go func() { srv.done <- Serve(ln, core) }()
 	return srv, nil
+}
+
+// dialDirect opens a session for a client in this process (ipc.DialDirect):
+// the core's session, answered by the same Service as a ring's. It has no
+// L1 mapping, so no write of it can outlive a call: not fenced.
+func (srv *Server) dialDirect(hello ipc.Hello, c *ipc.Client) (ipc.Handler, func(), error) {
+	if hello.Version != ipc.ProtocolVersion {
+		return nil, nil, fmt.Errorf("%w: client speaks %d, server %d", ipc.ErrVersion, hello.Version, ipc.ProtocolVersion)
+	}
+	srv.directMu.Lock()
+	defer srv.directMu.Unlock()
+	if srv.directClosed {
+		return nil, nil, fmt.Errorf("%w: server stopping", ipc.ErrClosed)
+	}
+	s, err := srv.Core.OpenSessionWith(kv.Tag(hello.Instance), SessionOptions{
+		PeerPID: os.Getpid(), UID: uint32(os.Getuid()), Drained: hello.Flags&ipc.HelloDrained != 0})
+	if err != nil {
+		return nil, nil, err
+	}
+	srv.directs[c] = struct{}{}
+	end := func() {
+		srv.Core.CloseSession(s)
+		srv.directMu.Lock()
+		delete(srv.directs, c)
+		srv.directMu.Unlock()
+	}
+	return ipc.ServiceHandler(&service{core: srv.Core, s: s}), end, nil
+}
+
+// directWait bounds how long Close waits for a direct session's last call.
+const directWait = 10 * time.Second
+
+// endDirect ends every direct session and waits until each has released
+// its core session (its calls are short: the core never blocks in one).
+func (srv *Server) endDirect() {
+	srv.unregDirect()
+	srv.directMu.Lock()
+	srv.directClosed = true
+	cs := make([]*ipc.Client, 0, len(srv.directs))
+	for c := range srv.directs {
+		cs = append(cs, c)
+	}
+	srv.directMu.Unlock()
+	deadline := time.Now().Add(directWait)
+	for _, c := range cs {
+		c.EndDirect(errors.New("server stopped"))
+		select {
+		case <-c.Freed():
+		case <-time.After(time.Until(deadline)):
+		}
+	}
 }
 
 // Close stops accepting, ends every session (releasing what they own),
@@ -163,6 +224,7 @@ func Start(cfg Config, ipcCfg *ipc.ServerConfig, o Options) (*Server, error) {
 // call's result.
 func (srv *Server) Close() error {
 	srv.closeOnce.Do(func() {
+		srv.endDirect()
 		lerr := srv.Listener.Close()
 		serr := <-srv.done
 		srv.closeErr = errors.Join(lerr, serr, srv.Core.Close())

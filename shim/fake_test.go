@@ -42,6 +42,8 @@ func TestWorkerOnFakeCUDA(t *testing.T) {
 	out := fakecuda.Run(t, lib, "^(TestConnector|TestFakeCUDA)", kvDeviceEnv+"=cuda:0")
 	assert.Check(t, is.Contains(out, "--- PASS: TestConnectorSaveThenRestoreIntoOtherBlocks"))
 	assert.Check(t, is.Contains(out, "--- PASS: TestFakeCUDAServerRestart"))
+	assert.Check(t, is.Contains(out, "--- PASS: TestFakeCUDALayerwiseLoad"))
+	assert.Check(t, is.Contains(out, "--- PASS: TestFakeCUDALayerwiseCopyFails"))
 }
 
 // kvDevice is the device the rig's KV caches claim to be on; for cuda:0

@@ -36,6 +36,27 @@ type link struct {
 	onDial  func(*ipc.Client) // called with each new client (e.g. to pin its L1 ahead of copies)
 	warned  time.Time         // last "cannot reach" warning (at most one per warnEvery)
 	down    bool              // the last dial failed: say so again when it comes back
+	// populate is how each new client fills its page tables of L1 (a CPU
+	// worker's: ipc.PopulateAuto; off for a scheduler, and for a GPU
+	// worker, whose cuMemHostRegister of each segment does that work).
+	populate ipc.PopulateMode
+	closed   bool // close ran: prewarm dials no more
+	// direct: a server on path in this process is called directly
+	// (ipc.DialDirect), not over a ring: a scheduler's lookups then cross no
+	// thread. Workers keep the ring (their L1 mappings come with it).
+	direct bool
+}
+
+// LookupPathEnv set to "ring" makes every scheduler of the process ask an
+// in-process server over the ring (SchedulerConfig.RingOnly for all: an
+// A/B through the C ABI, e.g. make bench-peer's embedded rows).
+const LookupPathEnv = "KVSHIM_LOOKUP_PATH"
+
+// directUnless turns on direct calls to an in-process server unless
+// ringOnly or LookupPathEnv says ring.
+func (l *link) directUnless(ringOnly bool) *link {
+	l.direct = !ringOnly && os.Getenv(LookupPathEnv) != "ring"
+	return l
 }
 
 // warnEvery rate-limits the warning of a link that cannot reach its server.
@@ -68,7 +89,7 @@ func (l *link) client() (*ipc.Client, error) {
 		return nil, fmt.Errorf("%w: %s: %v", ErrUnavailable, l.path, l.lastErr)
 	}
 	l.lastTry = time.Now()
-	c, err := ipc.Dial(l.path, l.helloLocked(), l.timeout)
+	c, err := l.dialLocked()
 	if err != nil {
 		l.lastErr = err
 		if time.Since(l.warned) >= warnEvery {
@@ -88,6 +109,51 @@ func (l *link) client() (*ipc.Client, error) {
 		l.onDial(c)
 	}
 	return c, nil
+}
+
+func (l *link) dialLocked() (*ipc.Client, error) {
+	if l.direct && ipc.HasDirect(l.path) {
+		return ipc.DialDirect(l.path, l.helloLocked(), nil)
+	}
+	return ipc.DialConfig(l.path, l.helloLocked(), l.timeout, &ipc.ClientConfig{Populate: l.populate})
+}
+
+// prewarm dials now, if there is no client yet and the server's socket
+// exists, so that a CPU worker's mappings are populated before its first
+// save rather than during it. A failure is not recorded (the first real
+// call dials, warns and backs off as usual): the worker may register its
+// caches before the scheduler has started the embedded server.
+func (l *link) prewarm() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed || l.c != nil {
+		return
+	}
+	if fi, err := os.Stat(l.path); err != nil || fi.Mode()&os.ModeSocket == 0 {
+		return
+	}
+	c, err := l.dialLocked()
+	if err != nil {
+		return
+	}
+	l.c = c
+	if l.onDial != nil {
+		l.onDial(c)
+	}
+}
+
+// current is the live client, if any, without dialling.
+func (l *link) current() *ipc.Client {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.c
+}
+
+// setPopulate sets how later clients populate their mappings.
+func (l *link) setPopulate(m ipc.PopulateMode) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.populate = m
 }
 
 // helloLocked is the hello of the next dial: it says HelloDrained once
@@ -163,6 +229,7 @@ func (l *link) setOnDial(f func(*ipc.Client)) {
 func (l *link) close() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.closed = true
 	if l.c == nil {
 		return nil
 	}

@@ -21,6 +21,10 @@ type SchedulerConfig struct {
 	Timeout   time.Duration // per server call, and the longest a lookup stays pending
 	Instance  uuid.UUID     // this connector's id: the Owner workers retrieve with
 	Role      Role          // vLLM's kv_role (options.go)
+	// RingOnly asks a server in this process over the ring like any other
+	// (tests and benchmarks of the ring path); by default the embedded
+	// server's own scheduler calls its core directly (link.go).
+	RingOnly bool
 }
 
 // Scheduler is the scheduler-side state machine: it turns vLLM's questions
@@ -141,7 +145,7 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	}
 	return &Scheduler{
 		cfg: cfg, ns: gns[0], groups: groups, gns: gns, chunk: chunk,
-		link: newLink(cfg.Socket, ipc.RoleScheduler, cfg.Instance, cfg.Timeout),
+		link: newLink(cfg.Socket, ipc.RoleScheduler, cfg.Instance, cfg.Timeout).directUnless(cfg.RingOnly),
 		reqs: map[string]*schedReq{}, fence: map[int64]string{},
 	}, nil
 }

@@ -62,6 +62,10 @@ type Worker struct {
 	// reported gets a token when a load ends or a request's copies end
 	// (WaitReport); capacity 1, never blocks a sender.
 	reported chan struct{}
+	// prewarming: Register's dial (link.prewarm) is still running; it
+	// counts as a segment pending population in Stats.
+	prewarming atomic.Bool
+	layered    *layerStep // the current step's layer-wise loads (layerwise.go); guarded by mu
 }
 
 // WorkerStats are cumulative counters of one worker.
@@ -75,6 +79,13 @@ type WorkerStats struct {
 	// KeyMismatches counts retrieved objects whose header names another
 	// key (bytes stored under the wrong name): load errors, never loaded.
 	KeyMismatches uint64
+	// L1 mappings populated ahead of copies (a CPU worker: ipc.Populate;
+	// the process's counters, so two workers in one process add up) and
+	// the current session's segments still waiting for it.
+	PopulatedSegments, PopulatedBytes, PopulateNanos uint64
+	PopulatePending                                  int
+	// LayerwiseLoads counts loads run layer by layer (kvshim.layerwise).
+	LayerwiseLoads uint64
 }
 
 // NewWorker checks cfg; Register must follow before any step.
@@ -158,6 +169,19 @@ func (w *Worker) Register(descs []layout.TensorDesc) error {
 		// Register each session's L1 as soon as it is dialled, not on the
 		// first copy (the first copy would wait on cuMemHostRegister).
 		w.link.setOnDial(pins.watch)
+	} else {
+		// The host engine writes L1 through this process's own mapping:
+		// populate it as segments are mapped, not page by page in the first
+		// save into each (ipc.PopulateMode), and dial now so that happens
+		// while vLLM is still starting.
+		w.link.setPopulate(ipc.PopulateAuto)
+		w.wg.Add(1)
+		w.prewarming.Store(true)
+		go func() {
+			defer w.wg.Done()
+			defer w.prewarming.Store(false)
+			w.link.prewarm()
+		}()
 	}
 	return nil
 }
@@ -845,8 +869,17 @@ func (w *Worker) WaitFor(reqs []string, timeout time.Duration) (err error) {
 // Stats returns the worker's counters.
 func (w *Worker) Stats() WorkerStats {
 	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.stats
+	st := w.stats
+	w.mu.Unlock()
+	pc := ipc.PopulateCounters()
+	st.PopulatedSegments, st.PopulatedBytes, st.PopulateNanos = pc.Segments, pc.Bytes, pc.Nanos
+	if c := w.link.current(); c != nil {
+		st.PopulatePending = c.PopulatePending()
+	}
+	if w.prewarming.Load() {
+		st.PopulatePending++
+	}
+	return st
 }
 
 // Close waits (bounded) for copies, then closes the engine and the session.

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import statistics
 import sys
@@ -338,6 +339,25 @@ class Engine:
         if saves:
             self.worker.start_saves(event)
 
+    def load_layerwise(self) -> tuple[float, float]:
+        """kvshim.layerwise's restore: build_connector_meta, bind,
+        start_load_kv, then wait_for_layer_load of each layer in the forward
+        pass's order and the step's end (get_finished waits for it); seconds
+        to the first layer released (when its attention could start) and to
+        the last."""
+        self.worker.bind(self.sched.build_meta({"requests": []}), self.timeout_ms)
+        t0 = time.perf_counter()
+        self.worker.start_loads_layered()
+        first = 0.0
+        for i in range(LAYERS):
+            if not self.worker.wait_layer(f"model.layers.{i}.self_attn.attn", self.timeout_ms):
+                raise TimeoutError(f"layer {i} not loaded after {self.timeout_ms} ms")
+            if i == 0:
+                first = time.perf_counter() - t0
+        if not self.worker.wait_layers(self.timeout_ms):
+            raise TimeoutError(f"layer-wise loads not done after {self.timeout_ms} ms")
+        return first, time.perf_counter() - t0
+
     def poll(self) -> None:
         """get_finished + get_block_ids_with_load_errors."""
         done = self.worker.poll()
@@ -366,6 +386,21 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         return self.worker.stats().counters
+
+    def wait_populated(self, nbytes: int, t_start: float, timeout_s: float = 120.0) -> float | None:
+        """Waits (as vLLM's own start-up would) until the worker has
+        populated its mapping of `nbytes` of L1; ms since t_start, or None
+        when the library does not populate (CUDA: registration does)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = self.stats()
+            if "PopulatedBytes" not in s or os.environ.get("KVSHIM_POPULATE") == "off":
+                return None
+            if s["PopulatedBytes"] >= nbytes and not s.get("PopulatePending"):
+                return round((time.perf_counter() - t_start) * 1e3, 1)
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.005)
 
     def settled_saves(self, before: dict[str, int], chunks: int, timeout_s: float = 10.0) -> dict[str, int]:
         """Worker stats once `chunks` more saves are accounted for (saved,
@@ -436,6 +471,8 @@ def main(argv: list[str]) -> int:
                     "read them with `kvshim trace DIR`")
     ap.add_argument("--verify", choices=("l2", "always", "off"),
                     help="the worker's kvshim.verify (default: the library's, l2: payload checks on bytes from L2)")
+    ap.add_argument("--layerwise", action="store_true",
+                    help="restore as kvshim.layerwise does (layer by layer; reports the first layer's wait)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     try:
@@ -473,7 +510,10 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
     engine_id = f"demo-{uuid.uuid4().hex[:12]}"
     common = {"server": "embedded", "engine_id": engine_id, "namespace": namespace, "timeout_ms": 10_000,
               **({"trace_dir": args.trace_dir} if args.trace_dir else {})}
-    sched_cfg = {**common, "block_size": BLOCK_TOKENS, "l1_size_gb": l1_size_gb}
+    # All of L1 prepared at start-up (the server's default prepares 4 GiB):
+    # the worker populates its mapping of each segment as it is announced.
+    sched_cfg = {**common, "block_size": BLOCK_TOKENS, "l1_size_gb": l1_size_gb,
+                 **({} if cuda else {"l1_prefault_gb": l1_size_gb})}
 
     hit_tokens = restored_bytes = seen = saved_bytes = engine_save_bytes = engine_restore_bytes = 0
     restore_s = engine_restore_s = save_s = engine_save_s = save_warm_s = 0.0
@@ -481,13 +521,17 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
     save_warm_bytes = 0
     first_save_ms = None
     lookup_us: list[float] = []
+    first_layer_ms: list[float] = []  # --layerwise: start_load_kv to layer 0 released
+    whole_ms: list[float] = []
     lookup_hit_us = 0.0
     library_phases: dict[str, float] = {}
     verified = engine_verified = True
     worker_cfg = {**common, "rank": 0, **({"verify": args.verify} if args.verify else {})}
     with native.Scheduler(sched_cfg) as sched, native.Worker(worker_cfg) as worker:
+        t_start = time.perf_counter()
         worker.register(cache.describe())
         eng = Engine(sched, worker, timeout_s=30.0)
+        startup_ms = None if cuda else eng.wait_populated(int(l1_size_gb * 2**30), t_start)
         for n, tokens in enumerate(prompts):
             req = f"req-{n}"
             full = len(tokens) // BLOCK_TOKENS
@@ -498,10 +542,16 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
             sched.after_alloc(req, blocks, load)
             if load:
                 before = phase_counters(eng.stats())
-                t0 = time.perf_counter()
-                eng.step([], saves=False)
-                eng.wait(req, eng.recving, steps=False)
-                dt = time.perf_counter() - t0
+                if args.layerwise:
+                    first_s, dt = eng.load_layerwise()
+                    eng.poll()
+                    first_layer_ms.append(first_s * 1e3)
+                else:
+                    t0 = time.perf_counter()
+                    eng.step([], saves=False)
+                    eng.wait(req, eng.recving, steps=False)
+                    dt = time.perf_counter() - t0
+                whole_ms.append(dt * 1e3)
                 restore_s += dt
                 for k, v in phase_counters(eng.stats()).items():
                     library_phases[k] = library_phases.get(k, 0.0) + v - before.get(k, 0.0)
@@ -592,6 +642,10 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
         "save_gbps_warm": gbps(save_warm_bytes, save_warm_s) if save_warm_bytes else None,
         "engine_save_gbps": engine_save_gbps,
         "first_save_ms": first_save_ms,
+        # Start-up: register to the worker's mapping of all of L1 populated
+        # (ipc.PopulateMode; none on CUDA, where registration pins it).
+        "l1_populate_startup_ms": startup_ms,
+        "l1_populate_cpu_ms": round(wstats.get("PopulateNanos", 0) / 1e6, 1),
         # The median over requests of library vs engine-alone restore
         # throughput, each pair measured back to back on the same chunks:
         # steadier than the ratio of totals on a busy machine.
@@ -615,6 +669,12 @@ def run(args: argparse.Namespace, device: str, tensors: str) -> int:
         "library_phase_ms": ({k: round(v / 1e6, 2) for k, v in library_phases.items()} if library_phases
                              else "not exposed (WorkerStats has no *Ns timers)"),
         "saved_chunks": wstats["SavedChunks"],
+        # --layerwise: per restore, start_load_kv to layer 0 released (its
+        # attention could start) against the whole restore: the TTFT a
+        # forward pass overlapping the copies can gain (a GPU figure).
+        "layerwise": ({"first_layer_ms_p50": round(statistics.median(first_layer_ms), 2),
+                       "restore_ms_p50": round(statistics.median(whole_ms), 2),
+                       "restores": len(first_layer_ms)} if first_layer_ms else None),
         "l1_used_bytes": server.get("kvshim_l1_used_bytes"),
     }
     if cuda:

@@ -68,6 +68,9 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_worker_start_saves": [_c_handle, ctypes.c_uint64],
     "kvshim_worker_poll": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_worker_wait": [_c_handle, ctypes.c_int64],
+    "kvshim_worker_start_loads_layered": [_c_handle],
+    "kvshim_worker_wait_layer": [_c_handle, ctypes.c_char_p, ctypes.c_int64],
+    "kvshim_worker_wait_layers": [_c_handle, ctypes.c_int64],
     "kvshim_worker_engine_copy": [_c_handle, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t,
                                   ctypes.c_int64, _u64p],
 }
@@ -499,6 +502,28 @@ class Worker(_Role):
 
     def start_loads(self) -> None:
         self.handle.check(library().kvshim_worker_start_loads(self.handle.value))
+
+    def start_loads_layered(self) -> None:
+        """Starts the bound step's loads layer by layer (kvshim.layerwise)."""
+        self.handle.check(library().kvshim_worker_start_loads_layered(self.handle.value))
+
+    def wait_layer(self, layer: str, timeout_ms: int) -> bool:
+        """Blocks until the step's copies of this layer ended (True) or
+        timeout_ms passes (False)."""
+        rc = library().kvshim_worker_wait_layer(self.handle.value, layer.encode(), timeout_ms)
+        if rc == ETIMEDOUT:
+            return False
+        self.handle.check(rc)
+        return True
+
+    def wait_layers(self, timeout_ms: int) -> bool:
+        """Blocks until the step's layer-wise loads ended and their failures
+        are in poll() (True), or timeout_ms passes (False)."""
+        rc = library().kvshim_worker_wait_layers(self.handle.value, timeout_ms)
+        if rc == ETIMEDOUT:
+            return False
+        self.handle.check(rc)
+        return True
 
     def start_saves(self, stream_event: int = 0) -> None:
         """stream_event: a CUevent recorded on vLLM's stream after the forward

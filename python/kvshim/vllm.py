@@ -79,6 +79,9 @@ CONFIG_KEYS: dict[str, tuple[Any, str]] = {
                                 "workers and the embedded server (default: off)")),
     "kvshim.metrics_port": (0, ("embedded server: serve Prometheus metrics and /healthz at http://127.0.0.1:PORT "
                                 "(0: off), as `kvshim serve --metrics-port`")),
+    "kvshim.layerwise": (False, ("load a hit layer by layer in the step that computes the request, each attention "
+                                 "layer waiting only for its own copy (docs/datapath.md); default: off, the load "
+                                 "runs before the request is scheduled")),
 }
 
 KV_CACHE_LAYOUTS = tuple(m.name for m in KVCacheLayout)
@@ -96,6 +99,14 @@ def _positive(kind: type, *, zero: bool = False) -> Any:
             raise ValueError(f"{key}: must be {'>= 0' if zero else '> 0'}, got {v!r}")
         return x
     return check
+
+
+def _bool(key: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "1", "on", "false", "0", "off"):
+        return v.lower() in ("true", "1", "on")
+    raise ValueError(f"{key}: want true or false, got {v!r}")
 
 
 def _string(key: str, v: Any) -> str:
@@ -152,6 +163,7 @@ _CHECKS: dict[str, Any] = {
     "kvshim.kv_cache_layout": _choice(*KV_CACHE_LAYOUTS),
     "kvshim.trace_dir": _string,
     "kvshim.metrics_port": _port,
+    "kvshim.layerwise": _bool,
 }
 
 
@@ -424,6 +436,18 @@ def _groups(kv_cache_config: KVCacheConfig | None, model: str, vllm_config: Vllm
     return out
 
 
+def _layerwise(cfg: dict[str, Any], kv_cache_config: KVCacheConfig | None) -> bool:
+    """kvshim.layerwise, on only for one full-attention KV-cache group:
+    several groups (or a lone window or Mamba group) report failed loads by
+    request (failed_recving), which vLLM reads only for asynchronous loads."""
+    on = bool(cfg["kvshim.layerwise"])
+    if on and _has_groups(kv_cache_config):
+        logger.warning("kvshim.layerwise: off for this model (several KV-cache groups, or one that frees blocks: "
+                       "failed loads are reported by request, which needs asynchronous loads)")
+        return False
+    return on
+
+
 def _has_groups(kv_cache_config: KVCacheConfig | None) -> bool:
     """Whether kvshim describes the model's KV-cache groups to Go. One group
     of full attention keeps the keys and block handling of kvshim before
@@ -672,9 +696,12 @@ class KVShimScheduler:
     """The scheduler side of the connector (vLLM's scheduler process, one per
     engine): vLLM's requests as the native scheduler's arguments."""
 
-    def __init__(self, sched: native.Scheduler, chunk_size: int) -> None:
+    def __init__(self, sched: native.Scheduler, chunk_size: int, layerwise: bool = False) -> None:
         self.native = sched
         self._chunk = chunk_size
+        # Layer-wise loads are synchronous: vLLM schedules the request in the
+        # step that loads it, and the forward pass waits layer by layer.
+        self._async = not layerwise
         # request -> the ids it is looked up over: vLLM's list, or their uint32 array (_match)
         self._ids: dict[str, list[int] | npt.NDArray[np.uint32]] = {}
         # rid -> [request, tokens Go keyed (a chunk boundary), num_preemptions when keyed]
@@ -714,7 +741,7 @@ class KVShimScheduler:
             return self._miss(rid, e)
         if n is None:
             return None, False  # pending: vLLM asks again next step
-        return n, n > 0
+        return n, n > 0 and self._async
 
     def _match(self, rid: str, ids: list[int] | npt.NDArray[np.uint32], extras: dict[str, Any] | None,
                num_computed: int) -> int | None:
@@ -904,8 +931,9 @@ class KVShimWorker:
     step metadata and stream as the native worker's arguments."""
 
     def __init__(self, worker: native.Worker, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
-                 timeout_ms: int) -> None:
+                 timeout_ms: int, layerwise: bool = False) -> None:
         self.native = worker
+        self._layerwise = layerwise
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._timeout_ms = timeout_ms
@@ -964,8 +992,24 @@ class KVShimWorker:
         self._bound = None
 
     def start_load_kv(self) -> None:
-        if self._bound is not None:
+        if self._bound is None:
+            return
+        if self._layerwise:
+            self.native.start_loads_layered()
+        else:
             self.native.start_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layer-wise: returns once this layer's copies of the step ended."""
+        if self._layerwise and self._bound is not None and not self.native.wait_layer(layer_name, self._timeout_ms):
+            logger.warning("kvshim: layer %s not loaded after %d ms; its blocks are load errors", layer_name,
+                           self._timeout_ms)
+
+    def _wait_layers(self) -> None:
+        """Layer-wise: the step's loads ended, their failures reported
+        (before the step's output, which reads them)."""
+        if self._layerwise and not self.native.wait_layers(self._timeout_ms):
+            logger.warning("kvshim: the step's layer-wise loads still run after %d ms", self._timeout_ms)
 
     def wait_for_save(self) -> None:
         if self._bound is None:
@@ -990,6 +1034,7 @@ class KVShimWorker:
         return ev
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self._wait_layers()
         done = self.native.poll()
         if self._by_request:
             self._failed.update(done.failed)
@@ -1009,7 +1054,9 @@ class KVShimWorker:
 
     def get_stats(self) -> KVShimStats | None:
         """The counters since the last report, as metric names."""
-        now = self.native.stats().counters
+        # Populate* describe the start-up's L1 mapping (a gauge among them),
+        # not a step's work: not reported as vLLM's per-step counters.
+        now = {k: v for k, v in self.native.stats().counters.items() if not k.startswith("Populate")}
         delta: dict[str, Any] = {_snake(k): v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         lat = self.native.take_latencies()  # job durations for vLLM's /metrics (kvshim.prom)
@@ -1047,12 +1094,13 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         self.connector_worker: KVShimWorker | None = None
         # The first native call of this process: after vLLM's fork.
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVShimScheduler(native.Scheduler(open_cfg), int(cfg["kvshim.chunk_size"]))
+            self.connector_scheduler = KVShimScheduler(native.Scheduler(open_cfg), int(cfg["kvshim.chunk_size"]),
+                                                       _layerwise(cfg, kv_cache_config))
             detail = (f" l1_size_gb={cfg['kvshim.l1_size_gb']:g} l2_adapters={len(cfg['kvshim.l2_adapters'])}"
                       f" kv_cache_layout={open_cfg['namespace'].get('layout', '?')[:120]}")
         else:
             self.connector_worker = KVShimWorker(native.Worker(open_cfg), vllm_config, kv_cache_config,
-                                                 int(cfg["kvshim.timeout_ms"]))
+                                                 int(cfg["kvshim.timeout_ms"]), _layerwise(cfg, kv_cache_config))
             detail = f" rank={open_cfg['rank']}"
         # One line that says kvshim is active, and with what.
         logger.info("kvshim %s active: role=%s server=%s chunk_size=%d verify=%s%s", native.version(),
@@ -1133,12 +1181,14 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous: vLLM schedules a request only after
-        # get_finished reported its load, so no layer waits here.
-        return None
+        # By default loads are asynchronous (vLLM schedules a request only
+        # after get_finished reported its load) and no layer waits here;
+        # with kvshim.layerwise each layer waits for its own copies.
+        self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        # Saves are submitted once per step, in wait_for_save.
+        # Saves are submitted once per step, in wait_for_save (layer-wise
+        # saves: not built yet, docs/datapath.md).
         return None
 
     def wait_for_save(self) -> None:

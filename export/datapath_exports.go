@@ -1,0 +1,62 @@
+package main
+
+/*
+#include <stdint.h>
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/kvshim/kvshim/shim"
+)
+
+// Layer-wise loads (kvshim.layerwise; shim/layerwise.go): the connector
+// calls start_loads_layered instead of start_loads, wait_layer before each
+// attention layer and wait_layers before the step's output.
+
+//export kvshim_worker_start_loads_layered
+func kvshim_worker_start_loads_layered(h C.int64_t) C.int {
+	return call(h, func(in *instance, ws *workerState) error {
+		m, err := ws.boundMeta()
+		if err != nil {
+			return err
+		}
+		ws.w.StartLoadsLayered(m)
+		return nil
+	})
+}
+
+//export kvshim_worker_wait_layer
+func kvshim_worker_wait_layer(h C.int64_t, layer *C.char, timeoutMS C.int64_t) C.int {
+	return call(h, func(in *instance, ws *workerState) error {
+		if layer == nil {
+			return fmt.Errorf("layer is NULL: %w", errInvalid)
+		}
+		if timeoutMS < 0 {
+			return fmt.Errorf("timeout_ms %d is negative: %w", timeoutMS, errInvalid)
+		}
+		return deadline(ws.w.WaitLayer(C.GoString(layer), time.Duration(timeoutMS)*time.Millisecond))
+	})
+}
+
+//export kvshim_worker_wait_layers
+func kvshim_worker_wait_layers(h C.int64_t, timeoutMS C.int64_t) C.int {
+	return call(h, func(in *instance, ws *workerState) error {
+		if timeoutMS < 0 {
+			return fmt.Errorf("timeout_ms %d is negative: %w", timeoutMS, errInvalid)
+		}
+		return deadline(ws.w.WaitLayers(time.Duration(timeoutMS) * time.Millisecond))
+	})
+}
+
+// deadline maps a layer wait's timeout to KVSHIM_ETIMEDOUT.
+func deadline(err error) error {
+	if errors.Is(err, shim.ErrLayerTimeout) {
+		return fmt.Errorf("%v: %w", err, os.ErrDeadlineExceeded)
+	}
+	return err
+}
