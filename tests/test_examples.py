@@ -117,6 +117,9 @@ def test_connector_extra_config_with_l2(adapter):
 def test_every_example_is_checked():
     checked = {"vllm-tp2-embedded.sh", "vllm-shared-server.sh"} | {
         f"{p}-{a}.json" for p in ("vllm-kv-transfer-config", "l2") for a in ("fs", "redis", "mooncake")}
+    # Checked in Go: l2-s3.json and l2-plugin.json by cli/examples_test.go,
+    # the C plugin in l2-plugin/ by server/l2/plugin's contract suite.
+    checked |= {"l2-s3.json", "l2-plugin.json", "l2-plugin"}
     assert {p.name for p in EXAMPLES.iterdir()} == checked, "a new example needs a test"
 
 
