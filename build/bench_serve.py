@@ -9,7 +9,7 @@ other, each driven by the same two workloads:
   Which is which is known by sampling the same dataset here (same code, same
   seed) and checked against the lengths the tool reports.
 - a multi-turn chat (4 conversations of 4 turns, taken round robin, a
-  ~1,500-token system prompt each, 16 answer tokens, streamed): turns 2-4 can
+  system prompt of 110 generated lines each, 16 answer tokens, streamed): turns 2-4 can
   hit the conversation so far.
 
 Configurations: no cache (`cold`); vLLM's prefix cache; kvshim (embedded,
