@@ -18,7 +18,10 @@ echo "-- layer over $base" >&2
 site "$base" >"$(site "$venv")/_kvshim_base_venv.pth"
 "$venv/bin/python" -m pip install --progress-bar off --no-deps -r "$req"
 for s in vllm; do
-  printf '#!%s\nimport sys\nfrom vllm.entrypoints.cli.main import main\nsys.exit(main())\n' "$venv/bin/python" >"$venv/bin/$s"
+  # The __main__ guard: vLLM spawns its engine core with multiprocessing's
+  # spawn, which imports this script again in the child.
+  printf '#!%s\nimport sys\nfrom vllm.entrypoints.cli.main import main\nif __name__ == "__main__":\n    sys.exit(main())\n' \
+    "$venv/bin/python" >"$venv/bin/$s"
   chmod +x "$venv/bin/$s"
 done
 "$venv/bin/python" -c 'import lmcache, vllm; print("layer imports lmcache", lmcache.__file__, "and vllm", vllm.__file__)' >&2

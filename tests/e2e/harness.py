@@ -102,26 +102,42 @@ class Proc:
             os.killpg(self.popen.pid, sig)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT_S) -> int | None:
-        """sig to the process's whole session, then SIGKILL past timeout.
-        Returns the exit status (None if it had to be killed)."""
+        """sig to the process (as `kill PID` or a container stop does), then
+        time for its children (vLLM's engine core and workers) to finish
+        their own shutdown; SIGKILL to the whole session past timeout.
+        Returns the leader's exit status (None if it had to be killed)."""
+        deadline = time.monotonic() + timeout
         rc: int | None = None
         if self.alive():
-            self.signal_group(sig)
-            try:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 rc = self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
         else:
             rc = self.popen.returncode
-        # Children (vLLM's engine core) may outlive the leader: the session
-        # goes too.
+        while time.monotonic() < deadline and self.session_alive():
+            time.sleep(0.1)
         self.signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(10)
         self._logf.close()
         return rc
 
+    def session_alive(self) -> bool:
+        """Whether a live (not zombie) process of this one's session remains."""
+        for st in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = st.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            # fields: state ppid pgrp session ...
+            if fields[0] != "Z" and int(fields[3]) == self.popen.pid:
+                return True
+        return False
+
     def kill(self) -> None:
+        """SIGKILL to the whole session at once: no process gets to clean up."""
+        self.signal_group(signal.SIGKILL)
         self.stop(signal.SIGKILL, timeout=10)
 
     def exited_error(self, what: str) -> RuntimeError:

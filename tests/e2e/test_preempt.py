@@ -1,17 +1,23 @@
 """A real `vllm serve` whose KV cache is too small for its concurrent
 requests, so the scheduler preempts running requests while their saves are
-in flight: every request completes, kvshim loads no block that failed, and the
-greedy tokens equal those of the same engine without kvshim.
+in flight: every request completes, and what kvshim loaded on resume is the
+right KV: each greedy token it generated is the top token when the same
+engine without kvshim, serving one request at a time, recomputes the whole
+sequence (prompt_logprobs).
 
-Both servers get the same small cache (--num-gpu-blocks-override) and the
-same requests; what is compared is the greedy tokens, not the logprobs: a
-preempted request is recomputed (or, with kvshim, partly loaded) at points
-that depend on timing, so its KV is computed in differently shaped steps and
-bf16 rounding may differ in the last bits.
+Why not equal tokens with a run without kvshim: vLLM alone is not
+reproducible here. Two identical concurrent runs of the same server without
+kvshim gave different greedy tokens for 4 of 6 requests (first differences at
+tokens 136-247): which requests share a step, and where they are preempted,
+depends on timing, and a differently shaped step rounds bf16 differently.
+Wrong KV (a block of another request, a stale or half-written chunk) would
+make later tokens far from the top one, which this test catches; a tie
+broken the other way is within the tolerance below.
 """
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,9 +25,11 @@ import pytest
 from harness import Processes, VllmServer, kvshim_config, prompt_ids, warm_up
 
 CHUNK = 256
-BLOCKS = 16  # x 128 tokens: 2,048 tokens for 6 requests of ~700 each
+BLOCKS = 20  # x 128 tokens, one the null block (the least --max-model-len 2048 starts with)
 SMALL = ["--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "2048", "--max-num-seqs", "6"]
-N, PROMPT, OUT = 6, CHUNK * 2 + 20, 160
+# Each request grows to 7 blocks (532 + 300 tokens): three are admitted (5 blocks of prompt
+# each), and their decodes need 21 blocks of the 19: vLLM preempts.
+N, PROMPT, OUT = 6, CHUNK * 2 + 20, 300
 
 
 def _run(s: VllmServer) -> list[list[int]]:
@@ -42,15 +50,34 @@ def servers(procs: Processes) -> tuple[VllmServer, VllmServer]:
     return shim, plain
 
 
-def test_preempted_requests_complete_and_match_the_run_without_kvshim(servers: tuple[VllmServer, VllmServer]) -> None:
+# Largest logprob gap tolerated between the token generated and the top token
+# of the recompute: bf16 noise between two step shapes is ~1e-2 nats here.
+GAP = 0.25
+re_failed = re.compile(r"failed_loads=[1-9]")
+
+
+def test_preempted_requests_complete_and_generate_what_a_recompute_agrees_with(
+        servers: tuple[VllmServer, VllmServer]) -> None:
     shim, plain = servers
     p0 = shim.metrics().get("vllm:num_preemptions_total", 0.0)
     got = _run(shim)
     preemptions = shim.metrics().get("vllm:num_preemptions_total", 0.0) - p0
-    want = _run(plain)
     assert preemptions > 0, "the small cache forced no preemption: the test tests nothing"
     assert all(len(t) == OUT for t in got), [len(t) for t in got]
-    assert got == want, [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    worst = 0.0
+    for i, toks in enumerate(got):
+        prompt = prompt_ids(PROMPT, seed=300 + i)
+        r = plain.complete(prompt + toks, max_tokens=1, logprobs=None, prompt_logprobs=1)
+        plp = r["choices"][0].get("prompt_logprobs") or r.get("prompt_logprobs")
+        assert plp is not None, "no prompt_logprobs in the answer"
+        for pos in range(PROMPT, PROMPT + OUT):
+            cand = plp[pos]
+            mine = cand[str(toks[pos - PROMPT])]["logprob"]
+            top = max(c["logprob"] for c in cand.values())
+            worst = max(worst, top - mine)
+            assert top - mine <= GAP, f"request {i}, token {pos - PROMPT}: {top - mine:.3f} nats below the top"
     log = shim.log_text()
     assert "Traceback (most recent call last)" not in log, shim.tail()
-    print(f"{preemptions:.0f} preemptions; external hits {shim.external_hits():.0f} tokens")
+    assert not re_failed.search(log), "kvshim reported failed loads"  # its KV Transfer metrics lines
+    print(f"{preemptions:.0f} preemptions; external hits {shim.external_hits():.0f} tokens; worst gap {worst:.4f} nats")
+
