@@ -62,6 +62,11 @@ type Worker struct {
 	// reported gets a token when a load ends or a request's copies end
 	// (WaitReport); capacity 1, never blocks a sender.
 	reported chan struct{}
+	// saveReports: how each chunk of each save ended, for the scheduler's
+	// KV events (events.go); recorded once TakeSaveReports was called.
+	saveReports []SaveReport
+	reportsOn   bool
+	reportsLost uint64
 }
 
 // WorkerStats are cumulative counters of one worker.
@@ -521,6 +526,9 @@ func (w *Worker) StartSaves(meta *StepMeta, streamEvent uint64) {
 					s.FailedSaves += uint64(len(sv.Hashes))
 				}
 			})
+			for i := range meta.Saves {
+				w.reportSave(&meta.Saves[i], nil)
+			}
 			return
 		}
 	}
@@ -538,6 +546,8 @@ func (w *Worker) StartSaves(meta *StepMeta, streamEvent uint64) {
 // keeps them until save returns, as before.
 func (w *Worker) save(sv *SaveSpec, free func()) {
 	defer w.traceSave(sv)()
+	var committed []kv.Hash
+	defer func() { w.reportSave(sv, committed) }()
 	l, ns, eng, err := w.group(sv.Group)
 	if err != nil {
 		w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(sv.Hashes)) })
@@ -613,9 +623,12 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 		err = w.link.callOn(client, func(ctx context.Context, c *ipc.Client) error {
 			resp, err := c.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: ns, Rank: w.kvRank, Hashes: hashes})
 			if err == nil {
-				for _, st := range resp.Status {
+				for i, st := range resp.Status {
 					if st == ipc.StatusOK {
 						saved++
+						if i < len(hashes) {
+							committed = append(committed, hashes[i])
+						}
 					}
 				}
 			}
