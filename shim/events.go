@@ -270,6 +270,13 @@ func (w *Worker) reportSave(sv *SaveSpec, committed []kv.Hash) {
 	}
 }
 
+// reporting reports whether save reports are recorded.
+func (w *Worker) reporting() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.reportsOn
+}
+
 // TakeSaveReports returns the save reports since the last call; the first
 // call starts recording them.
 func (w *Worker) TakeSaveReports() []SaveReport {

@@ -79,7 +79,7 @@ def test_block_stored_names_vllms_own_block_hashes(served: tuple[VllmServer, Sub
     events = sub.drain(lambda evs: sum(len(e.block_hashes) for e in kvshim_stored(evs)) >= ours, 60)
     stored = kvshim_stored(events)
     got = [h for e in stored for h in e.block_hashes]
-    assert len(got) == ours, stored
+    assert len(got) == ours, (stored, [(type(e).__name__, getattr(e, "medium", None)) for e in events])
     assert all(e.block_size == BLOCK for e in stored)
     assert [t for e in stored for t in e.token_ids] == tokens[: 3 * CHUNK]
     # vLLM's own events for the same blocks (its GPU prefix cache) name
