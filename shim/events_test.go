@@ -1,10 +1,15 @@
 package shim
 
 import (
+	"encoding/json"
 	"errors"
+	"strings"
 	"testing"
 
+	"github.com/google/uuid"
 	"gotest.tools/v3/assert"
+
+	"github.com/kvshim/kvshim/kv"
 )
 
 // KV events (events.go) against a real server with real workers on host
@@ -122,4 +127,36 @@ func TestEventsBadReport(t *testing.T) {
 		err := r.sched.SaveReports([]SaveReport{{Req: "A", Hash: h, OK: true}})
 		assert.Assert(t, errors.Is(err, ErrBadMeta), "%q: %v", h, err)
 	}
+}
+
+// FuzzSaveReports: any JSON a worker (or a corrupted metadata) hands the
+// scheduler is an error or passed over, never a panic, and never an event
+// for a chunk that was not announced.
+func FuzzSaveReports(f *testing.F) {
+	f.Add([]byte(`[{"r":"A","g":0,"k":0,"h":"` + strings.Repeat("ab", kv.HashSize) + `","ok":true}]`))
+	f.Add([]byte(`[{"r":"A","h":"zz"}]`))
+	f.Add([]byte(`[]`))
+	ns := NamespaceSpec{Model: "m", DType: "bfloat16", LayoutFingerprint: "test", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk}
+	s, err := NewScheduler(SchedulerConfig{Socket: "/nonexistent/kvshim.sock", Namespace: ns, BlockSize: tBS, Instance: uuid.New()})
+	assert.NilError(f, err)
+	defer s.Close()
+	s.TakeEvents()
+	var h kv.Hash
+	h[0] = 0xab
+	f.Fuzz(func(t *testing.T, data []byte) {
+		var reps []SaveReport
+		if json.Unmarshal(data, &reps) != nil {
+			return
+		}
+		s.mu.Lock()
+		s.announce([]SaveSpec{{Req: "A", Hashes: []kv.Hash{h}}})
+		s.mu.Unlock()
+		if err := s.SaveReports(reps); err != nil {
+			assert.Assert(t, errors.Is(err, ErrBadMeta), err)
+		}
+		for _, ev := range s.TakeEvents().Events {
+			assert.Equal(t, ev.Req, "A")
+			assert.Equal(t, ev.FirstBlock, 0)
+		}
+	})
 }

@@ -13,6 +13,7 @@ connector's through vLLM's Scheduler).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -28,28 +29,61 @@ BLOCK = 16  # vllm serve's default block size on CPU
 
 
 class Subscriber:
-    """A ZMQ SUB socket on vLLM's publisher, as a router's indexer has."""
+    """A ZMQ SUB socket for vLLM's publisher, as a router's indexer has. It
+    binds: vLLM's PUB binds only a wildcard or ipc endpoint and connects to
+    any other (ZmqEventPublisher._is_bind_endpoint). Its own thread polls
+    it from the start: libzmq attaches a connecting peer, and sends it the
+    subscription, only while the application calls into the socket, and a
+    PUB drops whatever it sends before the subscription arrives."""
 
     def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(endpoint)
-        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.endpoint = endpoint
         self.events: list[Any] = []
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._bound = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events-sub", daemon=True)
+        self._thread.start()
+        assert self._bound.wait(10), "the subscriber did not bind"
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.bind(self.endpoint)
+            self._bound.set()
+            decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+            while not self._stop.is_set():
+                if sock.poll(50):
+                    _topic, _seq, payload = sock.recv_multipart()
+                    batch = decoder.decode(payload)
+                    with self._lock:
+                        self.events += batch.events
+        except BaseException as e:  # reported by drain()
+            self.errors.append(e)
+            self._bound.set()
+        finally:
+            sock.close(0)
+            ctx.term()
 
     def drain(self, until: Any, timeout_s: float) -> list[Any]:
-        """Receives until until(events) holds or timeout_s passes."""
+        """The events received once until(events) holds or timeout_s passed."""
         deadline = time.monotonic() + timeout_s
-        while not until(self.events) and time.monotonic() < deadline:
-            if self.sock.poll(100):
-                _topic, _seq, payload = self.sock.recv_multipart()
-                self.events += self.decoder.decode(payload).events
-        return self.events
+        while time.monotonic() < deadline:
+            with self._lock:
+                got = list(self.events)
+            if self.errors or until(got):
+                break
+            time.sleep(0.05)
+        assert not self.errors, self.errors
+        with self._lock:
+            return list(self.events)
 
     def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+        self._stop.set()
+        self._thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +91,7 @@ def served(procs: Processes) -> tuple[VllmServer, Subscriber]:
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
-    sub = Subscriber(endpoint)  # SUB connects before PUB binds: zmq retries
+    sub = Subscriber(endpoint)
     s = procs.start_vllm("vllm-events", kv=kvshim_config(), prefix_caching=True,
                          args=["--kv-events-config", json.dumps(ev)])
     yield s, sub
@@ -72,9 +106,9 @@ def test_block_stored_names_vllms_own_block_hashes(served: tuple[VllmServer, Sub
     s, sub = served
     tokens = prompt_ids(3 * CHUNK + 10, seed=41)
     s.complete(tokens, max_tokens=1)
-    # The committed chunks' events come with a later step's output: a
-    # second request keeps the engine stepping.
-    s.complete(prompt_ids(20, seed=42), max_tokens=1)
+    # No other request follows: the events come with the step that returns
+    # the request's blocks (finished_sending), which waits for the COMMIT's
+    # report, so an engine that goes idle still publishes them.
     ours = 3 * CHUNK // BLOCK
     events = sub.drain(lambda evs: sum(len(e.block_hashes) for e in kvshim_stored(evs)) >= ours, 60)
     stored = kvshim_stored(events)
