@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -25,7 +26,6 @@ from vllm.distributed.kv_events import BlockStored, KVEventBatch
 from harness import Processes, VllmServer, free_port, kvshim_config, prompt_ids
 
 CHUNK = 256  # kvshim.chunk_size (its default)
-BLOCK = 16  # vllm serve's default block size on CPU
 
 
 class Subscriber:
@@ -87,7 +87,7 @@ class Subscriber:
 
 
 @pytest.fixture(scope="module")
-def served(procs: Processes) -> tuple[VllmServer, Subscriber]:
+def served(procs: Processes) -> Iterator[tuple[VllmServer, Subscriber]]:
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
@@ -109,15 +109,17 @@ def test_block_stored_names_vllms_own_block_hashes(served: tuple[VllmServer, Sub
     # No other request follows: the events come with the step that returns
     # the request's blocks (finished_sending), which waits for the COMMIT's
     # report, so an engine that goes idle still publishes them.
-    ours = 3 * CHUNK // BLOCK
-    events = sub.drain(lambda evs: sum(len(e.block_hashes) for e in kvshim_stored(evs)) >= ours, 60)
+    events = sub.drain(lambda evs: sum(len(e.token_ids) for e in kvshim_stored(evs)) >= 3 * CHUNK, 60)
     stored = kvshim_stored(events)
+    gpu_events = [e for e in events if isinstance(e, BlockStored) and e.medium == "GPU"]
+    assert stored and gpu_events, [(type(e).__name__, getattr(e, "medium", None)) for e in events]
+    block = gpu_events[0].block_size  # the CPU build's default (128), not the GPU's 16
+    assert all(e.block_size == block for e in stored)
     got = [h for e in stored for h in e.block_hashes]
-    assert len(got) == ours, (stored, [(type(e).__name__, getattr(e, "medium", None)) for e in events])
-    assert all(e.block_size == BLOCK for e in stored)
+    assert len(got) == 3 * CHUNK // block, stored
     assert [t for e in stored for t in e.token_ids] == tokens[: 3 * CHUNK]
     # vLLM's own events for the same blocks (its GPU prefix cache) name
     # them by the same hashes: a router joins the two tiers by hash.
-    gpu = [h for e in events if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes]
-    assert got == gpu[:ours]
+    gpu = [h for e in gpu_events for h in e.block_hashes]
+    assert got == gpu[: len(got)]
     assert stored[0].parent_block_hash is None
