@@ -119,6 +119,27 @@ def test_nothing_for_a_save_that_was_not_committed(kv_events):
     assert drain(h, rec, 0) == []
 
 
+def test_nothing_for_a_skipped_save(kv_events):
+    h, r, rec = kv_events()
+    # Two requests with one prompt in one step (vLLM's own prefix cache
+    # off): both compute it and both saves are dispatched; the server
+    # stages the chunks for one, the other's save is skipped and announces
+    # nothing, so the router learns the chunks once.
+    tokens = prompt(16, 2 * CHUNK + 3)
+    a = h.add_request(h.make_request(tokens, max_tokens=1))
+    b = h.add_request(h.make_request(tokens, max_tokens=1))
+    h.settle()
+    wait_jobs(h)
+    got = drain(h, rec, 1)
+    counters = r.kvshim.worker.stats().counters
+    assert (counters["SavedChunks"], counters["SkippedChunks"]) == (2, 2)
+    assert len(got) == 1 and isinstance(got[0], BlockStored), got
+    assert got[0].block_hashes == [maybe_convert_block_hash(x) for x in a.block_hashes[: 2 * CHUNK // BS]]
+    assert a.block_hashes[: 2 * CHUNK // BS] == b.block_hashes[: 2 * CHUNK // BS]
+    st = h.kvshim.scheduler.events
+    assert st is not None and not st.requests
+
+
 def test_all_blocks_cleared_after_reset_prefix_cache(kv_events):
     h, _, rec = kv_events()
     run(h, prompt(13, CHUNK + 1))
