@@ -105,6 +105,11 @@ bench-l2:
 bench-keys:
 	$(GO) run ./cmd/kvshim-bench-keys
 
+# What KV events cost per saved chunk: saves with and without events, interleaved (one JSON line).
+.PHONY: bench-events
+bench-events:
+	$(GO) test -run '^$$' -bench '^BenchmarkEventsSave$$' -benchtime 300x ./shim/ | grep '^{\|"bench"' | sed 's/^[^{]*//'
+
 # L2 write traffic of a prefix_repetition-shaped run: write-through vs --l2-store-after-lookups 1, 2 (one JSON line).
 .PHONY: bench-l2-admission
 bench-l2-admission:

@@ -91,3 +91,48 @@ func kvshim_worker_take_latencies(h C.int64_t, buf unsafe.Pointer, capacity C.si
 		return output(in, b, buf, capacity, outLen)
 	})
 }
+
+// KV events (kvshim.h, "KV events"): the worker's save reports, carried to
+// the scheduler in vLLM's KVConnectorWorkerMetadata, and the events the
+// scheduler makes of them (shim/events.go).
+
+//export kvshim_worker_take_save_reports
+func kvshim_worker_take_save_reports(h C.int64_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) C.int {
+	return call(h, func(in *instance, ws *workerState) error {
+		b, err := json.Marshal(ws.w.TakeSaveReports())
+		if err != nil {
+			return err
+		}
+		return output(in, b, buf, capacity, outLen)
+	})
+}
+
+//export kvshim_sched_save_reports
+func kvshim_sched_save_reports(h C.int64_t, reportsJSON *C.char) C.int {
+	return call(h, func(in *instance, s *shim.Scheduler) error {
+		raw, err := goString(reportsJSON, "reports_json")
+		if err != nil {
+			return err
+		}
+		var perRank [][]shim.SaveReport
+		if err := decodeStrict([]byte(raw), &perRank, "reports_json"); err != nil {
+			return err
+		}
+		var all []shim.SaveReport
+		for _, r := range perRank {
+			all = append(all, r...)
+		}
+		return s.SaveReports(all)
+	})
+}
+
+//export kvshim_sched_take_events
+func kvshim_sched_take_events(h C.int64_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) C.int {
+	return call(h, func(in *instance, s *shim.Scheduler) error {
+		b, err := json.Marshal(s.TakeEvents())
+		if err != nil {
+			return err
+		}
+		return output(in, b, buf, capacity, outLen)
+	})
+}

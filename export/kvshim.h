@@ -66,9 +66,11 @@ extern "C" {
  * the scheduler's controls (kvshim_sched_reset, _hit_sources,
  * _request_options, _received), the scheduler's "kv_role" key and
  * kvshim_worker_take_latencies; 5.2 adds layer-wise loads
- * (kvshim_worker_start_loads_layered, _wait_layer, _wait_layers). */
+ * (kvshim_worker_start_loads_layered, _wait_layer, _wait_layers); 5.3 the KV
+ * events (kvshim_worker_take_save_reports, kvshim_sched_save_reports,
+ * kvshim_sched_take_events). */
 #define KVSHIM_ABI_MAJOR 5
-#define KVSHIM_ABI_MINOR 2
+#define KVSHIM_ABI_MINOR 3
 #define KVSHIM_ABI_VERSION (KVSHIM_ABI_MAJOR * 1000 + KVSHIM_ABI_MINOR)
 
 typedef int64_t kvshim_handle;
@@ -234,6 +236,33 @@ int kvshim_sched_received(kvshim_handle h, const char *ids_json);
  * "save": [...], "dropped": n} (at most 4096 of each kept between calls;
  * dropped counts the rest) (variable-length output). */
 int kvshim_worker_take_latencies(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
+
+/* KV events (vLLM's take_events; ABI 5.2). Nothing is recorded until the
+ * first call of kvshim_worker_take_save_reports (worker) or
+ * kvshim_sched_take_events (scheduler).
+ *
+ * Worker role: how each chunk of each save job ended since the last call,
+ * a JSON array of {"r": request id, "g": KV-cache group, "k": KV rank,
+ * "h": chunk hash (64 hex digits), "ok": committed} (at most 65536 kept
+ * between calls) (variable-length output). */
+int kvshim_worker_take_save_reports(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
+
+/* Scheduler role: one engine step's save reports, a JSON array of every
+ * rank's kvshim_worker_take_save_reports array. A chunk every KV rank
+ * committed becomes a "stored" event; one a rank did not commit is
+ * forgotten (never announced). A hash that is no chunk hash is
+ * KVSHIM_EINVAL (the other reports are still taken). */
+int kvshim_sched_save_reports(kvshim_handle h, const char *reports_json);
+
+/* Scheduler role: the events since the last call, as JSON {"events":
+ * [{"kind": "stored", "req", "group", "first_block", "blocks", "medium":
+ * "CPU"} | {"kind": "cleared"}], "done": [request ids finished with
+ * nothing left to announce], "dropped": chunks never announced (their
+ * reports did not come within 2 minutes, or the table of 65536 pending
+ * chunks was full), "pending": chunks waiting for reports, "reported":
+ * reports matched} (variable-length output). kvshim_sched_reset adds a
+ * "cleared" event. */
+int kvshim_sched_take_events(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* ---- Worker role: the vLLM worker-side connector (one per rank). ---- */
 

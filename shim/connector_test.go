@@ -30,7 +30,7 @@ type rankCache struct {
 	descs []layout.TensorDesc
 }
 
-func newRankCache(t *testing.T) *rankCache {
+func newRankCache(t testing.TB) *rankCache {
 	layer := int64(2 * tBlocks * tBS * tHeads * tHead * 2)
 	mem, err := unix.Mmap(-1, 0, int(layer)*tLayers, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
 	assert.NilError(t, err)
@@ -77,17 +77,17 @@ type rig struct {
 	caches  []*rankCache
 }
 
-func newRig(t *testing.T, world int) *rig {
+func newRig(t testing.TB, world int) *rig {
 	return newRigNS(t, NamespaceSpec{Model: "m", DType: "bfloat16", LayoutFingerprint: "test", ObjectFormat: 1, WorldSize: world, ChunkSize: tChunk})
 }
 
 // newRigNS is newRig for any namespace spec (world size ns.WorldSize; the
 // scheduler's blocks hold ns.DCPSize ranks' blocks).
-func newRigNS(t *testing.T, ns NamespaceSpec) *rig { return newRigWith(t, ns, nil, nil) }
+func newRigNS(t testing.TB, ns NamespaceSpec) *rig { return newRigWith(t, ns, nil, nil) }
 
 // newRigWith is newRigNS with the server's config changed by tune and each
 // rank's cache by prep before it is registered (either may be nil).
-func newRigWith(t *testing.T, ns NamespaceSpec, tune func(*server.Config), prep func(*rankCache)) *rig {
+func newRigWith(t testing.TB, ns NamespaceSpec, tune func(*server.Config), prep func(*rankCache)) *rig {
 	t.Helper()
 	world := ns.WorldSize
 	sock := filepath.Join(t.TempDir(), "kvshim.sock")
@@ -118,7 +118,7 @@ func newRigWith(t *testing.T, ns NamespaceSpec, tune func(*server.Config), prep 
 }
 
 // match polls Match until the lookup is final.
-func (r *rig) match(t *testing.T, req string, tokens []uint32, ex Extras, local int) int {
+func (r *rig) match(t testing.TB, req string, tokens []uint32, ex Extras, local int) int {
 	for range 200 {
 		n, pending, err := r.sched.Match(req, tokens, ex, local)
 		assert.NilError(t, err)
@@ -133,7 +133,7 @@ func (r *rig) match(t *testing.T, req string, tokens []uint32, ex Extras, local 
 
 // step runs one engine step on every worker and waits until the copies it
 // started are done; it returns what the workers reported.
-func (r *rig) step(t *testing.T, st *Step) (recving map[string]int, errBlocks []int64) {
+func (r *rig) step(t testing.TB, st *Step) (recving map[string]int, errBlocks []int64) {
 	b, err := r.sched.BuildMeta(st)
 	assert.NilError(t, err)
 	recving = map[string]int{}

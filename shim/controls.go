@@ -77,6 +77,7 @@ func (s *Scheduler) Reset() (gen uint64, err error) {
 	}
 	s.gen, s.genKnown = resp.Generation, true
 	s.forgetKeyed()
+	s.eventsCleared()
 	return s.gen, nil
 }
 

@@ -48,7 +48,7 @@ func TestWorkerOnFakeCUDA(t *testing.T) {
 
 // kvDevice is the device the rig's KV caches claim to be on; for cuda:0
 // their memory is adopted by the fake driver as device memory.
-func kvDevice(t *testing.T, mem []byte) layout.Device {
+func kvDevice(t testing.TB, mem []byte) layout.Device {
 	dev := layout.Device{Kind: layout.CPU}
 	if os.Getenv(kvDeviceEnv) == "" {
 		return dev
@@ -61,7 +61,7 @@ func kvDevice(t *testing.T, mem []byte) layout.Device {
 	return dev
 }
 
-func fakeDriver(t *testing.T) *fakecuda.Driver {
+func fakeDriver(t testing.TB) *fakecuda.Driver {
 	t.Helper()
 	if os.Getenv(kvDeviceEnv) == "" {
 		t.Skip("needs the fake CUDA driver: TestWorkerOnFakeCUDA runs this test")
@@ -97,7 +97,7 @@ func tokensOf(mul, add uint32) []uint32 {
 
 // saveChunks saves the first chunks of tokens from blocks 0.. of rank 0
 // and returns the blocks and how many chunks were saved.
-func saveChunks(t *testing.T, r *rig, req string, tokens []uint32, chunks int) ([]int64, int) {
+func saveChunks(t testing.TB, r *rig, req string, tokens []uint32, chunks int) ([]int64, int) {
 	t.Helper()
 	blocks := seq(0, chunks*tChunk/tBS)
 	for _, b := range blocks {

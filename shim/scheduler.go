@@ -70,6 +70,7 @@ type Scheduler struct {
 	// its chunks (controls.go: an abort meanwhile is a cancel).
 	loading        map[string]int
 	cancelledLoads uint64
+	ev             *evState // KV events (events.go); nil until asked for
 }
 
 type lookupState uint8
@@ -756,6 +757,7 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 		for i := range r.g {
 			if svs := s.groupSave(r, i, full, r.hashes, r.g[i].blocks); len(svs) > 0 {
 				m.Saves = append(m.Saves, svs...)
+				s.announce(svs)
 				r.savesOut = true
 			}
 		}
@@ -863,6 +865,7 @@ func (s *Scheduler) FinishedSaving(req string, fin *FinishState) (delay bool, er
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	delete(s.opts, req)
+	defer s.eventFinished(req)
 	r := s.reqs[req]
 	if r == nil {
 		return false, nil
@@ -881,6 +884,7 @@ func (s *Scheduler) FinishedSaving(req string, fin *FinishState) (delay bool, er
 		var svs []SaveSpec
 		if svs, err = s.finalSave(r, fin); len(svs) > 0 {
 			s.saves = append(s.saves, svs...)
+			s.announce(svs)
 			r.savesOut = true
 		}
 	}

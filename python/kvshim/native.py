@@ -62,6 +62,10 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_sched_request_options": [_c_handle, ctypes.c_char_p, ctypes.c_char_p],
     "kvshim_sched_received": [_c_handle, ctypes.c_char_p],
     "kvshim_worker_take_latencies": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
+    # KV events (kvshim.h, "KV events"; ABI 5.2)
+    "kvshim_worker_take_save_reports": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
+    "kvshim_sched_save_reports": [_c_handle, ctypes.c_char_p],
+    "kvshim_sched_take_events": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_worker_register": [_c_handle, ctypes.c_char_p],
     "kvshim_worker_bind": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64],
     "kvshim_worker_start_loads": [_c_handle],
@@ -483,6 +487,17 @@ class Scheduler(_Role):
         """The requests whose loads vLLM saw finish (finished_recving)."""
         self.handle.check(library().kvshim_sched_received(self.handle.value, json.dumps(req_ids).encode()))
 
+    def save_reports(self, per_rank: Sequence[bytes]) -> None:
+        """One step's save reports: every rank's take_save_reports() bytes
+        (JSON arrays), passed to Go unparsed."""
+        self.handle.check(library().kvshim_sched_save_reports(self.handle.value, b"[" + b",".join(per_rank) + b"]"))
+
+    def take_events(self) -> dict[str, Any]:
+        """KV events since the last call (the first call starts recording):
+        {"events": [...], "done": [request ids], "dropped", "pending", "reported"}."""
+        out: dict[str, Any] = json.loads(self.handle.output("kvshim_sched_take_events"))
+        return out
+
 
 class Worker(_Role):
     """The worker-side connector: one per rank."""
@@ -548,6 +563,11 @@ class Worker(_Role):
         {"load": [...], "save": [...], "dropped": n}."""
         out: dict[str, Any] = json.loads(self.handle.output("kvshim_worker_take_latencies"))
         return out
+
+    def take_save_reports(self) -> bytes:
+        """How each save chunk ended since the last call, as Go's JSON array
+        (the first call starts recording); the scheduler parses it."""
+        return self.handle.output("kvshim_worker_take_save_reports")
 
     def stats(self) -> WorkerStats:
         st = self._stats()

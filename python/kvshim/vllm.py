@@ -41,12 +41,17 @@ except ImportError:  # pragma: no cover - older vLLM
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
 
+from kvshim import events as kv_events
 from kvshim import native
 from kvshim.errors import InvalidArgumentError, KVShimError, NotSupportedError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -709,9 +714,12 @@ class KVShimScheduler:
         self._hits = {"hit_tokens": 0, "hit_requests": 0}  # since the last stats report
         self._match_errors = 0
         self._delay_freed: set[str] = set()  # finished, blocks kept until finished_sending
+        self.events: kv_events.EventSource | None = None  # with --kv-events-config (kvshim/events.py)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
+        if self.events is not None:
+            self.events.track(request)  # its block hashes name the blocks of its saves
         ids = self._ids.get(rid)
         dec = self._decoding.get(rid)
         if ids is None:
@@ -875,6 +883,8 @@ class KVShimScheduler:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._delay_freed.difference_update(connector_output.finished_sending or ())
+        if self.events is not None:  # the workers' save reports: what was committed
+            self.events.reports(getattr(connector_output, "kv_connector_worker_meta", None))
         if connector_output.finished_recving:
             # A request aborted before vLLM saw its load finish is a cancelled load (its trace record).
             self.native.received(sorted(connector_output.finished_recving))
@@ -947,6 +957,9 @@ class KVShimWorker:
         self._by_request = _has_groups(kv_cache_config)
         self._failed: set[str] = set()
         self._reported: dict[str, int] = {}  # counters already in a stats report
+        self.events: bool = kv_events.enabled(vllm_config)  # --kv-events-config: report saves
+        if self.events:
+            worker.take_save_reports()  # Go records from now on
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         group_of: dict[str, int] = {}
@@ -1096,6 +1109,9 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KVShimScheduler(native.Scheduler(open_cfg), int(cfg["kvshim.chunk_size"]),
                                                        _layerwise(cfg, kv_cache_config))
+            if kv_events.enabled(vllm_config):
+                self.connector_scheduler.events = kv_events.EventSource(self.connector_scheduler.native,
+                                                                        int(open_cfg["block_size"]))
             detail = (f" l1_size_gb={cfg['kvshim.l1_size_gb']:g} l2_adapters={len(cfg['kvshim.l2_adapters'])}"
                       f" kv_cache_layout={open_cfg['namespace'].get('layout', '?')[:120]}")
         else:
@@ -1213,6 +1229,14 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.get_stats()
 
     # ----------------------------------------------------------- vLLM's controls
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        ev = self.scheduler.events
+        return ev.take() if ev is not None else ()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        w = self.worker
+        return kv_events.worker_meta(w.native) if w.events else None
 
     def reset_cache(self) -> bool | None:
         # Scheduler.reset_prefix_cache(reset_connector=True), POST /reset_prefix_cache.

@@ -6,8 +6,8 @@ kvshim's stats in vLLM's own /metrics (build_prom_metrics). See
 docs/vllm-controls.md.
 
 The tests run in file order and share the servers; each says what it
-leaves for the next. Not tested here: KV events (take_events is not
-implemented yet), per-tier hit sources (vLLM 0.32's /metrics has no
+leaves for the next. Not tested here: KV events (tests/e2e/test_events.py),
+per-tier hit sources (vLLM 0.32's /metrics has no
 per-source counter; tests/vllm checks them through vLLM's stats).
 """
 
