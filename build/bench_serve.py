@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """`make bench-serve`: real `vllm serve` (the CPU build of vLLM 0.32.0, the
-tiny Llama of tests/e2e) under seven cache configurations, one after the
+tiny Llama of tests/e2e) under eight cache configurations, one after the
 other, each driven by the same two workloads:
 
 - `vllm bench serve --dataset-name prefix_repetition` (8 prefixes of 3,072
@@ -13,7 +13,8 @@ other, each driven by the same two workloads:
   hit the conversation so far.
 
 Configurations: no cache (`cold`); vLLM's prefix cache; kvshim (embedded,
-prefix cache off); kvshim + vLLM's prefix cache; vLLM's cache too small for
+prefix cache off); kvshim loading layer by layer (kvshim.layerwise); kvshim +
+vLLM's prefix cache; vLLM's cache too small for
 the working set (--num-gpu-blocks-override 80: three prefixes of eight) with
 and without kvshim; LMCache 0.5.6's MP server (--shm-name) through vLLM's
 LMCacheMPConnector (python/requirements-bench-serve.txt: run under that
@@ -244,6 +245,7 @@ def main() -> int:
         "cold": {},
         "vllm_prefix_cache": {"prefix_caching": True},
         "kvshim": {"kv": kv},
+        "kvshim_layerwise": {"kv": kvshim_config(l1_size_gb=2, layerwise=True)},
         "kvshim_prefix_cache": {"kv": kv, "prefix_caching": True},
         "small_prefix_cache": {"prefix_caching": True, "args": small},
         "small_prefix_cache_kvshim": {"kv": kv, "prefix_caching": True, "args": small},
@@ -302,6 +304,7 @@ def main() -> int:
     out = {
         "cold_ttft_p50_ms": cold50,
         "kvshim_hit_ttft_p50_ms": hit50("kvshim"),
+        "kvshim_layerwise_hit_ttft_p50_ms": hit50("kvshim_layerwise"),
         "vllm_prefix_cache_hit_ttft_p50_ms": hit50("vllm_prefix_cache"),
         "lmcache_hit_ttft_p50_ms": hit50("lmcache"),
         "kvshim_over_lmcache_hit_ttft": hit50("kvshim") / hit50("lmcache") if "lmcache" in results else None,

@@ -7,6 +7,9 @@ and `shim` (prefix cache off, kvshim's embedded server). A hit is compared
 with vLLM's prefix-cache hit, not with a cold recompute: a cold prefill
 chunks the prompt differently, and bf16 rounding then differs a little.
 
+A third server loads hits layer by layer (kvshim.layerwise) and is held to
+the same bit-for-bit comparison.
+
 Not tested here: GPU attention backends and their layouts (CPU_ATTN only),
 TP > 1 (tests/vllm drives those through vLLM's classes).
 """
@@ -63,6 +66,30 @@ def test_external_hit_equals_vllms_prefix_cache_hit_bit_for_bit(servers: tuple[V
     assert cache.local_hits() - loc0 == len(prefix), "vLLM's own cache did not hit the prefix"
     assert got[0] == want[0], "greedy tokens differ"
     assert got[1] == want[1], "logprobs differ (bit for bit)"
+
+
+@pytest.fixture(scope="module")
+def layerwise(procs: Processes) -> VllmServer:
+    """kvshim with kvshim.layerwise on: a hit is loaded layer by layer in the
+    step that computes it (wait_for_layer_load before each attention layer)."""
+    s = procs.start_vllm("vllm-kvshim-layerwise", kv=kvshim_config(layerwise=True))
+    warm_up(s, prompt_ids(CHUNK * 4 + 8, seed=999))
+    return s
+
+
+def test_layerwise_hit_equals_vllms_prefix_cache_hit_bit_for_bit(servers: tuple[VllmServer, VllmServer],
+                                                                layerwise: VllmServer) -> None:
+    cache, _ = servers
+    prefix = prompt_ids(CHUNK * 6, seed=66)
+    first = prefix + prompt_ids(40, seed=166)
+    second = prefix + prompt_ids(40, seed=266)
+    for s in (cache, layerwise):
+        s.complete(first, max_tokens=4)
+    ext0 = layerwise.external_hits()
+    got = _out(layerwise.complete(second, max_tokens=16, logprobs=1))
+    want = _out(cache.complete(second, max_tokens=16, logprobs=1))
+    assert layerwise.external_hits() - ext0 == len(prefix), "the prefix was not loaded from kvshim"
+    assert got == want, "a layer-wise load gave other tokens or logprobs than vLLM's own prefix-cache hit"
 
 
 def _word_tokens(s: VllmServer, n: int = 64) -> list[int]:
