@@ -18,35 +18,8 @@ func (l *Layout) AppendPlanTensor(dst []kv.Span, blockIDs []int64, objectBase ui
 	for _, t := range l.tensors[:ti] {
 		obj += t.blockBytes() * uint64(len(blockIDs))
 	}
-	t := l.tensors[ti]
 	var cur kv.Span
-	rl, bs := t.runLen, t.blockStride
-	for _, roff := range t.runs {
-		base := t.base + roff
-		for _, b := range blockIDs {
-			if b == Skip {
-				if cur.Len != 0 {
-					dst = append(dst, cur)
-					cur = kv.Span{}
-				}
-				obj += rl
-				continue
-			}
-			src, dstA := base+uint64(b)*bs, obj
-			if dir == kv.Load {
-				src, dstA = dstA, src
-			}
-			if cur.Len != 0 && cur.Src+cur.Len == src && cur.Dst+cur.Len == dstA {
-				cur.Len += rl
-			} else {
-				if cur.Len != 0 {
-					dst = append(dst, cur)
-				}
-				cur = kv.Span{Src: src, Dst: dstA, Len: rl}
-			}
-			obj += rl
-		}
-	}
+	dst = l.tensors[ti].appendSpans(dst, &cur, &obj, blockIDs, dir)
 	if cur.Len != 0 {
 		dst = append(dst, cur)
 	}

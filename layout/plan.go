@@ -26,34 +26,8 @@ func (l *Layout) AppendPlan(dst []kv.Span, blockIDs []int64, objectBase uint64, 
 	}
 	obj := objectBase + HeaderSize
 	var cur kv.Span // the span being extended; Len 0 = none yet
-	for _, t := range l.tensors {
-		rl, bs := t.runLen, t.blockStride
-		for _, roff := range t.runs {
-			base := t.base + roff
-			for _, b := range blockIDs {
-				if b == Skip {
-					if cur.Len != 0 {
-						dst = append(dst, cur)
-						cur = kv.Span{}
-					}
-					obj += rl
-					continue
-				}
-				src, dstA := base+uint64(b)*bs, obj
-				if dir == kv.Load {
-					src, dstA = dstA, src
-				}
-				if cur.Len != 0 && cur.Src+cur.Len == src && cur.Dst+cur.Len == dstA {
-					cur.Len += rl
-				} else {
-					if cur.Len != 0 {
-						dst = append(dst, cur)
-					}
-					cur = kv.Span{Src: src, Dst: dstA, Len: rl}
-				}
-				obj += rl
-			}
-		}
+	for i := range l.tensors {
+		dst = l.tensors[i].appendSpans(dst, &cur, &obj, blockIDs, dir)
 	}
 	if cur.Len != 0 {
 		dst = append(dst, cur)
@@ -107,4 +81,39 @@ func (l *Layout) checkPlan(ids []int64, objectBase uint64, dir kv.Direction) err
 		return geomErr(name, "object_base", "%#x + %d overflows", objectBase, size)
 	}
 	return nil
+}
+
+// appendSpans appends t's spans for blockIDs to dst, extending *cur while
+// both sides stay contiguous (a span still open when it returns is left in
+// *cur, so the next tensor may extend it) and advancing *obj, the object
+// offset, past every block, skipped ones (Skip) included.
+func (t *tensor) appendSpans(dst []kv.Span, cur *kv.Span, obj *uint64, blockIDs []int64, dir kv.Direction) []kv.Span {
+	rl, bs := t.runLen, t.blockStride
+	for _, roff := range t.runs {
+		base := t.base + roff
+		for _, b := range blockIDs {
+			if b == Skip {
+				if cur.Len != 0 {
+					dst = append(dst, *cur)
+					*cur = kv.Span{}
+				}
+				*obj += rl
+				continue
+			}
+			src, dstA := base+uint64(b)*bs, *obj
+			if dir == kv.Load {
+				src, dstA = dstA, src
+			}
+			if cur.Len != 0 && cur.Src+cur.Len == src && cur.Dst+cur.Len == dstA {
+				cur.Len += rl
+			} else {
+				if cur.Len != 0 {
+					dst = append(dst, *cur)
+				}
+				*cur = kv.Span{Src: src, Dst: dstA, Len: rl}
+			}
+			*obj += rl
+		}
+	}
+	return dst
 }
