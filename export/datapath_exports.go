@@ -60,3 +60,21 @@ func deadline(err error) error {
 	}
 	return err
 }
+
+// Layer-wise saves (shim/layersave.go): the connector calls save_layer in
+// save_kv_layer; wait_for_save's start_saves then ends the step.
+
+//export kvshim_worker_save_layer
+func kvshim_worker_save_layer(h C.int64_t, layer *C.char, streamEvent C.uint64_t) C.int {
+	return call(h, func(in *instance, ws *workerState) error {
+		if layer == nil {
+			return fmt.Errorf("layer is NULL: %w", errInvalid)
+		}
+		m, err := ws.boundMeta()
+		if err != nil {
+			return err
+		}
+		ws.w.SaveLayer(m, C.GoString(layer), uint64(streamEvent))
+		return nil
+	})
+}

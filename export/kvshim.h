@@ -68,9 +68,9 @@ extern "C" {
  * kvshim_worker_take_latencies; 5.2 adds layer-wise loads
  * (kvshim_worker_start_loads_layered, _wait_layer, _wait_layers); 5.3 the KV
  * events (kvshim_worker_take_save_reports, kvshim_sched_save_reports,
- * kvshim_sched_take_events). */
+ * kvshim_sched_take_events); 5.4 layer-wise saves (kvshim_worker_save_layer). */
 #define KVSHIM_ABI_MAJOR 5
-#define KVSHIM_ABI_MINOR 3
+#define KVSHIM_ABI_MINOR 4
 #define KVSHIM_ABI_VERSION (KVSHIM_ABI_MAJOR * 1000 + KVSHIM_ABI_MINOR)
 
 typedef int64_t kvshim_handle;
@@ -317,6 +317,17 @@ int kvshim_worker_wait_layer(kvshim_handle h, const char *layer, int64_t timeout
 /* Blocks until every layer-wise load of the bound step has ended and its
  * failures are reported to kvshim_worker_poll, or timeout_ms. */
 int kvshim_worker_wait_layers(kvshim_handle h, int64_t timeout_ms);
+
+/* Layer-wise saves (save_kv_layer; docs/datapath.md). The forward pass has
+ * written the layer named layer (vLLM's layer name, as registered) of the
+ * bound step; stream_event is a CUevent recorded on vLLM's stream after it
+ * (0 for CPU caches; it may be destroyed once this returns). The step's
+ * first call starts its saves; each layer is copied once marked. A name not
+ * registered on its own (a cross-layer cache) is saved at the step's end:
+ * kvshim_worker_start_saves of the same bound step (wait_for_save) marks
+ * every layer not marked yet, and a chunk is committed only once all its
+ * layers are copied. Returns at once; failures are failed saves. */
+int kvshim_worker_save_layer(kvshim_handle h, const char *layer, uint64_t stream_event);
 
 /* ---- CPython callers only: these read Python objects in place. ----
  * They must be called through ctypes.PyDLL (with the GIL held; the Python C

@@ -44,6 +44,8 @@ func TestWorkerOnFakeCUDA(t *testing.T) {
 	assert.Check(t, is.Contains(out, "--- PASS: TestFakeCUDAServerRestart"))
 	assert.Check(t, is.Contains(out, "--- PASS: TestFakeCUDALayerwiseLoad"))
 	assert.Check(t, is.Contains(out, "--- PASS: TestFakeCUDALayerwiseCopyFails"))
+	assert.Check(t, is.Contains(out, "--- PASS: TestFakeCUDALayerwiseSave"))
+	assert.Check(t, is.Contains(out, "--- PASS: TestFakeCUDALayerwiseSaveCopyFails"))
 }
 
 // kvDevice is the device the rig's KV caches claim to be on; for cuda:0

@@ -66,6 +66,7 @@ type Worker struct {
 	// counts as a segment pending population in Stats.
 	prewarming atomic.Bool
 	layered    *layerStep // the current step's layer-wise loads (layerwise.go); guarded by mu
+	saving     *layerSave // the current step's layer-wise saves (layersave.go); guarded by mu
 	// saveReports: how each chunk of each save ended, for the scheduler's
 	// KV events (events.go); recorded once TakeSaveReports was called.
 	saveReports []SaveReport
@@ -89,8 +90,9 @@ type WorkerStats struct {
 	// the current session's segments still waiting for it.
 	PopulatedSegments, PopulatedBytes, PopulateNanos uint64
 	PopulatePending                                  int
-	// LayerwiseLoads counts loads run layer by layer (kvshim.layerwise).
-	LayerwiseLoads uint64
+	// LayerwiseLoads counts loads run layer by layer (kvshim.layerwise);
+	// LayerwiseSaves saves (one request's chunks of a step) run so.
+	LayerwiseLoads, LayerwiseSaves uint64
 }
 
 // NewWorker checks cfg; Register must follow before any step.
@@ -534,6 +536,9 @@ func (w *Worker) loadFailed(ld *LoadSpec, k, cb int, why error) {
 // destroy it once StartSaves returns. A full cache, a
 // dead server or a failed copy skips the save: a future miss.
 func (w *Worker) StartSaves(meta *StepMeta, streamEvent uint64) {
+	if w.endLayerSaves(meta, streamEvent) {
+		return // SaveLayer started them (layersave.go)
+	}
 	if !w.writer || len(meta.Saves) == 0 {
 		return
 	}
@@ -907,6 +912,12 @@ func (w *Worker) Stats() WorkerStats {
 
 // Close waits (bounded) for copies, then closes the engine and the session.
 func (w *Worker) Close() error {
+	w.mu.Lock()
+	if w.saving != nil {
+		w.saving.abandon() // a step that never ended: its saves abort now
+		w.saving = nil
+	}
+	w.mu.Unlock()
 	done := make(chan struct{})
 	go func() { w.wg.Wait(); close(done) }()
 	select {

@@ -75,6 +75,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_worker_start_loads_layered": [_c_handle],
     "kvshim_worker_wait_layer": [_c_handle, ctypes.c_char_p, ctypes.c_int64],
     "kvshim_worker_wait_layers": [_c_handle, ctypes.c_int64],
+    "kvshim_worker_save_layer": [_c_handle, ctypes.c_char_p, ctypes.c_uint64],
     "kvshim_worker_engine_copy": [_c_handle, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t,
                                   ctypes.c_int64, _u64p],
 }
@@ -539,6 +540,12 @@ class Worker(_Role):
             return False
         self.handle.check(rc)
         return True
+
+    def save_layer(self, layer: str, stream_event: int = 0) -> None:
+        """save_kv_layer: the bound step's layer is written (stream_event: a
+        CUevent recorded on vLLM's stream after it, 0 for CPU caches); its
+        save starts now. start_saves() of the same step then ends it."""
+        self.handle.check(library().kvshim_worker_save_layer(self.handle.value, layer.encode(), stream_event))
 
     def start_saves(self, stream_event: int = 0) -> None:
         """stream_event: a CUevent recorded on vLLM's stream after the forward
