@@ -93,6 +93,13 @@ bench-ipc: $(LIB)
 bench-match: $(LIB)
 	KVSHIM_LIBRARY=$(CURDIR)/$(LIB) PYTHONPATH=$(CURDIR)/python $$(build/venv.sh python/requirements-test.txt)/bin/python build/bench_match.py $(BENCH_MATCH_ARGS)
 
+# An idle `kvshim serve` with 8 sessions: its CPU and context switches, then
+# an echo after 5 ms idle. BENCH_IDLE_ARGS='-server OLD/kvshim,out/kvshim
+# -rounds 3' alternates two builds in one run.
+.PHONY: bench-idle
+bench-idle: $(OUT)/kvshim
+	go run ./cmd/kvshim-bench-idle -server $(OUT)/kvshim $(BENCH_IDLE_ARGS)
+
 bench-server:
 	$(GO) run ./cmd/kvshim-bench-server
 

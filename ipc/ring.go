@@ -71,6 +71,11 @@ type RingOptions struct {
 	// WaitSlice bounds every futex sleep; the waiter re-checks the ring,
 	// stall and close state after each slice.
 	WaitSlice time.Duration
+	// IdleSlice: a reader whose ring stays empty doubles its sleeps from
+	// WaitSlice up to this (0: 8 x WaitSlice). Wake-ups never depend on the
+	// slice (a publisher wakes a sleeper); it is the re-check of the close
+	// state, which Interrupt also wakes.
+	IdleSlice time.Duration
 }
 
 // Defaults for RingOptions.
@@ -93,6 +98,10 @@ func (o RingOptions) withDefaults() RingOptions {
 	if o.WaitSlice <= 0 {
 		o.WaitSlice = DefaultWaitSlice
 	}
+	if o.IdleSlice <= 0 {
+		o.IdleSlice = 8 * o.WaitSlice
+	}
+	o.IdleSlice = max(o.IdleSlice, o.WaitSlice)
 	return o
 }
 
@@ -130,6 +139,7 @@ type Ring struct {
 	stallSince  time.Time
 	stallChecks uint32
 	spinning    bool // set by wait during its spin phase (consumer only)
+	sleeps      atomic.Uint64 // futex sleeps of wait (tests: the idle back-off)
 }
 
 func isPow2(x uint64) bool { return x != 0 && x&(x-1) == 0 }
@@ -340,6 +350,7 @@ func (r *Ring) wait(word *atomic.Uint32, deadline time.Time, check func() (bool,
 		}
 	}
 	*spinning = false
+	slice := r.opts.WaitSlice
 	for {
 		if ok, err := check(); ok || err != nil {
 			return err
@@ -356,8 +367,15 @@ func (r *Ring) wait(word *atomic.Uint32, deadline time.Time, check func() (bool,
 			word.Store(0)
 			return err
 		}
-		futexWaitTimeout(word, 1, min(left, r.opts.WaitSlice))
+		r.sleeps.Add(1)
+		futexWaitTimeout(word, 1, min(left, slice))
 		word.Store(0)
+		// An idle reader (empty ring, no record in progress: no stall to
+		// time) sleeps longer and longer: fewer wake-ups of an idle server
+		// (kvshim-bench-idle).
+		if word == r.consWait && slice < r.opts.IdleSlice && r.len32(r.chead&r.mask).Load() == 0 {
+			slice = min(2*slice, r.opts.IdleSlice)
+		}
 	}
 }
 

@@ -280,3 +280,33 @@ func FuzzRingRead(f *testing.F) {
 		_ = r.Write(RecordFrame, []byte("x"), nil, time.Now().Add(time.Millisecond))
 	})
 }
+
+// A reader of an empty ring doubles its sleeps up to IdleSlice (an idle
+// server wakes rarely), and a record published meanwhile is still read at
+// once: the publisher wakes the sleeper whatever the slice.
+func TestRingIdleReaderBacksOff(t *testing.T) {
+	w, r := newTestRing(t, 4096, RingOptions{Spin: -1, WaitSlice: 2 * time.Millisecond, IdleSlice: 2 * time.Second})
+	_, _, err := r.Read(soon(400 * time.Millisecond))
+	assert.ErrorIs(t, err, ErrTimeout)
+	// 2+4+...+256 ms: 8 sleeps; 200 at a fixed 2 ms.
+	assert.Assert(t, r.sleeps.Load() <= 20, "%d sleeps in 400 ms", r.sleeps.Load())
+
+	got := make(chan time.Duration, 1)
+	go func() {
+		_, _, err := r.Read(soon(5 * time.Second))
+		assert.Check(t, err)
+		got <- 0
+	}()
+	time.Sleep(1200 * time.Millisecond) // the reader is in a 1 s slice by now
+	buf, err := w.Claim(RecordFrame, 8, soon(time.Second))
+	assert.NilError(t, err)
+	copy(buf, "abcdefgh")
+	start := time.Now()
+	w.Commit()
+	select {
+	case <-got:
+		assert.Assert(t, time.Since(start) < 300*time.Millisecond, "read %v after the publish: not woken", time.Since(start))
+	case <-time.After(5 * time.Second):
+		t.Fatal("record not read")
+	}
+}

@@ -93,7 +93,8 @@ func (s *session) shutdown(err error) {
 
 // heartbeat stores our beat in the ring we produce and checks the peer's in
 // the ring we consume, until done. A peer silent for expire ends the session
-// through end (which logs, then calls shutdown).
+// through end (which logs, then calls shutdown). (A server's sessions share
+// one ticker instead: Listener.beats.)
 func (s *session) heartbeat(every, expire time.Duration, end func(error)) {
 	if every <= 0 {
 		return
@@ -106,19 +107,31 @@ func (s *session) heartbeat(every, expire time.Duration, end func(error)) {
 			return
 		case <-t.C:
 		}
-		if !s.acquire() {
+		live, err := s.beat(expire)
+		if err != nil {
+			end(err)
+		}
+		if !live || err != nil {
 			return
 		}
-		s.tx.BeatProducer()
-		last := s.rx.ProducerBeat()
-		s.release()
-		if expire > 0 && last != 0 {
-			if age := time.Duration(MonoNow() - last); age > expire {
-				end(fmt.Errorf("%w: %w for %v (limit %v)", ErrPeerGone, ErrNoHeartbeat, age.Round(time.Millisecond), expire))
-				return
-			}
+	}
+}
+
+// beat is one heartbeat: our beat stored, the peer's checked. live is false
+// once the session is closed; err says the peer has been silent too long.
+func (s *session) beat(expire time.Duration) (live bool, err error) {
+	if !s.acquire() {
+		return false, nil
+	}
+	s.tx.BeatProducer()
+	last := s.rx.ProducerBeat()
+	s.release()
+	if expire > 0 && last != 0 {
+		if age := time.Duration(MonoNow() - last); age > expire {
+			return true, fmt.Errorf("%w: %w for %v (limit %v)", ErrPeerGone, ErrNoHeartbeat, age.Round(time.Millisecond), expire)
 		}
 	}
+	return true, nil
 }
 
 // isFatal reports whether a ring error must end the session.
