@@ -138,7 +138,7 @@ type Ring struct {
 	stallVal    int32
 	stallSince  time.Time
 	stallChecks uint32
-	spinning    bool // set by wait during its spin phase (consumer only)
+	spinning    bool          // set by wait during its spin phase (consumer only)
 	sleeps      atomic.Uint64 // futex sleeps of wait (tests: the idle back-off)
 }
 
