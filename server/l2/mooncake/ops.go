@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/internal/hostproc"
 )
 
 func uintptrOf(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(b))) }
@@ -16,7 +17,7 @@ func uintptrOf(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceDat
 // or bounce pages.
 type staged struct {
 	req       *request
-	bounced   []int // bounce first page per key, -1 when not bounced
+	bounced   []int // bounce offset per key, -1 when not bounced
 	bufs      [][]byte
 	releaseFn func()
 }
@@ -32,17 +33,17 @@ func (b *Backend) stage(ctx context.Context, op string, keys []kv.Key, bufs [][]
 		seg, off, ok := b.segs.find(bufs[i])
 		if !ok {
 			var err error
-			first, err = b.bounce.alloc(ctx, len(bufs[i]), i == 0)
-			if errors.Is(err, errFull) {
+			first, err = b.bounce.Alloc(ctx, len(bufs[i]), i == 0)
+			if errors.Is(err, hostproc.ErrFull) {
 				break
 			}
 			if err != nil {
 				s.release()
-				return nil, 0, err
+				return nil, 0, fmt.Errorf("mooncake: bounce_buffer_size: %w (register the L1 segment instead)", err)
 			}
-			seg, off = 0, first*b.bounce.page
+			seg, off = 0, first
 			if copyIn {
-				copy(b.bounce.mem[off:off+len(bufs[i])], bufs[i])
+				copy(b.bounce.Mem[off:off+len(bufs[i])], bufs[i])
 			}
 		}
 		s.req.Keys = append(s.req.Keys, k.String())
@@ -56,7 +57,7 @@ func (b *Backend) stage(ctx context.Context, op string, keys []kv.Key, bufs [][]
 	s.releaseFn = func() {
 		for i, first := range s.bounced {
 			if first >= 0 {
-				b.bounce.free(first, len(s.bufs[i]))
+				b.bounce.Free(first, len(s.bufs[i]))
 			}
 		}
 	}
@@ -98,8 +99,7 @@ func (b *Backend) run(ctx context.Context, s *staged) ([]int64, error) {
 		if s.req.Op == "get" {
 			for i, first := range s.bounced {
 				if first >= 0 && rep.Res[i] == int64(len(s.bufs[i])) {
-					off := first * b.bounce.page
-					copy(s.bufs[i], b.bounce.mem[off:off+len(s.bufs[i])])
+					copy(s.bufs[i], b.bounce.Mem[first:first+len(s.bufs[i])])
 				}
 			}
 		}

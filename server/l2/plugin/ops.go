@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/internal/hostproc"
 )
 
 // call sends one request and waits for its reply, bounded by ctx. When ctx
@@ -56,8 +57,8 @@ func (b *Backend) call(ctx context.Context, op uint32, recs []record, done func(
 			}
 			b.hangKills.Add(1)
 			b.log.Error("plugin L2: a plugin call did not return; killing its host", "plugin", b.name,
-				"past_deadline", b.cfg.HangGrace, "pid", p.cmd.Process.Pid)
-			p.kill()
+				"past_deadline", b.cfg.HangGrace, "pid", p.Cmd.Process.Pid)
+			p.Kill()
 			rep := <-ch // the host's death answers it
 			if done != nil {
 				done(rep)
@@ -99,16 +100,16 @@ type staged struct {
 func (b *Backend) place(ctx context.Context, keys []kv.Key, bufs [][]byte, copyIn bool) (*staged, error) {
 	s := &staged{}
 	for i, k := range keys {
-		off, err := b.win.alloc(ctx, len(bufs[i]), i == 0)
-		if errors.Is(err, errWindowFull) {
+		off, err := b.win.Alloc(ctx, len(bufs[i]), i == 0)
+		if errors.Is(err, hostproc.ErrFull) {
 			break
 		}
 		if err != nil {
 			b.free(s)
-			return nil, err
+			return nil, fmt.Errorf("plugin: window_bytes: %w", err)
 		}
 		if copyIn {
-			copy(b.win.mem[off:off+len(bufs[i])], bufs[i])
+			copy(b.win.Mem[off:off+len(bufs[i])], bufs[i])
 		}
 		s.recs = append(s.recs, record{key: k, off: uint64(off), len: uint64(len(bufs[i]))})
 	}
@@ -117,7 +118,7 @@ func (b *Backend) place(ctx context.Context, keys []kv.Key, bufs [][]byte, copyI
 
 func (b *Backend) free(s *staged) {
 	for _, r := range s.recs {
-		b.win.free(int(r.off), int(r.len))
+		b.win.Free(int(r.off), int(r.len))
 	}
 }
 
@@ -149,7 +150,7 @@ func (b *Backend) moved(ctx context.Context, op uint32, name string, keys []kv.K
 				for i, st := range rep.status {
 					if st == stOK {
 						off := int(s.recs[i].off)
-						copy(bufs[i], b.win.mem[off:off+len(bufs[i])])
+						copy(bufs[i], b.win.Mem[off:off+len(bufs[i])])
 					}
 				}
 				copied = true
