@@ -188,8 +188,8 @@ func TestTaskResultsAndHolds(t *testing.T) {
 	assert.Equal(t, res[0].Status, StatusOK)
 	assert.Equal(t, res[1].Status, StatusOK)
 
-	assert.Equal(t, testutil.ToFloat64(a.m.keys.WithLabelValues("lookup", "ok")), float64(bm.Count()))
-	assert.Equal(t, testutil.ToFloat64(a.m.holds), 0.0)
+	assert.Equal(t, float64(a.m.keys[OpLookup][StatusOK].Load()), float64(bm.Count()))
+	assert.Equal(t, float64(a.m.holds.Load()), 0.0)
 	cnt, err := testutil.GatherAndCount(reg, "kvshim_l2_task_seconds")
 	assert.NilError(t, err)
 	assert.Assert(t, cnt >= 4)
@@ -200,9 +200,9 @@ func TestTaskResultsAndHolds(t *testing.T) {
 		assert.NilError(t, err)
 		assert.Assert(t, n > 0, name)
 	}
-	assert.Equal(t, testutil.ToFloat64(a.m.errors.WithLabelValues("store")), float64(len(failed)))
-	assert.Equal(t, testutil.ToFloat64(a.m.depth.WithLabelValues("store")), 0.0)
-	assert.Equal(t, testutil.ToFloat64(a.m.inflight.WithLabelValues("lookup")), 0.0)
+	assert.Equal(t, float64(a.m.errors[OpStore].Load()), float64(len(failed)))
+	assert.Equal(t, float64(a.m.depth[OpStore].Load()), 0.0)
+	assert.Equal(t, float64(a.m.inflight[OpLookup].Load()), 0.0)
 	// a second adapter with the same name in the same registry is refused
 	_, err = NewAdapter(newGate(), &Config{Type: "t", Name: "g1", Lanes: LaneConfig{Shared: 1}}, reg, nil)
 	assert.ErrorContains(t, err, "metrics")
