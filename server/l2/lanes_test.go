@@ -20,6 +20,10 @@ import (
 // are left unreported, Rank 98 panics.
 type gateBackend struct {
 	gate chan struct{}
+	// busy, when set, keeps a Store whose context ended from returning
+	// until it is closed (at most 10 s): its worker stays occupied for as
+	// long as the test needs, whatever the machine's load.
+	busy chan struct{}
 	mu   sync.Mutex
 	objs map[kv.Key]bool
 }
@@ -30,6 +34,12 @@ func (g *gateBackend) Store(ctx context.Context, keys []kv.Key, bufs [][]byte, r
 	select {
 	case <-g.gate:
 	case <-ctx.Done():
+		if g.busy != nil {
+			select {
+			case <-g.busy:
+			case <-time.After(10 * time.Second):
+			}
+		}
 		r.FailAll(len(keys), ctx.Err())
 		return
 	}
@@ -209,12 +219,19 @@ func TestTaskResultsAndHolds(t *testing.T) {
 }
 
 func TestQueuedTileTimesOut(t *testing.T) {
-	a, _ := openGate(t, `{"type":"t","num_workers":1,"op_timeout_ms":100}`, nil)
+	a, g := openGate(t, `{"type":"t","num_workers":1,"op_timeout_ms":100}`, nil)
+	// The store holds the one worker past its op timeout until the lookup's
+	// deadline has passed: the lookup is queued behind it however late this
+	// goroutine runs (under load it once ran after the store had ended, and
+	// the lookup found an idle worker and a live context).
+	g.busy = make(chan struct{})
 	start := time.Now()
 	st := a.Store(context.Background(), keysN(3), make([][]byte, 3))
 	lctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
 	defer cancel()
 	look := a.LookupAndHold(lctx, keysN(2)) // its deadline passes while it is queued
+	<-lctx.Done()
+	close(g.busy)
 	res, err := look.Wait(ctxT(t))
 	assert.NilError(t, err)
 	for _, r := range res {
