@@ -19,15 +19,22 @@
 // l2.ErrClosed) and the cause (ErrNotRunning, ErrFull, ErrTooLarge).
 package hostproc
 
-import "errors"
+import (
+	"fmt"
 
-// Sentinel errors.
+	"github.com/kvshim/kvshim/server/l2"
+)
+
+// Sentinel errors. Each wraps one of l2's, so the C ABI's code table names
+// them without importing this package (export/errors.go).
 var (
 	// ErrNotRunning: no process is serving (it died and has not been
 	// restarted yet).
-	ErrNotRunning = errors.New("hostproc: process not running")
-	// ErrFull: a Pages area has no free run of the size asked for.
-	ErrFull = errors.New("hostproc: shared area full")
-	// ErrTooLarge: the size asked for exceeds the whole Pages area.
-	ErrTooLarge = errors.New("hostproc: larger than the shared area")
+	ErrNotRunning = fmt.Errorf("hostproc: process not running: %w", l2.ErrUnavailable)
+	// ErrFull: a Pages area has no free run of the size asked for (for
+	// now: callers send what they placed and retry the rest).
+	ErrFull = fmt.Errorf("hostproc: shared area full: %w", l2.ErrUnavailable)
+	// ErrTooLarge: the size asked for exceeds the whole Pages area (its
+	// configured size: window_bytes, bounce_buffer_size).
+	ErrTooLarge = fmt.Errorf("hostproc: larger than the shared area: %w", l2.ErrBadConfig)
 )

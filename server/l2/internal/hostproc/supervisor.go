@@ -123,7 +123,7 @@ func (s *Supervisor[P]) deadErr(p P) error {
 		}
 	}
 	if s.Sentinel != nil {
-		return fmt.Errorf("%w: %w: %s: %w", l2.ErrUnavailable, s.Sentinel, s.Name, ErrNotRunning)
+		return fmt.Errorf("%w: %s: %w", s.Sentinel, s.Name, ErrNotRunning)
 	}
-	return fmt.Errorf("%w: %s: %w", l2.ErrUnavailable, s.Name, ErrNotRunning)
+	return fmt.Errorf("%s: %w", s.Name, ErrNotRunning)
 }
