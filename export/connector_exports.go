@@ -12,8 +12,8 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/shim"
 )
 
