@@ -185,9 +185,20 @@ func records(keys []kv.Key) []record {
 	return recs
 }
 
-// Exists implements l2.Backend.
+// Exists implements l2.Backend (a hit reports the object's size).
 func (b *Backend) Exists(ctx context.Context, keys []kv.Key, r l2.Reporter) {
-	rep, err := b.call(ctx, opLookup, records(keys), nil)
+	b.keyOp(ctx, opLookup, "lookup", keys, r)
+}
+
+// Delete implements l2.Backend (the adapter never passes a held key).
+func (b *Backend) Delete(ctx context.Context, keys []kv.Key, r l2.Reporter) {
+	b.keyOp(ctx, opRemove, "remove", keys, r)
+}
+
+// keyOp runs a keys-only op and reports each key: ok (with the size the
+// host answered: the host zeroes it for remove), miss, or the key's error.
+func (b *Backend) keyOp(ctx context.Context, op uint32, name string, keys []kv.Key, r l2.Reporter) {
+	rep, err := b.call(ctx, op, records(keys), nil)
 	if err != nil {
 		r.FailAll(len(keys), err)
 		return
@@ -199,26 +210,7 @@ func (b *Backend) Exists(ctx context.Context, keys []kv.Key, r l2.Reporter) {
 		case stMiss:
 			r.Report(i, l2.Result{Status: l2.StatusMiss})
 		default:
-			r.Fail(i, b.keyErr("lookup", keys[i], st, rep.msg))
-		}
-	}
-}
-
-// Delete implements l2.Backend (the adapter never passes a held key).
-func (b *Backend) Delete(ctx context.Context, keys []kv.Key, r l2.Reporter) {
-	rep, err := b.call(ctx, opRemove, records(keys), nil)
-	if err != nil {
-		r.FailAll(len(keys), err)
-		return
-	}
-	for i, st := range rep.status {
-		switch st {
-		case stOK:
-			r.Report(i, l2.Result{Status: l2.StatusOK})
-		case stMiss:
-			r.Report(i, l2.Result{Status: l2.StatusMiss})
-		default:
-			r.Fail(i, b.keyErr("remove", keys[i], st, rep.msg))
+			r.Fail(i, b.keyErr(name, keys[i], st, rep.msg))
 		}
 	}
 }
