@@ -12,6 +12,8 @@ import (
 
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
+
+	"github.com/kvshim/kvshim/internal/testkit"
 )
 
 // TestServeSignalProcess re-executes the test binary as `kvshim serve` (see
@@ -23,7 +25,7 @@ func TestServeSignalProcess(t *testing.T) {
 			sock := socketPath(t)
 			cmd := exec.Command(os.Args[0])
 			cmd.Env = append(os.Environ(), childEnv+"=--socket "+sock+" --l1-size-gb 0.01")
-			var stderr syncBuffer
+			var stderr testkit.Buffer
 			cmd.Stderr = &stderr
 			pipe, err := cmd.StdoutPipe()
 			assert.NilError(t, err)

@@ -21,6 +21,7 @@ import (
 	"gotest.tools/v3/assert"
 	is "gotest.tools/v3/assert/cmp"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 )
@@ -33,10 +34,10 @@ var (
 // startServe runs `serve` in-process until the returned stop function is
 // called, which returns serve's exit code. The metrics listener binds port
 // 0 whatever --metrics-port says (a free port; the ready line names it).
-func startServe(t *testing.T, args ...string) (ready []string, stdout *syncBuffer, stop func(os.Signal) int) {
+func startServe(t *testing.T, args ...string) (ready []string, stdout *testkit.Buffer, stop func(os.Signal) int) {
 	t.Helper()
-	stdout = &syncBuffer{}
-	stderr := &syncBuffer{}
+	stdout = &testkit.Buffer{}
+	stderr := &testkit.Buffer{}
 	sig := make(chan os.Signal, 1)
 	done := make(chan int, 1)
 	anyPort := func(network, addr string) (net.Listener, error) {

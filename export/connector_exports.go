@@ -12,6 +12,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/shim"
 )
@@ -187,28 +188,40 @@ func kvshim_sched_finished_tokens(h C.int64_t, reqID *C.char, toks *C.uint32_t, 
 //export kvshim_stats
 func kvshim_stats(h C.int64_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) C.int {
 	return call(h, func(in *instance, _ *instance) error {
-		out := map[string]any{}
+		var out map[string]any
 		switch st := in.state.(type) {
 		case *shim.Scheduler:
-			out["requests"] = st.Requests()
-			if srv, err := st.Stats(); err == nil {
-				m := map[string]float64{}
-				for _, x := range srv.Stats {
-					m[x.Name] = x.Value
-				}
-				out["server"] = m
-			} else {
-				out["server_error"] = err.Error()
-			}
+			srv, err := st.Stats()
+			out = schedStatsDoc(st.Requests(), srv, err)
 		case *workerState:
-			out["worker"] = st.w.Stats()
-			out["jobs"] = st.w.Jobs()
+			out = workerStatsDoc(st.w.Stats(), st.w.Jobs())
 		default:
 			return fmt.Errorf("handle %d (%s) has no stats: %w", in.id, roleOf(in.state), errInvalid)
 		}
 		b, _ := json.Marshal(out)
 		return output(in, b, buf, capacity, outLen)
 	})
+}
+
+// schedStatsDoc is kvshim_stats' document for a scheduler handle
+// (export/schema/stats.json): the server's STATS, or why there are none.
+func schedStatsDoc(requests int, srv *ipc.StatsResp, err error) map[string]any {
+	out := map[string]any{"requests": requests}
+	if err != nil {
+		out["server_error"] = err.Error()
+		return out
+	}
+	m := map[string]float64{}
+	for _, x := range srv.Stats {
+		m[x.Name] = x.Value
+	}
+	out["server"] = m
+	return out
+}
+
+// workerStatsDoc is kvshim_stats' document for a worker handle.
+func workerStatsDoc(st shim.WorkerStats, jobs int64) map[string]any {
+	return map[string]any{"worker": st, "jobs": jobs}
 }
 
 //export kvshim_worker_register
@@ -290,12 +303,24 @@ type pollJSON struct {
 	Failed      []string `json:"failed"` // requests whose loads failed
 }
 
+// encodePoll is kvshim_worker_poll's document (export/schema/poll.json):
+// every list present, [] when empty (never null).
+func encodePoll(sending, recving []string, errBlocks []int64, failed []string) []byte {
+	p := pollJSON{Sending: orEmpty(sending), Recving: orEmpty(recving), ErrorBlocks: orEmpty(errBlocks), Failed: orEmpty(failed)}
+	b, _ := json.Marshal(p)
+	return b
+}
+
+func orEmpty[T any](s []T) []T {
+	if s == nil {
+		return []T{}
+	}
+	return s
+}
+
 //export kvshim_worker_poll
 func kvshim_worker_poll(h C.int64_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) C.int {
 	return call(h, func(in *instance, ws *workerState) error {
-		var p pollJSON
-		p.Sending, p.Recving, p.ErrorBlocks, p.Failed = ws.w.PollFailed()
-		b, _ := json.Marshal(p)
-		return output(in, b, buf, capacity, outLen)
+		return output(in, encodePoll(ws.w.PollFailed()), buf, capacity, outLen)
 	})
 }

@@ -108,7 +108,7 @@ int kvshim_version(char *buf, size_t len);
 int kvshim_last_error(kvshim_handle h, char *buf, size_t len);
 
 /* Opens a handle described by a JSON object whose "role" selects what it is
- * (see the Python package for the roles and their keys). On success stores
+ * (its keys and their ranges: export/schema/open.json). On success stores
  * the handle in *out and returns KVSHIM_OK. Errors: KVSHIM_EINVAL (NULL
  * argument, not JSON, unknown role or key), or the role's own failures;
  * read the message with kvshim_last_error(0, ...). */

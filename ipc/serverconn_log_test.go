@@ -1,7 +1,6 @@
 package ipc
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"path/filepath"
@@ -11,6 +10,8 @@ import (
 	"time"
 
 	"gotest.tools/v3/assert"
+
+	"github.com/kvshim/kvshim/internal/testkit"
 )
 
 func TestLogLimiter(t *testing.T) {
@@ -32,30 +33,12 @@ func TestLogLimiter(t *testing.T) {
 	assert.Equal(t, l.flush(), 0)
 }
 
-// syncBuffer is a log sink for concurrent writers.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // TestUnexpectedSocketMessagesRateLimited: a client that floods its socket
 // with messages the server does not expect gets one WARN line for them
 // (plus one summary when the session ends), not one per message, and its
 // session keeps working.
 func TestUnexpectedSocketMessagesRateLimited(t *testing.T) {
-	var logs syncBuffer
+	var logs testkit.Buffer
 	log := slog.New(slog.NewTextHandler(&logs, nil))
 	l, err := Listen(filepath.Join(t.TempDir(), "kvshim.sock"), &ServerConfig{Logger: log, SQCapacity: 1 << 16, CQCapacity: 1 << 16})
 	assert.NilError(t, err)

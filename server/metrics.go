@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/internal/metric"
 	"github.com/kvshim/kvshim/server/l1"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -47,8 +48,8 @@ func newMetrics(core *Core) *metrics {
 	for _, op := range opNames {
 		m.latency[op] = hist.WithLabelValues(op)
 	}
-	core.metrics = m // registering collects a snapshot, which reads m.usage
-	m.reg.MustRegister(hist, &collector{core: core})
+	core.metrics = m                                                    // registering collects a snapshot, which reads m.usage
+	m.reg.MustRegister(hist, &metric.Collector{Samples: core.snapshot}) // one lock per scrape
 	return m
 }
 
@@ -83,27 +84,21 @@ func (core *Core) HealthHandler() http.Handler {
 	})
 }
 
-// metric is one number of the core's snapshot: the same value is exported
-// as a Prometheus metric and as a STATS entry named Name (with the labels
-// folded in, e.g. "kvshim_l1_objects{state=resident}").
-type metric struct {
-	name, help string
-	counter    bool
-	label      string // "key=value" or ""
-	value      float64
-}
-
-// snapshot returns every number of the core, under the lock.
-func (core *Core) snapshot() []metric {
+// snapshot returns every number of the core, under the lock: exported
+// as Prometheus metrics and as STATS entries (labels folded into the name,
+// e.g. "kvshim_l1_objects{state=resident}").
+func (core *Core) snapshot() []metric.Sample {
 	core.mu.Lock()
 	defer core.mu.Unlock()
 	a := core.l1.Stats()
 	c := &core.cnt
-	g := func(name, help string, v uint64) metric { return metric{name: name, help: help, value: float64(v)} }
-	k := func(name, help string, v uint64) metric {
-		return metric{name: name, help: help, counter: true, value: float64(v)}
+	g := func(name, help string, v uint64) metric.Sample {
+		return metric.Sample{Name: name, Help: help, Value: float64(v)}
 	}
-	out := []metric{
+	k := func(name, help string, v uint64) metric.Sample {
+		return metric.Sample{Name: name, Help: help, Counter: true, Value: float64(v)}
+	}
+	out := []metric.Sample{
 		g("kvshim_l1_capacity_bytes", "L1 size limit.", a.Capacity),
 		g("kvshim_l1_mapped_bytes", "Bytes of L1 segments created so far.", a.Mapped),
 		g("kvshim_l1_used_bytes", "Bytes of L1 slots holding objects (4 KiB rounded); watermarks apply to it.", a.Used),
@@ -135,74 +130,40 @@ func (core *Core) snapshot() []metric {
 		k("kvshim_l1_segment_errors_total", "Failures to obtain a new L1 segment.", a.SegmentErrors),
 		k("kvshim_sessions_opened_total", "Sessions opened.", c.sessionsOpened),
 		k("kvshim_sessions_closed_total", "Sessions closed.", c.sessionsClosed),
-		{name: "kvshim_l1_fences_lifted_total", counter: true, help: "Ended sessions whose fenced staging slots were freed, by what proved the writer done.", label: "by=exit", value: float64(c.fencesExited)},
-		{name: "kvshim_l1_fences_lifted_total", counter: true, help: "Ended sessions whose fenced staging slots were freed, by what proved the writer done.", label: "by=drained", value: float64(c.fencesDrained)},
+		{Name: "kvshim_l1_fences_lifted_total", Counter: true, Help: "Ended sessions whose fenced staging slots were freed, by what proved the writer done.", Labels: "by=exit", Value: float64(c.fencesExited)},
+		{Name: "kvshim_l1_fences_lifted_total", Counter: true, Help: "Ended sessions whose fenced staging slots were freed, by what proved the writer done.", Labels: "by=drained", Value: float64(c.fencesDrained)},
 	}
 	for s := l1.Staging; s < l1.NumStates; s++ {
 		out = append(out,
-			metric{name: "kvshim_l1_objects", help: "L1 objects by state.", label: "state=" + s.String(), value: float64(a.Objects[s])},
-			metric{name: "kvshim_l1_object_bytes", help: "Requested bytes of L1 objects by state.", label: "state=" + s.String(), value: float64(a.ObjectBytes[s])})
+			metric.Sample{Name: "kvshim_l1_objects", Help: "L1 objects by state.", Labels: "state=" + s.String(), Value: float64(a.Objects[s])},
+			metric.Sample{Name: "kvshim_l1_object_bytes", Help: "Requested bytes of L1 objects by state.", Labels: "state=" + s.String(), Value: float64(a.ObjectBytes[s])})
 	}
 	for l, v := range core.metrics.usage.rejected {
-		out = append(out, metric{name: "kvshim_lookups_rejected_total", counter: true, label: "limit=" + lookupLimitNames[l], value: float64(v),
-			help: "LOOKUPs refused (StatusBadRequest) because the session was at a limit: lookups = --max-lookups-per-session, cells = --max-lookup-cells-per-session."})
+		out = append(out, metric.Sample{Name: "kvshim_lookups_rejected_total", Counter: true, Labels: "limit=" + lookupLimitNames[l], Value: float64(v),
+			Help: "LOOKUPs refused (StatusBadRequest) because the session was at a limit: lookups = --max-lookups-per-session, cells = --max-lookup-cells-per-session."})
 	}
-	frag := func(kind string, v uint64) metric {
-		return metric{name: "kvshim_l1_fragmentation_bytes", label: "kind=" + kind, value: float64(v),
-			help: "L1 bytes lost to fragmentation: rounding = slot padding to 4 KiB; slab_free = free slots inside slabs."}
+	frag := func(kind string, v uint64) metric.Sample {
+		return metric.Sample{Name: "kvshim_l1_fragmentation_bytes", Labels: "kind=" + kind, Value: float64(v),
+			Help: "L1 bytes lost to fragmentation: rounding = slot padding to 4 KiB; slab_free = free slots inside slabs."}
 	}
 	out = append(out, frag("rounding", a.Used-a.Requested), frag("slab_free", a.Slab-a.Used))
 	for _, r := range []struct {
 		name string
 		v    uint64
 	}{{"ok", c.allocOK}, {"resident", c.allocResident}, {"in_progress", c.allocInProgress}, {"no_space", c.allocNoSpace}} {
-		out = append(out, metric{name: "kvshim_l1_alloc_keys_total", help: "ALLOC keys by outcome.",
-			counter: true, label: "status=" + r.name, value: float64(r.v)})
+		out = append(out, metric.Sample{Name: "kvshim_l1_alloc_keys_total", Help: "ALLOC keys by outcome.",
+			Counter: true, Labels: "status=" + r.name, Value: float64(r.v)})
 	}
 	return out
 }
 
-// collector exports the snapshot; one lock per scrape.
-type collector struct{ core *Core }
-
-func (c *collector) Describe(ch chan<- *prometheus.Desc) { prometheus.DescribeByCollect(c, ch) }
-
-func (c *collector) Collect(ch chan<- prometheus.Metric) {
-	descs := map[string]*prometheus.Desc{}
-	for _, s := range c.core.snapshot() {
-		var labels []string
-		var lv []string
-		if s.label != "" {
-			for i := 0; i < len(s.label); i++ {
-				if s.label[i] == '=' {
-					labels, lv = []string{s.label[:i]}, []string{s.label[i+1:]}
-					break
-				}
-			}
-		}
-		d := descs[s.name]
-		if d == nil {
-			d = prometheus.NewDesc(s.name, s.help, labels, nil)
-			descs[s.name] = d
-		}
-		t := prometheus.GaugeValue
-		if s.counter {
-			t = prometheus.CounterValue
-		}
-		ch <- prometheus.MustNewConstMetric(d, t, s.value, lv...)
-	}
-}
-
 // stats is the snapshot plus the L2 controllers' numbers (their
 // Prometheus collectors are registered separately).
-func (core *Core) stats() []metric {
+func (core *Core) stats() []metric.Sample {
 	out := core.snapshot()
 	if core.tier != nil {
-		add := func(name, labels string, v float64, isCounter bool) {
-			out = append(out, metric{name: name, label: labels, value: v, counter: isCounter})
-		}
-		core.tier.wr.Export(add)
-		core.tier.pc.Export(add)
+		out = append(out, core.tier.wr.Samples()...)
+		out = append(out, core.tier.pc.Samples()...)
 		out = append(out, core.adapterStats()...)
 	}
 	return out
@@ -222,11 +183,7 @@ func (core *Core) Stats(s *Session) (*ipc.StatsResp, error) {
 	}
 	resp := &ipc.StatsResp{Stats: make([]ipc.Stat, len(snap))}
 	for i, x := range snap {
-		name := x.name
-		if x.label != "" {
-			name += "{" + x.label + "}"
-		}
-		resp.Stats[i] = ipc.Stat{Name: name, Value: x.value}
+		resp.Stats[i] = ipc.Stat{Name: x.StatName(), Value: x.Value}
 	}
 	return resp, nil
 }
@@ -235,12 +192,8 @@ func (core *Core) Stats(s *Session) (*ipc.StatsResp, error) {
 // callers in the same process; ok is false for an unknown name.
 func (core *Core) Stat(name string) (v float64, ok bool) {
 	for _, x := range core.stats() {
-		n := x.name
-		if x.label != "" {
-			n += "{" + x.label + "}"
-		}
-		if n == name {
-			return x.value, true
+		if x.StatName() == name {
+			return x.Value, true
 		}
 	}
 	return 0, false

@@ -16,6 +16,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/server/internal/metric"
 )
 
 // BuildInfo is what kvshim_build_info{version,abi,protocol} reports.
@@ -98,12 +99,12 @@ var statQuantiles = []float64{0.5, 0.99}
 // as they are, the latency histogram as _count, _sum and
 // {quantile=0.5|0.99} estimates (linear within the bucket). Labels are
 // "k=v" joined by ",", in the registry's (sorted) order.
-func (core *Core) adapterStats() []metric {
+func (core *Core) adapterStats() []metric.Sample {
 	fams, err := core.metrics.reg.Gather()
 	if err != nil && len(fams) == 0 {
 		return nil
 	}
-	var out []metric
+	var out []metric.Sample
 	for _, f := range fams {
 		if !adapterFamilies[f.GetName()] {
 			continue
@@ -115,7 +116,7 @@ func (core *Core) adapterStats() []metric {
 			}
 			labels := strings.Join(l, ",")
 			if c := m.GetCounter(); c != nil {
-				out = append(out, metric{name: f.GetName(), label: labels, value: c.GetValue(), counter: true})
+				out = append(out, metric.Sample{Name: f.GetName(), Labels: labels, Value: c.GetValue(), Counter: true})
 				continue
 			}
 			h := m.GetHistogram()
@@ -123,11 +124,11 @@ func (core *Core) adapterStats() []metric {
 				continue
 			}
 			out = append(out,
-				metric{name: f.GetName() + "_count", label: labels, value: float64(h.GetSampleCount()), counter: true},
-				metric{name: f.GetName() + "_sum", label: labels, value: h.GetSampleSum(), counter: true})
+				metric.Sample{Name: f.GetName() + "_count", Labels: labels, Value: float64(h.GetSampleCount()), Counter: true},
+				metric.Sample{Name: f.GetName() + "_sum", Labels: labels, Value: h.GetSampleSum(), Counter: true})
 			for _, q := range statQuantiles {
-				out = append(out, metric{name: f.GetName(), label: labels + ",quantile=" + strconv.FormatFloat(q, 'g', -1, 64),
-					value: bucketQuantile(q, h)})
+				out = append(out, metric.Sample{Name: f.GetName(), Labels: labels + ",quantile=" + strconv.FormatFloat(q, 'g', -1, 64),
+					Value: bucketQuantile(q, h)})
 			}
 		}
 	}

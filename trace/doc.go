@@ -11,9 +11,10 @@
 //
 //	SOURCE-PID-KIND-YYYYMMDDTHHMMSS-SEQ.arrow
 //
-// (SOURCE is "server" or "worker_rN"). A file is written as NAME.arrow.part
-// and renamed to NAME.arrow once closed (footer written); readers skip
-// .part files. Rows are buffered per kind and written as a record batch
+// (SOURCE is "server" or "worker_rN"; SEQ counts the files of every writer
+// of the process, so writers restarted in one process never collide). A
+// file is written as NAME.arrow.part and renamed to NAME.arrow once closed
+// (footer written); readers skip .part files. Rows are buffered per kind and written as a record batch
 // every BatchRows rows or every Flush interval; a file is closed and a new
 // one started once it holds MaxBytes (default 64 MiB) or is MaxAge old
 // (default 5 min), and at Close.

@@ -48,7 +48,6 @@ type Writer struct {
 	files            atomic.Uint64 // files closed
 	mu               sync.Mutex    // errs
 	errs             []error
-	seq              int
 }
 
 // Open creates dir if needed and starts a writer into it.
@@ -249,12 +248,18 @@ func (w *Writer) flush(s *series) {
 	}
 }
 
+// fileSeq numbers the files of every Writer of the process: two writers
+// of one source in one directory (a server restarted in the same process)
+// opened in the same second would otherwise pick the same name, and the
+// second would truncate the first's .part file and steal its rename.
+var fileSeq atomic.Int64
+
 func (w *Writer) openFile(s *series) error {
-	w.seq++
 	now := time.Now()
-	name := fmt.Sprintf("%s-%d-%s-%s-%04d%s", w.opt.Source, w.pid, s.kind, now.UTC().Format("20060102T150405"), w.seq, Suffix)
+	name := fmt.Sprintf("%s-%d-%s-%s-%04d%s", w.opt.Source, w.pid, s.kind, now.UTC().Format("20060102T150405"), fileSeq.Add(1), Suffix)
 	s.path = filepath.Join(w.dir, name)
-	f, err := os.Create(s.path + ".part")
+	// O_EXCL: never truncate a file another writer is still writing
+	f, err := os.OpenFile(s.path+".part", os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o666)
 	if err != nil {
 		return fmt.Errorf("trace: %w", err)
 	}

@@ -197,16 +197,7 @@ func ServeRestore(t *testing.T, l2json, adapter string) {
 
 	bsrv := startServe(t, dir, l2json)
 	sched, worker := bsrv.dial(t, ipc.RoleScheduler), bsrv.dial(t, ipc.RoleWorker)
-	assert.NilError(t, sched.Lookup(ctx, &ipc.LookupReq{LookupID: 9, Namespace: restoreNS, WorldSize: 1, Hashes: hs}))
-	var lr *ipc.LookupResultResp
-	for {
-		lr, err = sched.LookupResult(ctx, &ipc.LookupResultReq{LookupID: 9})
-		assert.NilError(t, err)
-		if lr.Status != ipc.StatusPending {
-			break
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	lr := lookupFinal(ctx, t, sched, 9, hs)
 	// Filled from the plugin: a networked-kind L2 as far as hit sources go.
 	assert.DeepEqual(t, *lr, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 3,
 		Sources: []ipc.SourceRun{{Tier: ipc.TierRemote, Chunks: 3}}})
@@ -274,16 +265,7 @@ func TestServePluginCrashKeepsL1(t *testing.T) {
 	save(hs)
 	srv.waitMetricFn(t, `kvshim_l2_store_errors_total{adapter="plugin"}`, func(f float64) bool { return f >= 1 })
 
-	assert.NilError(t, sched.Lookup(ctx, &ipc.LookupReq{LookupID: 5, Namespace: restoreNS, WorldSize: 1, Hashes: hs}))
-	var lr *ipc.LookupResultResp
-	for {
-		lr, err = sched.LookupResult(ctx, &ipc.LookupResultReq{LookupID: 5})
-		assert.NilError(t, err)
-		if lr.Status != ipc.StatusPending {
-			break
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	lr := lookupFinal(ctx, t, sched, 5, hs)
 	// Served from L1: the plugin's crash touched none of it.
 	assert.DeepEqual(t, *lr, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 3,
 		Sources: []ipc.SourceRun{{Tier: ipc.TierL1, Chunks: 3}}})
@@ -303,4 +285,19 @@ func TestServePluginCrashKeepsL1(t *testing.T) {
 	save(restoreHashes("after", 2))
 	srv.waitMetricFn(t, `kvshim_l2_store_saved_objects_total{adapter="plugin"}`, func(f float64) bool { return f >= 2 })
 	srv.stop(t)
+}
+
+// lookupFinal registers lookup id for hs and polls its result until it is
+// no longer pending (bounded by ctx: LookupResult fails once it ends).
+func lookupFinal(ctx context.Context, t *testing.T, sched *ipc.Client, id uint64, hs []kv.Hash) *ipc.LookupResultResp {
+	t.Helper()
+	assert.NilError(t, sched.Lookup(ctx, &ipc.LookupReq{LookupID: id, Namespace: restoreNS, WorldSize: 1, Hashes: hs}))
+	for {
+		lr, err := sched.LookupResult(ctx, &ipc.LookupResultReq{LookupID: id})
+		assert.NilError(t, err)
+		if lr.Status != ipc.StatusPending {
+			return lr
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
 }

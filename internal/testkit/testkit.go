@@ -3,6 +3,8 @@
 package testkit
 
 import (
+	"bytes"
+	"sync"
 	"testing"
 	"time"
 )
@@ -25,4 +27,24 @@ func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bo
 		}
 		time.Sleep(Poll)
 	}
+}
+
+// Buffer is an io.Writer safe for concurrent writers (a logger, a command
+// running in its goroutine) while the test reads it.
+type Buffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *Buffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+// String is everything written so far.
+func (s *Buffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

@@ -132,7 +132,7 @@ func (a *Adapter) Release(keys []kv.Key) {
 			delete(a.holds, k)
 		}
 	}
-	a.m.holds.Set(float64(len(a.holds)))
+	a.m.holds.Store(int64(len(a.holds)))
 	a.holdMu.Unlock()
 	if rel, ok := a.backend.(Releaser); ok {
 		rel.Release(keys)
@@ -149,7 +149,7 @@ func (a *Adapter) Held(k kv.Key) int {
 func (a *Adapter) hold(k kv.Key) {
 	a.holdMu.Lock()
 	a.holds[k]++
-	a.m.holds.Set(float64(len(a.holds)))
+	a.m.holds.Store(int64(len(a.holds)))
 	a.holdMu.Unlock()
 }
 

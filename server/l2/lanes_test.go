@@ -20,6 +20,10 @@ import (
 // are left unreported, Rank 98 panics.
 type gateBackend struct {
 	gate chan struct{}
+	// busy, when set, keeps a Store whose context ended from returning
+	// until it is closed (at most 10 s): its worker stays occupied for as
+	// long as the test needs, whatever the machine's load.
+	busy chan struct{}
 	mu   sync.Mutex
 	objs map[kv.Key]bool
 }
@@ -30,6 +34,12 @@ func (g *gateBackend) Store(ctx context.Context, keys []kv.Key, bufs [][]byte, r
 	select {
 	case <-g.gate:
 	case <-ctx.Done():
+		if g.busy != nil {
+			select {
+			case <-g.busy:
+			case <-time.After(10 * time.Second):
+			}
+		}
 		r.FailAll(len(keys), ctx.Err())
 		return
 	}
@@ -188,8 +198,8 @@ func TestTaskResultsAndHolds(t *testing.T) {
 	assert.Equal(t, res[0].Status, StatusOK)
 	assert.Equal(t, res[1].Status, StatusOK)
 
-	assert.Equal(t, testutil.ToFloat64(a.m.keys.WithLabelValues("lookup", "ok")), float64(bm.Count()))
-	assert.Equal(t, testutil.ToFloat64(a.m.holds), 0.0)
+	assert.Equal(t, float64(a.m.keys[OpLookup][StatusOK].Load()), float64(bm.Count()))
+	assert.Equal(t, float64(a.m.holds.Load()), 0.0)
 	cnt, err := testutil.GatherAndCount(reg, "kvshim_l2_task_seconds")
 	assert.NilError(t, err)
 	assert.Assert(t, cnt >= 4)
@@ -200,21 +210,28 @@ func TestTaskResultsAndHolds(t *testing.T) {
 		assert.NilError(t, err)
 		assert.Assert(t, n > 0, name)
 	}
-	assert.Equal(t, testutil.ToFloat64(a.m.errors.WithLabelValues("store")), float64(len(failed)))
-	assert.Equal(t, testutil.ToFloat64(a.m.depth.WithLabelValues("store")), 0.0)
-	assert.Equal(t, testutil.ToFloat64(a.m.inflight.WithLabelValues("lookup")), 0.0)
+	assert.Equal(t, float64(a.m.errors[OpStore].Load()), float64(len(failed)))
+	assert.Equal(t, float64(a.m.depth[OpStore].Load()), 0.0)
+	assert.Equal(t, float64(a.m.inflight[OpLookup].Load()), 0.0)
 	// a second adapter with the same name in the same registry is refused
 	_, err = NewAdapter(newGate(), &Config{Type: "t", Name: "g1", Lanes: LaneConfig{Shared: 1}}, reg, nil)
 	assert.ErrorContains(t, err, "metrics")
 }
 
 func TestQueuedTileTimesOut(t *testing.T) {
-	a, _ := openGate(t, `{"type":"t","num_workers":1,"op_timeout_ms":100}`, nil)
+	a, g := openGate(t, `{"type":"t","num_workers":1,"op_timeout_ms":100}`, nil)
+	// The store holds the one worker past its op timeout until the lookup's
+	// deadline has passed: the lookup is queued behind it however late this
+	// goroutine runs (under load it once ran after the store had ended, and
+	// the lookup found an idle worker and a live context).
+	g.busy = make(chan struct{})
 	start := time.Now()
 	st := a.Store(context.Background(), keysN(3), make([][]byte, 3))
 	lctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
 	defer cancel()
 	look := a.LookupAndHold(lctx, keysN(2)) // its deadline passes while it is queued
+	<-lctx.Done()
+	close(g.busy)
 	res, err := look.Wait(ctxT(t))
 	assert.NilError(t, err)
 	for _, r := range res {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
+	"github.com/kvshim/kvshim/server/internal/metric"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -64,7 +65,7 @@ type PrefetchController struct {
 	ctx      context.Context
 	cancel   context.CancelFunc
 	wg       sync.WaitGroup
-	metrics  *collector
+	metrics  *metric.Set
 
 	mu     sync.Mutex
 	closed bool
@@ -103,46 +104,44 @@ func NewPrefetchController(l1 L1, adapters []*l2.Adapter, cfg PrefetchConfig, re
 	pc.ad = &admission{l1: l1, budget: cfg.Budget, acceptedG: &pc.acceptedG, waitingG: &pc.waitingG}
 	pc.ctx, pc.cancel = context.WithCancel(context.Background())
 	pc.budgetG.Store(int64(cfg.Budget))
-	c := &collector{}
+	c := &metric.Set{}
 	const lk = "kvshim_l2_prefetch_lookups_total"
 	const lkHelp = "Lookups that asked L2, by outcome: loaded (admitted and loading), no_l2 (nothing to load), rejected (over the byte budget: answered from L1), l1_full (admitted, but no L1 staging for the first chunk), timeout (past the deadline; also counted in another outcome), cancelled (the lookup was dropped — session closed, hold TTL — and its fill abandoned; also counted as loaded when it was loading)."
-	c.add(lk, lkHelp, false, &pc.loaded, "outcome", "loaded")
-	c.add(lk, lkHelp, false, &pc.noL2, "outcome", "no_l2")
-	c.add(lk, lkHelp, false, &pc.rejected, "outcome", "rejected")
-	c.add(lk, lkHelp, false, &pc.l1Full, "outcome", "l1_full")
-	c.add(lk, lkHelp, false, &pc.timeouts, "outcome", "timeout")
-	c.add(lk, lkHelp, false, &pc.cancelled, "outcome", "cancelled")
-	c.add("kvshim_l2_prefetch_waited_total", "Lookups that waited for admission budget.", false, &pc.waited)
-	c.add("kvshim_l2_prefetch_inflight_lookups", "Lookups being prefetched.", true, &pc.inflight)
-	c.add("kvshim_l2_prefetch_admission_queue", "Lookups waiting for admission budget (queue depth).", true, &pc.waitingG)
-	c.add("kvshim_l2_prefetch_accepted_bytes", "Bytes of admitted lookups not yet reserved in L1.", true, &pc.acceptedG)
-	c.add("kvshim_l2_prefetch_budget_bytes", "Admission budget: L1 prefetch bytes + accepted bytes stay below it.", true, &pc.budgetG)
+	c.Add(lk, lkHelp, false, &pc.loaded, "outcome", "loaded")
+	c.Add(lk, lkHelp, false, &pc.noL2, "outcome", "no_l2")
+	c.Add(lk, lkHelp, false, &pc.rejected, "outcome", "rejected")
+	c.Add(lk, lkHelp, false, &pc.l1Full, "outcome", "l1_full")
+	c.Add(lk, lkHelp, false, &pc.timeouts, "outcome", "timeout")
+	c.Add(lk, lkHelp, false, &pc.cancelled, "outcome", "cancelled")
+	c.Add("kvshim_l2_prefetch_waited_total", "Lookups that waited for admission budget.", false, &pc.waited)
+	c.Add("kvshim_l2_prefetch_inflight_lookups", "Lookups being prefetched.", true, &pc.inflight)
+	c.Add("kvshim_l2_prefetch_admission_queue", "Lookups waiting for admission budget (queue depth).", true, &pc.waitingG)
+	c.Add("kvshim_l2_prefetch_accepted_bytes", "Bytes of admitted lookups not yet reserved in L1.", true, &pc.acceptedG)
+	c.Add("kvshim_l2_prefetch_budget_bytes", "Admission budget: L1 prefetch bytes + accepted bytes stay below it.", true, &pc.budgetG)
 	for i, a := range adapters {
 		const ch = "kvshim_l2_prefetch_chunks_total"
 		const chHelp = "Objects loaded from L2 into L1, by adapter and result: ok, miss, failed (the adapter's error), rejected (read, but the object header is corrupt, names another key or the payload checksum differs: never served, deleted from L2)."
-		c.add(ch, chHelp, false, &pc.chunksOK[i], "adapter", a.Name(), "result", "ok")
-		c.add(ch, chHelp, false, &pc.chunksMiss[i], "adapter", a.Name(), "result", "miss")
-		c.add(ch, chHelp, false, &pc.chunksFailed[i], "adapter", a.Name(), "result", "failed")
-		c.add(ch, chHelp, false, &pc.chunksRejected[i], "adapter", a.Name(), "result", "rejected")
-		c.add("kvshim_l2_prefetch_key_mismatches_total", "Objects read from L2 whose header names another key (namespace, rank or chunk hash) than the one loaded: bytes stored under the wrong name (also counted as rejected).", false, &pc.keyMismatches[i], "adapter", a.Name())
+		c.Add(ch, chHelp, false, &pc.chunksOK[i], "adapter", a.Name(), "result", "ok")
+		c.Add(ch, chHelp, false, &pc.chunksMiss[i], "adapter", a.Name(), "result", "miss")
+		c.Add(ch, chHelp, false, &pc.chunksFailed[i], "adapter", a.Name(), "result", "failed")
+		c.Add(ch, chHelp, false, &pc.chunksRejected[i], "adapter", a.Name(), "result", "rejected")
+		c.Add("kvshim_l2_prefetch_key_mismatches_total", "Objects read from L2 whose header names another key (namespace, rank or chunk hash) than the one loaded: bytes stored under the wrong name (also counted as rejected).", false, &pc.keyMismatches[i], "adapter", a.Name())
 		const del = "kvshim_l2_prefetch_rejected_deletes_total"
 		const delHelp = "Deletes of rejected L2 objects, by result (failed: e.g. held by another lookup; a later fill retries)."
-		c.add(del, delHelp, false, &pc.badDeleted[i], "adapter", a.Name(), "result", "ok")
-		c.add(del, delHelp, false, &pc.badDeleteFailed[i], "adapter", a.Name(), "result", "failed")
-		c.add("kvshim_l2_prefetch_bytes_total", "Bytes loaded from L2 into L1 (objects that passed the check).", false, &pc.bytesLoaded[i], "adapter", a.Name())
+		c.Add(del, delHelp, false, &pc.badDeleted[i], "adapter", a.Name(), "result", "ok")
+		c.Add(del, delHelp, false, &pc.badDeleteFailed[i], "adapter", a.Name(), "result", "failed")
+		c.Add("kvshim_l2_prefetch_bytes_total", "Bytes loaded from L2 into L1 (objects that passed the check).", false, &pc.bytesLoaded[i], "adapter", a.Name())
 	}
 	pc.metrics = c
-	if err := register(reg, c); err != nil {
+	if err := c.Register(reg); err != nil {
 		return nil, fmt.Errorf("tier: prefetch metrics: %w", err)
 	}
 	return pc, nil
 }
 
-// Export calls fn for each of the controller's metrics (name, labels as
-// "k=v,k2=v2", value), as its Prometheus collector exports them.
-func (pc *PrefetchController) Export(fn func(name, labels string, value float64, isCounter bool)) {
-	pc.metrics.each(fn)
-}
+// Samples are the controller's metrics now, as its Prometheus collector
+// exports them (STATS carries them too).
+func (pc *PrefetchController) Samples() []metric.Sample { return pc.metrics.Samples() }
 
 // PrefetchStats are the controller's counters.
 type PrefetchStats struct {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
+	"github.com/kvshim/kvshim/server/internal/metric"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -77,7 +78,7 @@ type Writer struct {
 	cancel   context.CancelFunc
 	wg       sync.WaitGroup
 
-	metrics *collector
+	metrics *metric.Set
 
 	mu       sync.Mutex
 	closed   bool
@@ -109,32 +110,30 @@ func NewWriter(l1 L1, adapters []*l2.Adapter, cfg WriterConfig, reg prometheus.R
 		saved: make([]atomic.Int64, len(adapters)), savedBytes: make([]atomic.Int64, len(adapters)),
 		errs: make([]atomic.Int64, len(adapters)), errLog: make([]warnLimiter, len(adapters))}
 	wr.ctx, wr.cancel = context.WithCancel(context.Background())
-	c := &collector{}
-	c.add("kvshim_l2_store_pending_objects", "Objects pinned in L1 for L2 writes not yet finished (store queue depth).", true, &wr.pendingObjs)
-	c.add("kvshim_l2_store_inflight_bytes", "L1 bytes pinned for L2 writes not yet finished.", true, &wr.inflightBytes)
-	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &wr.skippedPolicy, "reason", "policy")
-	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &wr.skippedBusy, "reason", "busy")
-	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &wr.skippedClosed, "reason", "closed")
-	c.add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &wr.skippedCorrupt, "reason", "corrupt")
-	c.add("kvshim_l2_store_checksummed_objects_total", "Committed objects whose payload CRC the L2 store computed and set in L1 before writing them (objects sealed without one: the default kvshim.verify=l2).", false, &wr.checksummed)
-	c.add("kvshim_l2_store_checksummed_bytes_total", "Payload bytes the L2 store read to compute payload CRCs.", false, &wr.checksummedBytes)
+	c := &metric.Set{}
+	c.Add("kvshim_l2_store_pending_objects", "Objects pinned in L1 for L2 writes not yet finished (store queue depth).", true, &wr.pendingObjs)
+	c.Add("kvshim_l2_store_inflight_bytes", "L1 bytes pinned for L2 writes not yet finished.", true, &wr.inflightBytes)
+	c.Add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &wr.skippedPolicy, "reason", "policy")
+	c.Add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &wr.skippedBusy, "reason", "busy")
+	c.Add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &wr.skippedClosed, "reason", "closed")
+	c.Add("kvshim_l2_store_skipped_total", "Committed objects not written to L2, by reason.", false, &wr.skippedCorrupt, "reason", "corrupt")
+	c.Add("kvshim_l2_store_checksummed_objects_total", "Committed objects whose payload CRC the L2 store computed and set in L1 before writing them (objects sealed without one: the default kvshim.verify=l2).", false, &wr.checksummed)
+	c.Add("kvshim_l2_store_checksummed_bytes_total", "Payload bytes the L2 store read to compute payload CRCs.", false, &wr.checksummedBytes)
 	for i, a := range adapters {
-		c.add("kvshim_l2_store_saved_objects_total", "Objects saved to L2 (the third done: L2 saved).", false, &wr.saved[i], "adapter", a.Name())
-		c.add("kvshim_l2_store_saved_bytes_total", "Bytes saved to L2.", false, &wr.savedBytes[i], "adapter", a.Name())
-		c.add("kvshim_l2_store_errors_total", "Objects whose L2 write failed (best effort, not retried).", false, &wr.errs[i], "adapter", a.Name())
+		c.Add("kvshim_l2_store_saved_objects_total", "Objects saved to L2 (the third done: L2 saved).", false, &wr.saved[i], "adapter", a.Name())
+		c.Add("kvshim_l2_store_saved_bytes_total", "Bytes saved to L2.", false, &wr.savedBytes[i], "adapter", a.Name())
+		c.Add("kvshim_l2_store_errors_total", "Objects whose L2 write failed (best effort, not retried).", false, &wr.errs[i], "adapter", a.Name())
 	}
 	wr.metrics = c
-	if err := register(reg, c); err != nil {
+	if err := c.Register(reg); err != nil {
 		return nil, fmt.Errorf("tier: store metrics: %w", err)
 	}
 	return wr, nil
 }
 
-// Export calls fn for each of the controller's metrics (name, labels as
-// "k=v,k2=v2", value), as its Prometheus collector exports them.
-func (wr *Writer) Export(fn func(name, labels string, value float64, isCounter bool)) {
-	wr.metrics.each(fn)
-}
+// Samples are the controller's metrics now, as its Prometheus collector
+// exports them (STATS carries them too).
+func (wr *Writer) Samples() []metric.Sample { return wr.metrics.Samples() }
 
 // WriterStats are the controller's counters (tests, traces).
 type WriterStats struct {

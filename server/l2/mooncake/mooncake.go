@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -17,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/internal/hostproc"
 )
 
 // Type is the adapter type name (LMCache's).
@@ -85,17 +85,12 @@ type Backend struct {
 	tmpDir  string
 	script  string
 	segs    segments
-	bounce  *bounce
+	bounce  *hostproc.Pages
 	bfile   *os.File
 	nextID  atomic.Uint64
 	nextSeg atomic.Int64
-	stderr  *tail
-
-	mu          sync.Mutex
-	cur         *proc     // the running helper; nil while none
-	lastRestart time.Time // restarts are attempted at most once per restartEvery
-	closed      bool
-	restartMu   sync.Mutex
+	stderr  *hostproc.Tail
+	sup     hostproc.Supervisor[*proc] // the running helper
 }
 
 // restartEvery bounds how often a dead helper is restarted.
@@ -145,22 +140,25 @@ func Start(c Config, logger *slog.Logger) (*Backend, error) {
 		return nil, err
 	}
 	b := &Backend{cfg: c, log: logger, tmpDir: tmp, script: filepath.Join(tmp, "kvshim_mooncake_helper.py"),
-		stderr: &tail{max: 8 << 10}}
+		stderr: &hostproc.Tail{Max: 8 << 10, Label: "helper stderr"}}
+	b.sup = hostproc.Supervisor[*proc]{Name: "helper", Sentinel: ErrHelper, Every: restartEvery, Spawn: b.spawn,
+		Stop:      (*proc).stop,
+		OnRestart: func(cause error) { b.log.Warn("mooncake: restarting the helper", "cause", cause) }}
 	if err := os.WriteFile(b.script, helperPy, 0o600); err != nil {
 		b.cleanup()
 		return nil, err
 	}
 	if c.HelperLog != "" {
 		if f, err := os.OpenFile(c.HelperLog, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err == nil {
-			b.stderr.file = f
+			b.stderr.File = f
 		}
 	}
-	f, mem, err := memfd("kvshim-mooncake-bounce", c.BounceSize)
+	f, mem, err := hostproc.Memfd("kvshim-mooncake-bounce", c.BounceSize)
 	if err != nil {
 		b.cleanup()
 		return nil, err
 	}
-	b.bfile, b.bounce = f, newBounce(mem)
+	b.bfile, b.bounce = f, hostproc.NewPages(mem, bouncePage)
 	b.segs.add(segment{id: 0, fd: int(f.Fd()), base: uintptrOf(mem), mem: mem})
 	b.nextSeg.Store(1)
 	p, err := b.spawn()
@@ -168,9 +166,7 @@ func Start(c Config, logger *slog.Logger) (*Backend, error) {
 		b.cleanup()
 		return nil, err
 	}
-	b.mu.Lock()
-	b.cur, b.lastRestart = p, time.Now()
-	b.mu.Unlock()
+	b.sup.Start(p)
 	return b, nil
 }
 
@@ -192,10 +188,8 @@ func (b *Backend) spawn() (*proc, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("%w: start %s: %w", ErrHelper, b.cfg.Python, err)
 	}
-	p := &proc{cmd: cmd, stdin: stdin, w: &frameWriter{w: stdin}, pending: map[uint64]chan reply{},
-		exited: make(chan struct{}), stderr: b.stderr}
+	p := &proc{Child: hostproc.Watch(cmd, stdin), w: &frameWriter{w: stdin}, stderr: b.stderr}
 	go p.readLoop(bufio.NewReaderSize(stdout, 1<<16))
-	go func() { _ = cmd.Wait(); close(p.exited) }()
 
 	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.SetupTimeout)
 	defer cancel()
@@ -214,58 +208,7 @@ func (b *Backend) spawn() (*proc, error) {
 
 // proc returns the running helper, restarting a dead one (at most once
 // per restartEvery; callers in between fail fast).
-func (b *Backend) proc() (*proc, error) {
-	b.mu.Lock()
-	p, closed := b.cur, b.closed
-	b.mu.Unlock()
-	if closed {
-		return nil, l2.ErrClosed
-	}
-	if p != nil && p.err() == nil {
-		return p, nil
-	}
-	if !b.restartMu.TryLock() {
-		return nil, b.deadErr(p)
-	}
-	defer b.restartMu.Unlock()
-	b.mu.Lock()
-	if b.cur != p || time.Since(b.lastRestart) < restartEvery {
-		cur := b.cur
-		b.mu.Unlock()
-		if cur != p && cur != nil && cur.err() == nil {
-			return cur, nil
-		}
-		return nil, b.deadErr(p)
-	}
-	b.lastRestart = time.Now()
-	b.mu.Unlock()
-	b.log.Warn("mooncake: restarting the helper", "cause", b.deadErr(p))
-	np, err := b.spawn()
-	if err != nil {
-		return nil, fmt.Errorf("%w: restart: %w", l2.ErrUnavailable, err)
-	}
-	b.mu.Lock()
-	if b.closed {
-		b.mu.Unlock()
-		np.stop()
-		return nil, l2.ErrClosed
-	}
-	b.cur = np
-	b.mu.Unlock()
-	if p != nil {
-		p.stop()
-	}
-	return np, nil
-}
-
-func (b *Backend) deadErr(p *proc) error {
-	if p != nil {
-		if err := p.err(); err != nil {
-			return err
-		}
-	}
-	return fmt.Errorf("%w: %w: helper not running", l2.ErrUnavailable, ErrHelper)
-}
+func (b *Backend) proc() (*proc, error) { return b.sup.Get() }
 
 // RegisterL1Segment makes an L1 shared-memory segment (a memfd the caller
 // keeps open for the adapter's life, mapped at mem) visible to the helper,
@@ -338,11 +281,7 @@ func (b *Backend) Tiles(op l2.Op, keys, workers int) int { return 1 }
 
 // Close stops the helper (stdin EOF, then SIGKILL after 5 s) and unmaps.
 func (b *Backend) Close() error {
-	b.mu.Lock()
-	p := b.cur
-	b.closed, b.cur = true, nil
-	b.mu.Unlock()
-	if p != nil {
+	if p := b.sup.Close(); p != nil {
 		p.stop()
 	}
 	b.cleanup()
@@ -351,59 +290,22 @@ func (b *Backend) Close() error {
 
 func (b *Backend) cleanup() {
 	if b.bounce != nil {
-		_ = unix.Munmap(b.bounce.mem)
+		_ = unix.Munmap(b.bounce.Mem)
 		b.bounce = nil
 	}
 	if b.bfile != nil {
 		_ = b.bfile.Close()
 	}
-	if b.stderr != nil && b.stderr.file != nil {
-		_ = b.stderr.file.Close()
+	if b.stderr != nil && b.stderr.File != nil {
+		_ = b.stderr.File.Close()
 	}
 	_ = os.RemoveAll(b.tmpDir)
 }
 
 // Pid is the running helper's process id (0 when none).
 func (b *Backend) Pid() int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.cur == nil {
-		return 0
+	if p := b.sup.Current(); p != nil {
+		return p.Cmd.Process.Pid
 	}
-	return b.cur.cmd.Process.Pid
-}
-
-// tail keeps the last max bytes of the helper's stderr (and copies all of
-// it to file when set).
-type tail struct {
-	mu   sync.Mutex
-	buf  []byte
-	max  int
-	file *os.File
-}
-
-func (t *tail) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.file != nil {
-		_, _ = t.file.Write(p)
-	}
-	t.buf = append(t.buf, p...)
-	if len(t.buf) > t.max {
-		t.buf = append(t.buf[:0], t.buf[len(t.buf)-t.max:]...)
-	}
-	return len(p), nil
-}
-
-func (t *tail) suffix() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	s := string(t.buf)
-	if len(s) > 600 {
-		s = s[len(s)-600:]
-	}
-	if s == "" {
-		return ""
-	}
-	return "; helper stderr: " + s
+	return 0
 }

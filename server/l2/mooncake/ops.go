@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/internal/hostproc"
 )
 
 func uintptrOf(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(b))) }
@@ -16,7 +17,7 @@ func uintptrOf(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceDat
 // or bounce pages.
 type staged struct {
 	req       *request
-	bounced   []int // bounce first page per key, -1 when not bounced
+	bounced   []int // bounce offset per key, -1 when not bounced
 	bufs      [][]byte
 	releaseFn func()
 }
@@ -32,17 +33,17 @@ func (b *Backend) stage(ctx context.Context, op string, keys []kv.Key, bufs [][]
 		seg, off, ok := b.segs.find(bufs[i])
 		if !ok {
 			var err error
-			first, err = b.bounce.alloc(ctx, len(bufs[i]), i == 0)
-			if errors.Is(err, errFull) {
+			first, err = b.bounce.Alloc(ctx, len(bufs[i]), i == 0)
+			if errors.Is(err, hostproc.ErrFull) {
 				break
 			}
 			if err != nil {
 				s.release()
-				return nil, 0, err
+				return nil, 0, fmt.Errorf("mooncake: bounce_buffer_size: %w (register the L1 segment instead)", err)
 			}
-			seg, off = 0, first*b.bounce.page
+			seg, off = 0, first
 			if copyIn {
-				copy(b.bounce.mem[off:off+len(bufs[i])], bufs[i])
+				copy(b.bounce.Mem[off:off+len(bufs[i])], bufs[i])
 			}
 		}
 		s.req.Keys = append(s.req.Keys, k.String())
@@ -56,7 +57,7 @@ func (b *Backend) stage(ctx context.Context, op string, keys []kv.Key, bufs [][]
 	s.releaseFn = func() {
 		for i, first := range s.bounced {
 			if first >= 0 {
-				b.bounce.free(first, len(s.bufs[i]))
+				b.bounce.Free(first, len(s.bufs[i]))
 			}
 		}
 	}
@@ -98,8 +99,7 @@ func (b *Backend) run(ctx context.Context, s *staged) ([]int64, error) {
 		if s.req.Op == "get" {
 			for i, first := range s.bounced {
 				if first >= 0 && rep.Res[i] == int64(len(s.bufs[i])) {
-					off := first * b.bounce.page
-					copy(s.bufs[i], b.bounce.mem[off:off+len(s.bufs[i])])
+					copy(s.bufs[i], b.bounce.Mem[first:first+len(s.bufs[i])])
 				}
 			}
 		}
@@ -116,65 +116,52 @@ func storeErr(op string, k kv.Key, code int64) error {
 
 // Store implements l2.Backend (batch_put_from; an existing key is success).
 func (b *Backend) Store(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) {
-	for len(keys) > 0 {
-		n := b.put(ctx, keys, bufs, r)
-		keys, bufs, r = keys[n:], bufs[n:], r.Sub(n)
-	}
-}
-
-func (b *Backend) put(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) int {
-	s, n, err := b.stage(ctx, "put", keys, bufs, true)
-	if err != nil {
-		r.FailAll(len(keys), err)
-		return len(keys)
-	}
-	res, err := b.run(ctx, s)
-	if err != nil {
-		r.FailAll(n, err)
-		return n
-	}
-	for i, c := range res {
+	b.batches(ctx, "put", keys, bufs, r, func(i int, k kv.Key, buf []byte, c int64) {
 		if c == 0 || c == codeAlreadyExists {
-			r.Report(i, l2.Result{Status: l2.StatusOK, Bytes: len(bufs[i])})
+			r.Report(i, l2.Result{Status: l2.StatusOK, Bytes: len(buf)})
 		} else {
-			r.Fail(i, storeErr("put", keys[i], c))
+			r.Fail(i, storeErr("put", k, c))
 		}
-	}
-	return n
+	})
 }
 
 // Load implements l2.Backend (batch_get_into).
 func (b *Backend) Load(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) {
-	for len(keys) > 0 {
-		n := b.get(ctx, keys, bufs, r)
-		keys, bufs, r = keys[n:], bufs[n:], r.Sub(n)
-	}
-}
-
-func (b *Backend) get(ctx context.Context, keys []kv.Key, bufs [][]byte, r l2.Reporter) int {
-	s, n, err := b.stage(ctx, "get", keys, bufs, false)
-	if err != nil {
-		r.FailAll(len(keys), err)
-		return len(keys)
-	}
-	res, err := b.run(ctx, s)
-	if err != nil {
-		r.FailAll(n, err)
-		return n
-	}
-	for i, c := range res {
+	b.batches(ctx, "get", keys, bufs, r, func(i int, k kv.Key, buf []byte, c int64) {
 		switch {
-		case c == int64(len(bufs[i])):
-			r.Report(i, l2.Result{Status: l2.StatusOK, Bytes: len(bufs[i])})
+		case c == int64(len(buf)):
+			r.Report(i, l2.Result{Status: l2.StatusOK, Bytes: len(buf)})
 		case c == 0 || c == codeNotFound:
 			r.Report(i, l2.Result{Status: l2.StatusMiss})
 		case c > 0:
-			r.Fail(i, fmt.Errorf("mooncake: get %s: %d bytes, buffer %d: %w", keys[i], c, len(bufs[i]), l2.ErrBufferSize))
+			r.Fail(i, fmt.Errorf("mooncake: get %s: %d bytes, buffer %d: %w", k, c, len(buf), l2.ErrBufferSize))
 		default:
-			r.Fail(i, storeErr("get", keys[i], c))
+			r.Fail(i, storeErr("get", k, c))
 		}
+	})
+}
+
+// batches runs op ("put" copies in, "get" copies out) over keys in the
+// prefixes stage can place and hands each key's result code to report,
+// with i counted from the start of keys (r is the whole batch's reporter).
+func (b *Backend) batches(ctx context.Context, op string, keys []kv.Key, bufs [][]byte, r l2.Reporter,
+	report func(i int, k kv.Key, buf []byte, c int64)) {
+	for base := 0; base < len(keys); {
+		s, n, err := b.stage(ctx, op, keys[base:], bufs[base:], op == "put")
+		if err != nil {
+			r.Sub(base).FailAll(len(keys)-base, err)
+			return
+		}
+		res, err := b.run(ctx, s)
+		if err != nil {
+			r.Sub(base).FailAll(n, err)
+		} else {
+			for i, c := range res {
+				report(base+i, keys[base+i], bufs[base+i], c)
+			}
+		}
+		base += n
 	}
-	return n
 }
 
 func (b *Backend) keyed(ctx context.Context, op string, keys []kv.Key) ([]int64, error) {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/internal/hostproc"
 )
 
 // call sends one request and waits for its reply, bounded by ctx. When ctx
@@ -56,8 +57,8 @@ func (b *Backend) call(ctx context.Context, op uint32, recs []record, done func(
 			}
 			b.hangKills.Add(1)
 			b.log.Error("plugin L2: a plugin call did not return; killing its host", "plugin", b.name,
-				"past_deadline", b.cfg.HangGrace, "pid", p.cmd.Process.Pid)
-			p.kill()
+				"past_deadline", b.cfg.HangGrace, "pid", p.Cmd.Process.Pid)
+			p.Kill()
 			rep := <-ch // the host's death answers it
 			if done != nil {
 				done(rep)
@@ -99,16 +100,16 @@ type staged struct {
 func (b *Backend) place(ctx context.Context, keys []kv.Key, bufs [][]byte, copyIn bool) (*staged, error) {
 	s := &staged{}
 	for i, k := range keys {
-		off, err := b.win.alloc(ctx, len(bufs[i]), i == 0)
-		if errors.Is(err, errWindowFull) {
+		off, err := b.win.Alloc(ctx, len(bufs[i]), i == 0)
+		if errors.Is(err, hostproc.ErrFull) {
 			break
 		}
 		if err != nil {
 			b.free(s)
-			return nil, err
+			return nil, fmt.Errorf("plugin: window_bytes: %w", err)
 		}
 		if copyIn {
-			copy(b.win.mem[off:off+len(bufs[i])], bufs[i])
+			copy(b.win.Mem[off:off+len(bufs[i])], bufs[i])
 		}
 		s.recs = append(s.recs, record{key: k, off: uint64(off), len: uint64(len(bufs[i]))})
 	}
@@ -117,7 +118,7 @@ func (b *Backend) place(ctx context.Context, keys []kv.Key, bufs [][]byte, copyI
 
 func (b *Backend) free(s *staged) {
 	for _, r := range s.recs {
-		b.win.free(int(r.off), int(r.len))
+		b.win.Free(int(r.off), int(r.len))
 	}
 }
 
@@ -149,7 +150,7 @@ func (b *Backend) moved(ctx context.Context, op uint32, name string, keys []kv.K
 				for i, st := range rep.status {
 					if st == stOK {
 						off := int(s.recs[i].off)
-						copy(bufs[i], b.win.mem[off:off+len(bufs[i])])
+						copy(bufs[i], b.win.Mem[off:off+len(bufs[i])])
 					}
 				}
 				copied = true
@@ -184,9 +185,20 @@ func records(keys []kv.Key) []record {
 	return recs
 }
 
-// Exists implements l2.Backend.
+// Exists implements l2.Backend (a hit reports the object's size).
 func (b *Backend) Exists(ctx context.Context, keys []kv.Key, r l2.Reporter) {
-	rep, err := b.call(ctx, opLookup, records(keys), nil)
+	b.keyOp(ctx, opLookup, "lookup", keys, r)
+}
+
+// Delete implements l2.Backend (the adapter never passes a held key).
+func (b *Backend) Delete(ctx context.Context, keys []kv.Key, r l2.Reporter) {
+	b.keyOp(ctx, opRemove, "remove", keys, r)
+}
+
+// keyOp runs a keys-only op and reports each key: ok (with the size the
+// host answered: the host zeroes it for remove), miss, or the key's error.
+func (b *Backend) keyOp(ctx context.Context, op uint32, name string, keys []kv.Key, r l2.Reporter) {
+	rep, err := b.call(ctx, op, records(keys), nil)
 	if err != nil {
 		r.FailAll(len(keys), err)
 		return
@@ -198,26 +210,7 @@ func (b *Backend) Exists(ctx context.Context, keys []kv.Key, r l2.Reporter) {
 		case stMiss:
 			r.Report(i, l2.Result{Status: l2.StatusMiss})
 		default:
-			r.Fail(i, b.keyErr("lookup", keys[i], st, rep.msg))
-		}
-	}
-}
-
-// Delete implements l2.Backend (the adapter never passes a held key).
-func (b *Backend) Delete(ctx context.Context, keys []kv.Key, r l2.Reporter) {
-	rep, err := b.call(ctx, opRemove, records(keys), nil)
-	if err != nil {
-		r.FailAll(len(keys), err)
-		return
-	}
-	for i, st := range rep.status {
-		switch st {
-		case stOK:
-			r.Report(i, l2.Result{Status: l2.StatusOK})
-		case stMiss:
-			r.Report(i, l2.Result{Status: l2.StatusMiss})
-		default:
-			r.Fail(i, b.keyErr("remove", keys[i], st, rep.msg))
+			r.Fail(i, b.keyErr(name, keys[i], st, rep.msg))
 		}
 	}
 }

@@ -11,12 +11,12 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/internal/hostproc"
 )
 
 // Type is the adapter type name.
@@ -186,17 +186,12 @@ type Backend struct {
 	host   string
 	log    *slog.Logger
 	win    *window
-	stderr *tail
+	stderr *hostproc.Tail
 	name   string // the plugin's name, from its open reply
 	nextID atomic.Uint64
 
-	mu          sync.Mutex
-	cur         *proc
-	lastRestart time.Time
-	closed      bool
-	restartMu   sync.Mutex
-	restarts    atomic.Int64
-	hangKills   atomic.Int64
+	sup       hostproc.Supervisor[*proc] // the running host
+	hangKills atomic.Int64
 }
 
 // Start starts the host, loads the plugin and opens it; a plugin that
@@ -231,15 +226,18 @@ func Start(c Config, logger *slog.Logger) (*Backend, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &Backend{cfg: c, host: host, log: logger, win: w, stderr: &tail{max: 8 << 10}}
+	b := &Backend{cfg: c, host: host, log: logger, win: w, stderr: &hostproc.Tail{Max: 8 << 10, Label: "host stderr"}}
+	b.sup = hostproc.Supervisor[*proc]{Name: "plugin host", Every: restartEvery, Spawn: b.spawn,
+		Stop: func(p *proc) { p.Stop(time.Second) },
+		OnRestart: func(cause error) {
+			b.log.Warn("plugin L2: restarting the plugin host", "plugin", b.name, "cause", cause)
+		}}
 	p, err := b.spawn()
 	if err != nil {
 		w.close()
 		return nil, err
 	}
-	b.mu.Lock()
-	b.cur, b.lastRestart = p, time.Now()
-	b.mu.Unlock()
+	b.sup.Start(p)
 	logger.Info("plugin L2: opened", "plugin", b.name, "library", lib, "host", host, "abi", ABIVersion)
 	return b, nil
 }
@@ -268,34 +266,33 @@ func (b *Backend) spawn() (*proc, error) {
 		outR.Close()
 		return nil, fmt.Errorf("%w: plugin: start %s: %w", l2.ErrUnavailable, b.host, err)
 	}
-	p := &proc{cmd: cmd, stdin: inW, pending: map[uint64]chan reply{}, exited: make(chan struct{}), stderr: b.stderr}
-	go func() { _ = cmd.Wait(); close(p.exited) }()
+	p := &proc{Child: hostproc.Watch(cmd, inW), stderr: b.stderr}
 	go func() { p.readLoop(bufio.NewReaderSize(outR, 1<<16)); outR.Close() }()
 
 	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.OpenTimeout)
 	defer cancel()
 	ch, err := p.send(b.nextID.Add(1), opOpen, nil, b.cfg.PluginJSON)
 	if err != nil {
-		p.kill()
+		p.Kill()
 		return nil, err
 	}
 	var rep reply
 	select {
 	case rep = <-ch:
 	case <-ctx.Done():
-		p.kill()
+		p.Kill()
 		return nil, fmt.Errorf("%w: plugin %s: open: no answer in %v", l2.ErrUnavailable, b.cfg.Library, b.cfg.OpenTimeout)
 	}
 	if rep.dead != nil {
 		return nil, fmt.Errorf("plugin %s: open: %w", b.cfg.Library, rep.dead)
 	}
 	if len(rep.status) == 1 && rep.status[0] != ABIVersion {
-		p.stop(time.Second)
+		p.Stop(time.Second)
 		return nil, fmt.Errorf("%w: %s speaks kvshim L2 plugin ABI %d; this kvshim speaks ABI %d (rebuild it: make)",
 			l2.ErrBadConfig, b.host, rep.status[0], ABIVersion)
 	}
 	if rep.rc != stOK {
-		p.stop(time.Second)
+		p.Stop(time.Second)
 		wrap := l2.ErrUnavailable
 		if rep.rc == rcBadConf {
 			wrap = l2.ErrBadConfig
@@ -311,56 +308,7 @@ func (b *Backend) spawn() (*proc, error) {
 
 // proc returns the running host, restarting a dead one (at most once per
 // restartEvery; callers in between fail fast with the death's cause).
-func (b *Backend) proc() (*proc, error) {
-	b.mu.Lock()
-	p, closed := b.cur, b.closed
-	b.mu.Unlock()
-	if closed {
-		return nil, l2.ErrClosed
-	}
-	if p != nil && p.err() == nil {
-		return p, nil
-	}
-	if !b.restartMu.TryLock() {
-		return nil, b.deadErr(p)
-	}
-	defer b.restartMu.Unlock()
-	b.mu.Lock()
-	if b.cur != p || time.Since(b.lastRestart) < restartEvery {
-		cur := b.cur
-		b.mu.Unlock()
-		if cur != p && cur != nil && cur.err() == nil {
-			return cur, nil
-		}
-		return nil, b.deadErr(p)
-	}
-	b.lastRestart = time.Now()
-	b.mu.Unlock()
-	b.log.Warn("plugin L2: restarting the plugin host", "plugin", b.name, "cause", b.deadErr(p))
-	np, err := b.spawn()
-	if err != nil {
-		return nil, fmt.Errorf("%w: plugin: restart: %w", l2.ErrUnavailable, err)
-	}
-	b.restarts.Add(1)
-	b.mu.Lock()
-	if b.closed {
-		b.mu.Unlock()
-		np.stop(time.Second)
-		return nil, l2.ErrClosed
-	}
-	b.cur = np
-	b.mu.Unlock()
-	return np, nil
-}
-
-func (b *Backend) deadErr(p *proc) error {
-	if p != nil {
-		if err := p.err(); err != nil {
-			return err
-		}
-	}
-	return fmt.Errorf("%w: plugin host not running", l2.ErrUnavailable)
-}
+func (b *Backend) proc() (*proc, error) { return b.sup.Get() }
 
 // Stats are the host's restarts and the hung calls that killed one.
 type Stats struct {
@@ -370,28 +318,22 @@ type Stats struct {
 
 // Stats returns the counters.
 func (b *Backend) Stats() Stats {
-	return Stats{Restarts: b.restarts.Load(), HangKills: b.hangKills.Load()}
+	return Stats{Restarts: b.sup.Restarts(), HangKills: b.hangKills.Load()}
 }
 
 // Pid is the running host's process id (0 when none).
 func (b *Backend) Pid() int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.cur == nil {
-		return 0
+	if p := b.sup.Current(); p != nil {
+		return p.Cmd.Process.Pid
 	}
-	return b.cur.cmd.Process.Pid
+	return 0
 }
 
 // Close stops the host (stdin EOF: it waits for its calls and runs the
 // plugin's close(); killed after 10 s) and unmaps the window.
 func (b *Backend) Close() error {
-	b.mu.Lock()
-	p := b.cur
-	b.closed, b.cur = true, nil
-	b.mu.Unlock()
-	if p != nil {
-		p.stop(10 * time.Second)
+	if p := b.sup.Close(); p != nil {
+		p.Stop(10 * time.Second)
 	}
 	b.win.close()
 	return nil

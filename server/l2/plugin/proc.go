@@ -5,12 +5,12 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
-	"os/exec"
 	"sync"
 	"time"
 
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server/l2"
+	"github.com/kvshim/kvshim/server/l2/internal/hostproc"
 )
 
 // Operations of the host protocol (host/kvshim_l2_host.c).
@@ -79,22 +79,14 @@ type reply struct {
 
 // proc is one host process and its outstanding requests.
 type proc struct {
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	wmu    sync.Mutex
-	exited chan struct{}
-	stderr *tail
-
-	mu      sync.Mutex
-	pending map[uint64]chan reply
-	dead    error
+	*hostproc.Child
+	wmu    sync.Mutex // one frame at a time on stdin
+	stderr *hostproc.Tail
+	calls  hostproc.Calls[reply]
 }
 
-func (p *proc) err() error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.dead
-}
+// Err is nil while the host serves calls (hostproc.Proc).
+func (p *proc) Err() error { return p.calls.Err() }
 
 // send writes a request and returns the channel its reply arrives on.
 func (p *proc) send(id uint64, op uint32, recs []record, cfg []byte) (chan reply, error) {
@@ -124,23 +116,16 @@ func (p *proc) send(id uint64, op uint32, recs []record, cfg []byte) (chan reply
 			le.PutUint64(b[60:], r.len)
 		}
 	}
-	ch := make(chan reply, 1)
-	p.mu.Lock()
-	if p.dead != nil {
-		err := p.dead
-		p.mu.Unlock()
+	ch, err := p.calls.Add(id)
+	if err != nil {
 		return nil, err
 	}
-	p.pending[id] = ch
-	p.mu.Unlock()
 	p.wmu.Lock()
-	_, err := p.stdin.Write(buf)
+	_, err = p.Stdin.Write(buf)
 	p.wmu.Unlock()
 	if err != nil {
-		p.mu.Lock()
-		delete(p.pending, id)
-		p.mu.Unlock()
-		return nil, fmt.Errorf("%w: plugin host: write: %w%s", l2.ErrUnavailable, err, p.stderr.suffix())
+		p.calls.Drop(id)
+		return nil, fmt.Errorf("%w: plugin host: write: %w%s", l2.ErrUnavailable, err, p.stderr.Suffix())
 	}
 	return ch, nil
 }
@@ -152,13 +137,7 @@ func (p *proc) readLoop(r *bufio.Reader) {
 			p.die(err)
 			return
 		}
-		p.mu.Lock()
-		ch := p.pending[id]
-		delete(p.pending, id)
-		p.mu.Unlock()
-		if ch != nil {
-			ch <- rep
-		}
+		p.calls.Deliver(id, rep)
 	}
 }
 
@@ -167,17 +146,12 @@ func (p *proc) readLoop(r *bufio.Reader) {
 func (p *proc) die(cause error) {
 	why := cause.Error()
 	select {
-	case <-p.exited:
-		why = p.cmd.ProcessState.String() // "signal: segmentation fault", "exit status 2"
+	case <-p.Exited:
+		why = p.Cmd.ProcessState.String() // "signal: segmentation fault", "exit status 2"
 	case <-time.After(time.Second):
 	}
-	p.mu.Lock()
-	p.dead = fmt.Errorf("%w: plugin host exited (%s)%s", l2.ErrUnavailable, why, p.stderr.suffix())
-	for id, ch := range p.pending {
-		ch <- reply{dead: p.dead}
-		delete(p.pending, id)
-	}
-	p.mu.Unlock()
+	dead := fmt.Errorf("%w: plugin host exited (%s)%s", l2.ErrUnavailable, why, p.stderr.Suffix())
+	p.calls.Fail(dead, func(uint64) reply { return reply{dead: dead} })
 }
 
 func readReply(r *bufio.Reader) (uint64, reply, error) {
@@ -213,55 +187,4 @@ func readReply(r *bufio.Reader) (uint64, reply, error) {
 	}
 	rep.msg = string(b[20+k*12:])
 	return id, rep, nil
-}
-
-// stop closes stdin (the host waits for its batches, calls close() and
-// exits) and kills it after timeout.
-func (p *proc) stop(timeout time.Duration) {
-	_ = p.stdin.Close()
-	select {
-	case <-p.exited:
-		return
-	case <-time.After(timeout):
-	}
-	p.kill()
-}
-
-// kill ends the host at once (SIGKILL) and waits for it, bounded.
-func (p *proc) kill() {
-	_ = p.cmd.Process.Kill()
-	select {
-	case <-p.exited:
-	case <-time.After(5 * time.Second):
-	}
-}
-
-// tail keeps the last bytes of the host's stderr.
-type tail struct {
-	mu  sync.Mutex
-	buf []byte
-	max int
-}
-
-func (t *tail) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.buf = append(t.buf, p...)
-	if len(t.buf) > t.max {
-		t.buf = append(t.buf[:0], t.buf[len(t.buf)-t.max:]...)
-	}
-	return len(p), nil
-}
-
-func (t *tail) suffix() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	s := string(t.buf)
-	if len(s) > 600 {
-		s = s[len(s)-600:]
-	}
-	if s == "" {
-		return ""
-	}
-	return "; host stderr: " + s
 }
