@@ -153,7 +153,7 @@ setup(
         "Programming Language :: Python :: 3.13",
     ],
     package_dir={"": "python"},
-    packages=["kvshim"],
+    packages=["kvshim", "kvshim.vllm"],  # kvshim.vllm: the connector package
     install_requires=[],
     extras_require={"demo": ["numpy"]},
     entry_points={"console_scripts": ["kvshim = kvshim.cli:main"]},

@@ -68,9 +68,10 @@ extern "C" {
  * kvshim_worker_take_latencies; 5.2 adds layer-wise loads
  * (kvshim_worker_start_loads_layered, _wait_layer, _wait_layers); 5.3 the KV
  * events (kvshim_worker_take_save_reports, kvshim_sched_save_reports,
- * kvshim_sched_take_events); 5.4 layer-wise saves (kvshim_worker_save_layer). */
+ * kvshim_sched_take_events); 5.4 layer-wise saves (kvshim_worker_save_layer); 5.5
+ * kvshim_vllm_namespace (and, for tests, kvshim_meta_json). */
 #define KVSHIM_ABI_MAJOR 5
-#define KVSHIM_ABI_MINOR 4
+#define KVSHIM_ABI_MINOR 5
 #define KVSHIM_ABI_VERSION (KVSHIM_ABI_MAJOR * 1000 + KVSHIM_ABI_MINOR)
 
 typedef int64_t kvshim_handle;
@@ -329,6 +330,20 @@ int kvshim_worker_wait_layers(kvshim_handle h, int64_t timeout_ms);
  * layers are copied. Returns at once; failures are failed saves. */
 int kvshim_worker_save_layer(kvshim_handle h, const char *layer, uint64_t stream_event);
 
+/* vLLM's configuration as plain data (spec_json: shim.VLLMSpec, written
+ * by python/kvshim/vllm/config.py from vLLM's objects: model, cache,
+ * parallel config fields and each KV-cache group's spec class and fields)
+ * -> the namespace kvshim_open takes (JSON: model, dtype, layout,
+ * world_size, tp_size, chunk_size, kv_group, mla, dcp_size) plus
+ * sched_block_size (the scheduler's block_size) and groups (true: the
+ * layout names the KV-cache groups; failed loads are then reported by
+ * request). Go decides compatibility, the groups and the refusals (Mamba
+ * state it cannot restore, unknown group kinds, mixed block sizes).
+ * Needs no handle; KVSHIM_ERANGE with *out_len the size needed when the
+ * answer does not fit buf[0:cap] (call again). KVSHIM_EINVAL naming the
+ * field, or the refusal. */
+int kvshim_vllm_namespace(const char *spec_json, void *buf, size_t cap, size_t *out_len);
+
 /* ---- CPython callers only: these read Python objects in place. ----
  * They must be called through ctypes.PyDLL (with the GIL held; the Python C
  * API is found with dlsym(RTLD_DEFAULT) on first use). Another engine uses
@@ -358,6 +373,14 @@ int kvshim_sched_match_list(kvshim_handle h, const char *req_id, void *list, con
 int kvshim_tokens_from_list(void *list, uint32_t *out, size_t cap, size_t *out_len);
 
 /* ---- Tests and benchmarks: not part of what a connector needs. ---- */
+
+/* Test-only: step metadata (kvshim_sched_build_meta's output, n bytes) as
+ * its JSON text form (json.Marshal of shim.StepMeta: hashes and owner in
+ * hex, empty lists and group 0 left out), decoded by the workers' own
+ * decoder. Needs no handle; when the text does not fit buf[0:cap],
+ * KVSHIM_ERANGE with *out_len the size needed (call again: nothing is
+ * kept). KVSHIM_EINVAL: bad metadata (version, truncated, bytes after). */
+int kvshim_meta_json(const void *meta, size_t n, void *buf, size_t cap, size_t *out_len);
 
 /* Returns how many handles are open (a leak check for tests). */
 int kvshim_handle_count(void);

@@ -112,7 +112,7 @@ func (g GroupSpec) ObjectFirstBlock(c, chunk, bs int) int {
 }
 
 // layoutGroups is the part of the namespace's layout string that lists
-// groups (python/kvshim/vllm.py, _namespace: a JSON object; one
+// groups (shim/vllmspec.go, ResolveVLLM: a JSON object; one
 // full-attention group: no "groups" member, the layout string of kvshim
 // before groups; one group that frees blocks: a list of one).
 type layoutGroups struct {

@@ -331,6 +331,16 @@ func decodeBinaryMeta(b []byte) (*StepMeta, error) {
 	return &m, nil
 }
 
+// ReadStepMeta decodes the binary form alone, unchecked against a cache
+// (kvshim_meta_json: tests and debugging read a step's metadata with Go's
+// decoder instead of a copy of it).
+func ReadStepMeta(b []byte) (*StepMeta, error) {
+	if len(b) == 0 {
+		return &StepMeta{}, nil
+	}
+	return decodeBinaryMeta(b)
+}
+
 // DecodeStepMeta parses and checks metadata against chunkBlocks (blocks per
 // chunk) and the number of blocks of the worker's cache. It reads the
 // binary form (Encode); metadata that starts with '{' is read as the JSON

@@ -1,7 +1,7 @@
 """examples/ and deploy/ checked with the code the product runs on them.
 
 The vLLM launch lines' --kv-transfer-config goes through vLLM's own
-KVTransferConfig and the connector's read_config (python/kvshim/vllm.py);
+KVTransferConfig and the connector's read_config (python/kvshim/vllm/config.py);
 the kv_connector_extra_config examples likewise. (The --l2-adapter JSON,
 every `kvshim serve` line and deploy/kvshim.conf are parsed by Go, with
 `kvshim serve`'s own code: cli/examples_test.go, cli/config_test.go.)

@@ -93,6 +93,7 @@ def test_wheel_tag_is_py3_none_manylinux_for_the_glibc_the_library_needs(wheel: 
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         assert "kvshim/libkvshim.so" in names, names  # at the root: platlib, no .data/purelib detour
+        assert "kvshim/vllm/__init__.py" in names and "kvshim/vllm/connector.py" in names, names  # the connector package
         assert not [n for n in names if n.endswith(".h")], names
         z.extract("kvshim/libkvshim.so", tmp_path)
         wheel_info = z.read(f"kvshim-{wheel.name.split('-')[1]}.dist-info/WHEEL").decode()

@@ -78,6 +78,9 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_worker_save_layer": [_c_handle, ctypes.c_char_p, ctypes.c_uint64],
     "kvshim_worker_engine_copy": [_c_handle, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t,
                                   ctypes.c_int64, _u64p],
+    "kvshim_vllm_namespace": [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],  # ABI 5.4
+    # test-only (kvshim.h, "Tests and benchmarks"; ABI 5.4)
+    "kvshim_meta_json": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, _sizep],
 }
 
 _lock = threading.Lock()
@@ -162,6 +165,34 @@ def version() -> str:
     buf = ctypes.create_string_buffer(256)
     check(library().kvshim_version(buf, len(buf)))
     return buf.value.decode()
+
+
+def _lib_output(fn_name: str, *args: Any) -> bytes:
+    """The output of an export that takes no handle and answers the same on
+    every call: asked again with a buffer of the size it said (ERANGE)."""
+    lib, n, cap = library(), ctypes.c_size_t(0), 4096
+    while True:
+        buf = ctypes.create_string_buffer(cap)
+        rc = getattr(lib, fn_name)(*args, buf, cap, ctypes.byref(n))
+        if rc != ERANGE:
+            check(rc)
+            return buf.raw[: n.value]
+        cap = n.value
+
+
+def vllm_namespace(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's configuration as plain data -> the namespace kvshim_open takes,
+    with sched_block_size and groups (kvshim_vllm_namespace: Go decides
+    compatibility, groups and refusals; InvalidArgumentError names the
+    field or says why)."""
+    return dict(json.loads(_lib_output("kvshim_vllm_namespace", json.dumps(spec).encode())))
+
+
+def meta_json(meta: bytes) -> dict[str, Any]:
+    """Tests and debugging: a step's metadata as its JSON text form, read by
+    Go's own decoder (kvshim_meta_json); InvalidArgumentError (a ValueError)
+    for bad metadata."""
+    return dict(json.loads(_lib_output("kvshim_meta_json", meta, len(meta))))
 
 
 def run_main(argv: list[str]) -> int:

@@ -50,7 +50,8 @@ def run(num_blocks: int, n_req: int, prompt_len: int, max_tokens: int, mode: str
         wait_jobs,
         write_tiny_model_dir,
     )
-    from kvshim.vllm import KVShimScheduler, read_meta
+    from kvshim.native import meta_json
+    from kvshim.vllm import KVShimScheduler
 
     d = write_tiny_model_dir(tempfile.mkdtemp(prefix="kvshim-decode-"))
     cfg = kvshim_config(d, enable_prefix_caching=False, async_scheduling=False)
@@ -72,7 +73,7 @@ def run(num_blocks: int, n_req: int, prompt_len: int, max_tokens: int, mode: str
             before = {r.request_id: r.num_computed_tokens for r in reqs}
             s = h.step()
             total += sum(s.num_scheduled_tokens.values())
-            for sv in read_meta(s.connector_meta.data).get("saves", []):
+            for sv in meta_json(s.connector_meta.data).get("saves", []):
                 saved[sv["req"]].update(range(sv["first"], sv["first"] + len(sv["hashes"])))
             for r in reqs:
                 loaded += sum((ld["end"] - ld["start"]) * CHUNK for ld in loads_of(s, r.request_id))

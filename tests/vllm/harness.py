@@ -88,7 +88,8 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvshim.vllm import KVShimConnector, KVShimMetadata, read_meta
+from kvshim.native import meta_json
+from kvshim.vllm import KVShimConnector, KVShimMetadata
 
 EOS_TOKEN_ID = 2
 NUM_LAYERS = 2
@@ -955,12 +956,12 @@ def connector_output(step: StepResult) -> KVConnectorOutput:
 
 def loads_of(step: StepResult | SchedulerOutput, req_id: str, kind: str = "loads") -> list[dict[str, Any]]:
     """The load specs (or with kind "saves", the save specs) kvshim put in
-    this step's connector metadata (Go writes it in a binary form; read_meta
+    this step's connector metadata (Go writes it in a binary form; meta_json
     gives its JSON text form: {"loads": [{"req", "start", "end", "hashes",
     "blocks", ...}], "saves": [...]})."""
     so = step.scheduler_output if isinstance(step, StepResult) else step
     assert isinstance(so.kv_connector_metadata, KVShimMetadata), so.kv_connector_metadata
-    meta = read_meta(so.kv_connector_metadata.data)
+    meta = meta_json(so.kv_connector_metadata.data)
     return [ld for ld in meta.get(kind, []) if ld["req"] == req_id]
 
 
@@ -1220,7 +1221,7 @@ class HybridModelRunner:
         drop = self.drop_saves.get(self.step_no)
         if not drop or not isinstance(meta, KVShimMetadata):
             return meta
-        m = read_meta(meta.data)
+        m = meta_json(meta.data)
         m["saves"] = [sv for sv in m.get("saves", []) if sv.get("group", 0) not in drop]
         return KVShimMetadata(json.dumps(m).encode())
 

@@ -396,7 +396,7 @@ def test_l2_chunk_lost_in_the_middle_stops_the_prefix(kv, tmp_path, damage):
     # chunks 0 and 2. Whoever notices (the server's L2 read, or the worker's
     # checksum check of the object) vLLM ends up with 64 good tokens and
     # computes the rest.
-    from kvshim.vllm import read_meta
+    from kvshim.native import meta_json
 
     base = tmp_path / "l2"
     l2 = {"kvshim.l2_adapters": [{"type": "fs", "base_path": str(base)}]}
@@ -406,7 +406,7 @@ def test_l2_chunk_lost_in_the_middle_stops_the_prefix(kv, tmp_path, damage):
     (save,) = [
         sv
         for st in h1.steps
-        for sv in read_meta(st.connector_meta.data).get("saves", [])
+        for sv in meta_json(st.connector_meta.data).get("saves", [])
         if sv["req"] == a.request_id
     ]
     wait_stat(h1, "kvshim_l2_store_saved_objects_total{adapter=fs}", 3, timeout=10)

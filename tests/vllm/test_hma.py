@@ -60,7 +60,8 @@ from harness import (
     saves_of,
     wait_jobs,
 )
-from kvshim.vllm import KVShimConnector, _namespace, read_config, read_meta
+from kvshim.native import meta_json
+from kvshim.vllm import KVShimConnector, _namespace, read_config
 
 BLOCK = 16
 HEADS, HEAD = 2, 16
@@ -437,7 +438,7 @@ def test_multiturn_restores_the_answer_through_the_windows_it_kept(hybrid):
     # out again while saves that read them could still run: those steps made
     # the workers wait for A's copies first (the fence; vLLM itself preempted
     # nothing).
-    fenced = [st for st in h.steps if a.request_id in read_meta(st.scheduler_output.kv_connector_metadata.data).get("preempted", [])]
+    fenced = [st for st in h.steps if a.request_id in meta_json(st.scheduler_output.kv_connector_metadata.data).get("preempted", [])]
     assert fenced and not any(st.scheduler_output.preempted_req_ids for st in h.steps)
     assert len(turn1) == 4 * CHUNK + 5
     saved: dict[int, list[int]] = {}

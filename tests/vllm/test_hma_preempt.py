@@ -47,7 +47,7 @@ from harness import (
     wait_jobs,
     wait_stat,
 )
-from kvshim.vllm import read_meta
+from kvshim.native import meta_json
 from test_preempt import ResumeWhenBlockedInBind, Stoppable, preempt_while_saving, step_until, stoppable_harnesses
 
 BLOCK = 16
@@ -135,7 +135,7 @@ def test_window_freed_blocks_handed_out_while_their_save_is_in_flight(pressure):
     assert handed & read, (handed, read)
     # kvshim's fence: A goes out as preempted, so the worker waits for its
     # copies before this step's forward pass
-    assert read_meta(so.kv_connector_metadata.data).get("preempted") == [a.request_id]
+    assert meta_json(so.kv_connector_metadata.data).get("preempted") == [a.request_id]
     resumer = ResumeWhenBlockedInBind(srv)
     resumer.start()
     try:

@@ -40,7 +40,7 @@ from harness import (
     saves_of,
     server_stats,
 )
-from kvshim.vllm import read_meta
+from kvshim.native import meta_json
 from test_multiturn import BLOCK, turn2
 
 NUM_SPEC = 3
@@ -230,7 +230,7 @@ def test_rejected_drafts_are_never_saved_or_counted(spec, method, lookahead):
     # a draft's KV) never.
     assert [(x["first"], len(x["hashes"])) for x in saves_of(h, a.request_id)] == [(0, 2), (2, 1)]
     (decoding,) = [st for st in h.steps if any(sv["req"] == a.request_id and sv["first"] == 2 for sv in
-                                               read_meta(st.scheduler_output.kv_connector_metadata.data).get("saves", []))]
+                                               meta_json(st.scheduler_output.kv_connector_metadata.data).get("saves", []))]
     assert a.request_id in decoding.num_scheduled_tokens  # a step A ran in: not its finish
 
     # Turn 2 restores 3 chunks byte-exact into other blocks and computes the

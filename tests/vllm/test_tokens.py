@@ -8,8 +8,8 @@ a silent wrap (np.asarray(int64 array, dtype=uint32) wraps -1 to
 4294967295). In the connector such a request is a miss, not an exception out
 of vLLM's scheduler.
 
-The step metadata is binary, chunk hashes as raw bytes; kvshim.vllm.read_meta
-(tests and debugging) reads it as its JSON text form, checked here against
+The step metadata is binary, chunk hashes as raw bytes; kvshim.native.meta_json
+(tests and debugging) reads it as its JSON text form with Go's decoder (kvshim_meta_json), checked here against
 Go's golden file and against the real scheduler's metadata.
 """
 
@@ -184,44 +184,39 @@ def test_request_with_an_id_past_uint32_is_a_miss(kv, caplog):
 # ---- the step metadata ------------------------------------------------------
 
 
-def _nulls_empty(x):
-    if isinstance(x, dict):
-        return {k: _nulls_empty(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_nulls_empty(v) for v in x]
-    return [] if x is None else x
-
-
 def test_read_meta_matches_go_golden():
-    from kvshim.vllm import META_VERSION, read_meta
+    from kvshim.native import meta_json
 
     g = json.loads((ROOT / "shim" / "testdata" / "meta_v1_golden.json").read_text())
-    assert g["version"] == META_VERSION
     data = bytes.fromhex(g["binary"])
-    assert read_meta(data) == _nulls_empty(g["text"])
+    assert data[0] == g["version"]
+    assert meta_json(data) == g["text"]
     for cut in (1, len(data) // 2, len(data) - 1):
-        with pytest.raises(ValueError, match="truncated"):
-            read_meta(data[:cut])
+        # Go names what the truncated metadata lacks ("truncated or overlong
+        # varint", "2 saves in 3 bytes", ...) and where.
+        with pytest.raises(ValueError, match=r"bad step metadata: byte \d+"):
+            meta_json(data[:cut])
     with pytest.raises(ValueError, match="1 bytes after"):
-        read_meta(data + b"\x00")
+        meta_json(data + b"\x00")
     with pytest.raises(ValueError, match="version 123"):
-        read_meta(b"{" + data[1:])
+        meta_json(b"{" + data[1:])
 
 
 def test_metadata_carries_raw_hashes(kv):
     """The scheduler's metadata is the binary form: hashes as 32 raw bytes
     each, no hex and no JSON, and it reads back as what vLLM scheduled."""
-    from kvshim.vllm import META_VERSION, read_meta
+    from kvshim.native import meta_json
 
     h, r = kv()
     p = prompt(8, 3 * CHUNK + 8)
     a, blocks = store(h, r, p, max_tokens=1)
     metas = [s.connector_meta.data for s in h.steps]
-    (data,) = [d for d in metas if read_meta(d).get("saves")]
-    assert data[0] == META_VERSION
+    (data,) = [d for d in metas if meta_json(d).get("saves")]
+    golden = json.loads((ROOT / "shim" / "testdata" / "meta_v1_golden.json").read_text())
+    assert data[0] == golden["version"]
     with pytest.raises(ValueError):
         json.loads(data)
-    (sv,) = read_meta(data)["saves"]
+    (sv,) = meta_json(data)["saves"]
     assert sv["req"] == a.request_id and sv["first"] == 0 and len(sv["hashes"]) == 3
     assert sv["blocks"] == blocks[: 3 * CHUNK // 16]
     for hx in sv["hashes"]:

@@ -1,0 +1,40 @@
+package main
+
+/*
+#include <stdint.h>
+#include <stddef.h>
+*/
+import "C"
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"unsafe"
+
+	"github.com/kvshim/kvshim/shim"
+)
+
+//export kvshim_vllm_namespace
+func kvshim_vllm_namespace(specJSON *C.char, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) C.int {
+	return callLib(func() error {
+		if specJSON == nil {
+			return fmt.Errorf("spec_json is NULL: %w", errInvalid)
+		}
+		dec := json.NewDecoder(bytes.NewReader([]byte(C.GoString(specJSON))))
+		dec.DisallowUnknownFields()
+		var s shim.VLLMSpec
+		if err := dec.Decode(&s); err != nil {
+			return fmt.Errorf("%w: vLLM spec: %w", shim.ErrBadNamespaceSpec, err)
+		}
+		l, err := shim.ResolveVLLM(s)
+		if err != nil {
+			return err
+		}
+		out, err := json.Marshal(l)
+		if err != nil {
+			return err
+		}
+		return outputLib(out, buf, capacity, outLen)
+	})
+}

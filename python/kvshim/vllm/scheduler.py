@@ -1,0 +1,390 @@
+"""The scheduler side of the connector (vLLM's scheduler process, one per
+engine): vLLM's requests as the native scheduler's arguments."""
+
+from __future__ import annotations
+
+import array
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+try:  # vLLM 0.33 (0.32 has no per-tier hit sources: the hook is then never called)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older vLLM
+    CacheHitSource = None  # type: ignore[assignment,misc]
+from vllm.v1.request import RequestStatus
+
+from kvshim import events as kv_events
+from kvshim import native
+from kvshim.errors import InvalidArgumentError, KVShimError, NotSupportedError
+from kvshim.vllm.config import logger
+from kvshim.vllm.stats import KVShimMetadata, KVShimStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+_U32_MAX = 0xFFFFFFFF
+if array.array("I").itemsize != 4 or array.array("q").itemsize != 8:  # pragma: no cover - every platform vLLM runs on
+    raise ImportError("kvshim needs array('I') of 4 bytes and array('q') of 8")
+
+
+def _u32(tokens: Any) -> npt.NDArray[np.uint32]:
+    """Token ids as a contiguous uint32 array: what Go reads (a pointer and a
+    length, no copy on its side).
+
+    A list (vLLM's Request.prompt_token_ids) is read by the library in one
+    C loop over the list's items (native.tokens_from_list: 31 µs for 16K
+    ids where array('I', ...) takes 111 µs, 0.27 ms for 128K where it takes
+    0.85 ms); any other plain sequence, or a list the library cannot read
+    (an id out of range: the error below), is packed by ``array('I', ...)``,
+    itself about 4x faster than ``np.asarray(tokens, dtype=np.uint32)``
+    (``make bench-match`` measures the candidates). vLLM 0.33's Request
+    holds no array of its ids to borrow: prompt_token_ids and
+    _all_token_ids are lists (EngineCoreRequest's too).
+
+    A uint32 array, memoryview or tensor is used as it is; any other integer
+    array is range-checked, then converted. An id outside [0, 2^32) is a
+    ValueError and a non-integer a TypeError, both naming the first bad id:
+    never a silent wrap."""
+    if isinstance(tokens, (str, bytes, bytearray)):
+        raise TypeError(f"token ids must be a sequence or array of integers, not {type(tokens).__name__}")
+    if type(tokens) is list:
+        out = np.empty(len(tokens), dtype=np.uint32)
+        if native.tokens_from_list(tokens, out.ctypes.data, out.size):
+            return out
+    if not isinstance(tokens, (np.ndarray, array.array, memoryview)) and not hasattr(tokens, "__array__"):
+        try:
+            packed = array.array("I", tokens)
+        except (OverflowError, TypeError) as e:
+            raise _bad_token(list(tokens), e) from None
+        return np.frombuffer(packed, dtype=np.uint32)
+    a = np.asarray(tokens)
+    if a.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got an array of {a.dtype}")
+    wider = a.dtype != np.uint32 and a.size and (a.dtype.kind == "i" or a.dtype.itemsize > 4)
+    if wider and (int(a.min()) < 0 or int(a.max()) > _U32_MAX):
+        (i, *_) = np.flatnonzero((a < 0) | (a > _U32_MAX))
+        raise ValueError(f"token id {int(a[i])} at position {i} is outside [0, 2**32)")
+    return np.ascontiguousarray(a, dtype=np.uint32)
+
+
+def _bad_token(tokens: list[Any], cause: Exception) -> Exception:
+    """The error for the first id that array('I') refused (the slow path,
+    only once packing failed)."""
+    for i, t in enumerate(tokens):
+        try:
+            v = int(t.__index__())
+        except (AttributeError, TypeError):
+            return TypeError(f"token id {t!r} at position {i} is not an integer")
+        if not 0 <= v <= _U32_MAX:
+            return ValueError(f"token id {v} at position {i} is outside [0, 2**32)")
+    return ValueError(f"token ids are not uint32: {cause}")
+
+
+def _i64(ids: Any) -> npt.NDArray[np.int64]:
+    """Block ids as a contiguous int64 array (a list: packed by array('q'),
+    about 10 % faster than numpy at 1K-8K ids)."""
+    if isinstance(ids, (list, tuple)):
+        return np.frombuffer(array.array("q", ids), dtype=np.int64)
+    return np.ascontiguousarray(np.asarray(ids, dtype=np.int64))
+
+
+
+def _flat_groups(block_ids: Any) -> list[int]:
+    """Per-group block ids (vLLM's tuple of lists) as Go reads them
+    (shim.splitGroups): one group as it is; several one after the other,
+    each padded with -1 to the longest."""
+    if len(block_ids) == 1:
+        return list(block_ids[0])
+    n = max(len(ids) for ids in block_ids)
+    out: list[int] = []
+    for ids in block_ids:
+        out.extend(ids)
+        out.extend([-1] * (n - len(ids)))
+    return out
+
+
+class KVShimScheduler:
+    """The scheduler side of the connector (vLLM's scheduler process, one per
+    engine): vLLM's requests as the native scheduler's arguments."""
+
+    def __init__(self, sched: native.Scheduler, chunk_size: int, layerwise: bool = False) -> None:
+        self.native = sched
+        self._chunk = chunk_size
+        # Layer-wise loads are synchronous: vLLM schedules the request in the
+        # step that loads it, and the forward pass waits layer by layer.
+        self._async = not layerwise
+        # request -> the ids it is looked up over: vLLM's list, or their uint32 array (_match)
+        self._ids: dict[str, list[int] | npt.NDArray[np.uint32]] = {}
+        # rid -> [request, tokens Go keyed (a chunk boundary), num_preemptions when keyed]
+        self._decoding: dict[str, list[Any]] = {}
+        self._hits = {"hit_tokens": 0, "hit_requests": 0}  # since the last stats report
+        self._match_errors = 0
+        self._delay_freed: set[str] = set()  # finished, blocks kept until finished_sending
+        self.events: kv_events.EventSource | None = None  # with --kv-events-config (kvshim/events.py)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if self.events is not None:
+            self.events.track(request)  # its block hashes name the blocks of its saves
+        ids = self._ids.get(rid)
+        dec = self._decoding.get(rid)
+        if ids is None:
+            self._request_options(request)
+        if ids is None or (dec is not None and dec[2] != request.num_preemptions):
+            # Once per request, and once more each time it is resumed after a
+            # preemption: vLLM asks again while a lookup is pending. A resumed
+            # request is looked up over all its tokens, prompt and generated:
+            # the chunks saved during its decode are loads, not recompute.
+            embeds = getattr(request, "prompt_embeds", None) is not None
+            ids = request.prompt_token_ids if embeds else self._lookup_ids(request)
+            if type(ids) is not list or ids is not request.prompt_token_ids:
+                # Only vLLM's prompt list goes to the library as it is: it
+                # never changes. all_token_ids (a preempted request's) is a
+                # view of a list that grows as the request decodes: its ids
+                # now, converted once.
+                try:
+                    ids = _u32(ids if ids is not None else ())
+                except (ValueError, TypeError) as e:  # an id that is no uint32
+                    return self._miss(rid, e)
+            self._ids[rid] = ids
+            if not embeds:
+                self._decoding[rid] = [request, len(ids) // self._chunk * self._chunk, request.num_preemptions]
+        try:
+            n = self._match(rid, ids, _extras(request), num_computed_tokens)
+        except (KVShimError, ValueError, TypeError) as e:  # ValueError, TypeError: _match's conversion
+            return self._miss(rid, e)
+        if n is None:
+            return None, False  # pending: vLLM asks again next step
+        return n, n > 0 and self._async
+
+    def _match(self, rid: str, ids: list[int] | npt.NDArray[np.uint32], extras: dict[str, Any] | None,
+               num_computed: int) -> int | None:
+        """native.match over the request's ids: vLLM's prompt list goes to
+        the library as it is (match_list, which reads it only while Go has
+        not keyed the request); a list the library cannot read is converted
+        by _u32 and the array kept for the calls that follow."""
+        if isinstance(ids, list):
+            try:
+                return self.native.match_list(rid, ids, extras, num_computed)
+            except (NotSupportedError, InvalidArgumentError):
+                # Converted by Python: an id that is no uint32 gets its
+                # ValueError or TypeError naming it; else this library or
+                # process cannot read lists, and the array is used from now on.
+                ids = self._ids[rid] = _u32(ids)
+        return self.native.match(rid, ids, extras, num_computed)
+
+    def _request_options(self, request: Request) -> None:
+        """The request's kvshim.* kv_transfer_params (docs/vllm-controls.md),
+        checked by Go. A bad key or value never fails the request or the
+        engine: it is logged, and the request is served without kvshim
+        (neither loaded nor saved: a misspelt skip_save must not save)."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not params or not any(isinstance(k, str) and k.startswith("kvshim.") for k in params):
+            return
+        try:
+            self.native.request_options(request.request_id, params)
+        except KVShimError as e:
+            logger.warning("kvshim: request %s: %s", request.request_id, e)
+
+    def reset(self) -> bool:
+        """reset_cache: True once the server moved the deployment to a new
+        generation (nothing stored before is found in any tier)."""
+        try:
+            gen = self.native.reset()
+        except KVShimError as e:
+            logger.warning("kvshim: reset_cache failed, the cache was not reset: %s", e)
+            return False
+        logger.info("kvshim: cache reset (generation %d)", gen)
+        return True
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """get_external_cache_hit_sources, per chunk from the tier that served it."""
+        if num_external_tokens <= 0:
+            return {}
+        try:
+            got = self.native.hit_sources(request.request_id, num_external_tokens)
+        except KVShimError:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {CacheHitSource(k): v for k, v in got.items() if v}
+
+    @staticmethod
+    def _lookup_ids(request: Request) -> Any:
+        """The token ids a request is looked up over: its prompt, or all its
+        tokens once it was preempted (it recomputes its answer too)."""
+        return request.all_token_ids if request.num_preemptions else request.prompt_token_ids
+
+    def _miss(self, rid: str, why: Exception) -> tuple[int, bool]:
+        """A request kvshim cannot key (a token id outside uint32, a LoRA
+        path past the length limit, a malformed input) is computed by vLLM: a
+        miss, never a dead scheduler. Logged at most a few times, then
+        sparsely."""
+        self._match_errors += 1
+        if self._match_errors <= 10 or self._match_errors % 1000 == 0:
+            logger.warning("kvshim: request %s is a miss (%d so far): %s", rid, self._match_errors, why)
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._hits["hit_tokens"] += num_external_tokens
+            self._hits["hit_requests"] += 1
+        # num_computed left out: Go uses the local prefix-cache hit it was given at the match.
+        self.native.after_alloc(request.request_id, _i64(_flat_groups(blocks.get_block_ids())), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVShimMetadata:
+        sched = scheduler_output.num_scheduled_tokens
+        reqs: list[native.StepRequest] = []
+        for r in scheduler_output.scheduled_new_reqs:
+            entry: native.StepRequest = {"req": r.req_id, "blocks": list(r.block_ids[0]), "computed": r.num_computed_tokens,
+                                         "scheduled": sched.get(r.req_id, 0)}
+            if len(r.block_ids) > 1:
+                entry["group_blocks"] = _more_groups(r.block_ids)
+            reqs.append(entry)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            ids = list(new[0]) if new is not None else []
+            entry = {"req": rid, "computed": cached.num_computed_tokens[i], "scheduled": sched.get(rid, 0)}
+            more = _more_groups(new) if new is not None and len(new) > 1 else None
+            if rid in resumed:
+                entry["blocks"] = ids
+                if more is not None:
+                    entry["group_blocks"] = more
+            else:
+                entry["new_blocks"] = ids
+                if more is not None:
+                    entry["new_group_blocks"] = more
+                if rid in self._decoding:
+                    self._decoded_chunks(rid, entry)
+            reqs.append(entry)
+        step: native.Step = {"requests": reqs, "preempted": sorted(scheduler_output.preempted_req_ids or ())}
+        return KVShimMetadata(self.native.build_meta(step))
+
+    def _decoded_chunks(self, rid: str, entry: native.StepRequest) -> None:
+        """A running request whose KV crossed a chunk boundary since Go
+        keyed its tokens: its token ids up to the last boundary go with its
+        step entry (Go keys and saves the new full chunks). Only tokens
+        whose KV is computed, accepted and processed count: vLLM's
+        num_computed_tokens less the tokens in flight (rejected draft tokens
+        are already rolled back; the last sampled token has no KV yet)."""
+        dec = self._decoding[rid]
+        request, keyed = dec[0], dec[1]
+        done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        if done < keyed + self._chunk:
+            return
+        end = done // self._chunk * self._chunk
+        try:
+            tokens = _u32(request.all_token_ids[keyed:end]).tolist()
+        except (ValueError, TypeError):  # an id that is no uint32: not saved
+            return
+        if len(tokens) == end - keyed:
+            entry["tokens"], entry["tokens_from"] = tokens, keyed
+            dec[1] = end
+
+    def has_pending_block_frees(self) -> bool:
+        # Blocks of finished requests come back once their saves have read
+        # them (finished_sending): vLLM waits for those instead of
+        # preempting a running request (Scheduler.schedule).
+        return bool(self._delay_freed)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._delay_freed.difference_update(connector_output.finished_sending or ())
+        if self.events is not None:  # the workers' save reports: what was committed
+            self.events.reports(getattr(connector_output, "kv_connector_worker_meta", None))
+        if connector_output.finished_recving:
+            # A request aborted before vLLM saw its load finish is a cancelled load (its trace record).
+            self.native.received(sorted(connector_output.finished_recving))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        delay = self._finish(request, block_ids)
+        if delay:
+            self._delay_freed.add(request.request_id)
+        return delay, None
+
+    def _finish(self, request: Request, block_ids: list[int]) -> bool:
+        """Tells the native scheduler the request finished; whether vLLM
+        must keep its blocks until finished_sending."""
+        rid = request.request_id
+        prompt = self._ids.pop(rid, None)
+        self._decoding.pop(rid, None)
+        if prompt is None or request.status not in _SAVED_AT_FINISH or getattr(request, "prompt_embeds", None) is not None:
+            # Never looked up, aborted (or failed), or a prompt of embeddings
+            # (its token ids are placeholders): nothing new is saved.
+            return self.native.finished(rid)
+        # Every full chunk the request computed, prompt and generated alike,
+        # is saved (the next turn of a conversation hits its answer too).
+        # Go needs the token ids only from the prompt's last full chunk on
+        # (it keyed the ones before at the lookup). Tokens whose KV is in
+        # the blocks: num_computed_tokens less the tokens of steps still in
+        # flight (async scheduling; vLLM caches its own blocks on the same
+        # basis); the last sampled token has none yet, rejected draft tokens
+        # are already rolled back.
+        first = len(prompt) // self._chunk * self._chunk
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        done = self.native.finished_tokens(rid, _u32(request.all_token_ids[first:]), first, computed, _i64(block_ids))
+        if done.not_saved is not None:
+            # The request is finished either way: tokens that do not fit it
+            # skip the save, never an error in vLLM's scheduler.
+            logger.warning("kvshim: the computed chunks of request %s are not saved: %s", rid, done.not_saved)
+        return done.delay
+
+    def get_stats(self) -> KVShimStats | None:
+        """The scheduler's part of the stats: vLLM calls this after every
+        step's update_from_output and adds it to the workers' stats."""
+        hits, self._hits = self._hits, {"hit_tokens": 0, "hit_requests": 0}
+        st = KVShimStats(data=hits)
+        return None if st.is_empty() else st
+
+    def stats(self) -> native.SchedulerStats:
+        return self.native.stats()
+
+    def shutdown(self) -> None:
+        self.native.close()
+
+
+# How a request must have finished for its computed chunks to be saved at
+# request_finished: normally (an aborted or failed request saves nothing new).
+_SAVED_AT_FINISH = frozenset(
+    s for s in (getattr(RequestStatus, n, None) for n in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"))
+    if s is not None
+)
+
+
+def _more_groups(block_ids: Any) -> list[list[int]]:
+    """Groups 1, 2, ... of per-group block ids, for Go's StepRequest."""
+    return [list(ids) for ids in block_ids[1:]]
+
+
+
+def _extras(request: Request) -> dict[str, Any] | None:
+    """The request's inputs that change its KV besides the tokens, as
+    shim.DecodeExtras reads them (None: none). Every input keeps its structure (never a joined
+    string: "a:b" + "c" and "a" + "b:c" must stay two adapters); Go hashes
+    each field length-prefixed.
+
+    The LoRA is {"name", "path"}: vLLM's own prefix-cache identity of an
+    adapter (kv_cache_utils._gen_lora_extra_hash_keys keys ("lora", name,
+    path)). lora_int_id is left out as vLLM leaves it out: it is a slot in this
+    process's LoRA manager, not the weights, and differs across restarts and
+    engines for the same adapter (see shim.LoRA)."""
+    ex: dict[str, Any] = {}
+    if getattr(request, "cache_salt", None):
+        ex["cache_salt"] = request.cache_salt
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        ex["lora"] = {"name": lora.lora_name, "path": getattr(lora, "lora_path", "")}
+    mm = []
+    for f in getattr(request, "mm_features", None) or ():
+        pos = f.mm_position
+        mm.append({"hash": str(f.identifier), "offset": int(pos.offset), "length": int(pos.length)})
+    if mm:
+        ex["mm"] = mm
+    return ex or None
