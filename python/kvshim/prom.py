@@ -29,6 +29,8 @@ COUNTERS: dict[str, str] = {
     "saved_bytes": "Bytes saved to kvshim (every rank).",
     "failed_saves": "Chunks whose save failed.",
     "skipped_chunks": "Chunks not saved: already stored, or no space.",
+    "layerwise_loads": "Loads run layer by layer (kvshim.layerwise), one per request and step.",
+    "layerwise_saves": "Saves run layer by layer (kvshim.layerwise), one per request and step.",
 }
 
 # KVShimStats keys holding job durations in seconds, exported as histograms.

@@ -7,7 +7,7 @@ and `shim` (prefix cache off, kvshim's embedded server). A hit is compared
 with vLLM's prefix-cache hit, not with a cold recompute: a cold prefill
 chunks the prompt differently, and bf16 rounding then differs a little.
 
-A third server loads hits layer by layer (kvshim.layerwise) and is held to
+A third server saves and loads layer by layer (kvshim.layerwise) and is held to
 the same bit-for-bit comparison.
 
 Not tested here: GPU attention backends and their layouts (CPU_ATTN only),
@@ -83,12 +83,16 @@ def test_layerwise_hit_equals_vllms_prefix_cache_hit_bit_for_bit(servers: tuple[
     prefix = prompt_ids(CHUNK * 6, seed=66)
     first = prefix + prompt_ids(40, seed=166)
     second = prefix + prompt_ids(40, seed=266)
+    saves0 = layerwise.metrics().get("vllm:kvshim_layerwise_saves_total", 0.0)
     for s in (cache, layerwise):
         s.complete(first, max_tokens=4)
     ext0 = layerwise.external_hits()
     got = _out(layerwise.complete(second, max_tokens=16, logprobs=1))
     want = _out(cache.complete(second, max_tokens=16, logprobs=1))
     assert layerwise.external_hits() - ext0 == len(prefix), "the prefix was not loaded from kvshim"
+    # what the hit restored was saved layer by layer (save_kv_layer), not
+    # after the forward pass (reported with a later step's stats: after the hit)
+    assert layerwise.metrics().get("vllm:kvshim_layerwise_saves_total", 0.0) > saves0, "no layer-wise save"
     assert got == want, "a layer-wise load gave other tokens or logprobs than vLLM's own prefix-cache hit"
 
 

@@ -160,6 +160,18 @@ class PressureRunner(ModelRunner):
                 self.srv.resume()
 
 
+def _prewarmed(runner: Any, timeout: float = 60.0) -> None:
+    """A CPU worker dials the server and populates its L1 mapping in the
+    background (shim.Worker's prewarm). A test that stops the server before
+    that ended stops it mid-dial: the dial times out and the saves the test
+    wants in flight fail at once instead (seen under load: FailedSaves 4,
+    jobs 0). Wait until the prewarm is over (PopulatePending 0)."""
+    deadline = time.monotonic() + timeout
+    while runner.kvshim.worker.stats().counters.get("PopulatePending"):
+        assert time.monotonic() < deadline, "the worker's prewarm did not end"
+        time.sleep(0.01)
+
+
 @contextmanager
 def stoppable_harnesses(model_dir: Any, tmp_path: Any, kv_cache_config: Callable[[Any, int], Any],
                         runner: Callable[[Any, Any], Any]) -> Iterator[Callable[[int], tuple[Any, Any, Stoppable]]]:
@@ -179,6 +191,7 @@ def stoppable_harnesses(model_dir: Any, tmp_path: Any, kv_cache_config: Callable
         h = SchedulerHarness(cfg, kvc)
         h.runners = [runner(cfg, kvc)]
         made.append(h)
+        _prewarmed(h.runners[0])
         return h, h.runners[0], Stoppable(srv)
 
     try:

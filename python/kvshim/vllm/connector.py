@@ -165,9 +165,9 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        # Saves are submitted once per step, in wait_for_save (layer-wise
-        # saves: not built yet, docs/datapath.md).
-        return None
+        # By default a step's saves are submitted at once, in wait_for_save;
+        # with kvshim.layerwise each layer's save starts as it is written.
+        self.worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         self.worker.wait_for_save()

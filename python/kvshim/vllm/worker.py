@@ -176,6 +176,14 @@ class KVShimWorker:
         if self._layerwise and not self.native.wait_layers(self._timeout_ms):
             logger.warning("kvshim: the step's layer-wise loads still run after %d ms", self._timeout_ms)
 
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Layer-wise: this layer of the bound step is written; its save
+        starts now (wait_for_save's start_saves ends the step)."""
+        if self._bound is None or not self._layerwise:
+            return
+        ev = self._stream_event()
+        self.native.save_layer(layer_name, int(ev.cuda_event) if ev is not None else 0)
+
     def wait_for_save(self) -> None:
         if self._bound is None:
             return
