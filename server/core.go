@@ -50,19 +50,21 @@ type Core struct {
 	metrics  *metrics
 	trace    traceSink // lifecycle records (trace.go)
 
-	mu        sync.Mutex
-	closed    bool
-	l1        *l1.Cache // allocator, object table, LRU, object states
-	staging   map[stageKey]stageEntry
-	sessions  map[kv.Tag]*Session
-	fences    map[*Session][]uint32   // ended sessions' fenced slots (fence.go)
-	pinned    map[uint32]uint32       // object → pins (see Pin)
-	gens      map[kv.Namespace]uint64 // namespace generations (reset.go)
-	looks     map[lookKey]uint32      // lookups of each object, with --l2-store-after-lookups (admit.go)
-	admitted  []tier.Object           // objects admitted to L2 by their lookups, not handed over yet
-	announced map[evKey][]*Session    // KV events: the sessions that announced each chunk (events.go)
-	cnt       counters
-	now       func() time.Time
+	mu         sync.Mutex
+	closed     bool
+	l1         *l1.Cache // allocator, object table, LRU, object states
+	staging    map[stageKey]stageEntry
+	sessions   map[kv.Tag]*Session
+	fences     map[*Session][]uint32   // ended sessions' fenced slots (fence.go)
+	pinned     map[uint32]uint32       // object → pins (see Pin)
+	gens       map[kv.Namespace]uint64 // namespace generations (reset.go)
+	looks      map[lookKey]uint32      // lookups of each object, with --l2-store-after-lookups (admit.go)
+	admitted   []tier.Object           // objects admitted to L2 by their lookups, not handed over yet
+	announced  map[evKey][]*Session    // KV events: the sessions that announced each chunk (events.go)
+	evSessions int                     // sessions with events on
+	written    l2Written               // chunks the L2 writer wrote lately, while evSessions > 0
+	cnt        counters
+	now        func() time.Time
 
 	stop chan struct{}
 	done chan struct{}

@@ -27,11 +27,48 @@ import (
 // the answer's Lost (the router then keeps those blocks until the next
 // AllBlocksCleared: again a worse route only).
 
-// Bounds of one session's events state (tests lower them).
+// Bounds of one session's events state, and of the core's record of
+// chunks the L2 writer wrote recently (tests lower them).
 var (
-	maxAnnounced = 1 << 18
-	maxQueued    = 1 << 18
+	maxAnnounced = 1 << 16
+	maxQueued    = 1 << 16
+	maxL2Written = 1 << 16
 )
+
+// l2Written remembers the chunks the L2 writer wrote while some session
+// had events on, most recent last: a chunk's L2 write usually ends before
+// its scheduler announces it (the workers' reports reach the scheduler a
+// step later), so the announce looks here for its STORAGE event. Bounded:
+// a chunk written longer ago than maxL2Written writes is not announced in
+// STORAGE (a router then routes by its CPU copy only). Guarded by mu.
+type l2Written struct {
+	set   map[evKey]struct{}
+	order []evKey
+}
+
+func (w *l2Written) add(k evKey) {
+	if w.set == nil {
+		w.set = map[evKey]struct{}{}
+	}
+	if _, ok := w.set[k]; ok {
+		return
+	}
+	w.set[k] = struct{}{}
+	w.order = append(w.order, k)
+	for len(w.set) > maxL2Written {
+		delete(w.set, w.order[0])
+		w.order = w.order[1:]
+	}
+	if len(w.order) > 2*maxL2Written {
+		kept := make([]evKey, 0, len(w.set))
+		for _, o := range w.order {
+			if _, ok := w.set[o]; ok {
+				kept = append(kept, o)
+			}
+		}
+		w.order = kept
+	}
+}
 
 // evKey names an announced chunk on one medium.
 type evKey struct {
@@ -60,6 +97,7 @@ func (core *Core) Events(s *Session, r *ipc.EventsReq) (*ipc.EventsResp, error) 
 	if e == nil {
 		e = &sessEvents{set: map[evKey]struct{}{}}
 		s.ev = e
+		core.evSessions++
 	}
 	for _, k := range r.Keys {
 		key := evKey{k.Namespace, k.Hash, k.Medium}
@@ -81,6 +119,13 @@ func (core *Core) Events(s *Session, r *ipc.EventsReq) (*ipc.EventsResp, error) 
 			}
 		}
 		core.announce(s, key)
+		if key.medium == ipc.MediumL1 {
+			l2 := evKey{key.ns, key.hash, ipc.MediumL2}
+			if _, ok := core.written.set[l2]; ok && len(e.set) < maxAnnounced {
+				core.announce(s, l2)
+				core.queueEvent(s, ipc.Event{Key: ipc.EventKey{Namespace: l2.ns, Hash: l2.hash, Medium: l2.medium}, Kind: ipc.EventStored})
+			}
+		}
 	}
 	out := &ipc.EventsResp{Lost: e.lost, Events: e.queue}
 	e.queue, e.lost = nil, 0
@@ -177,11 +222,15 @@ func (core *Core) onEvict(ns kv.Namespace, rank uint32, hash kv.Hash, size uint6
 func (core *Core) l2Stored(key kv.Key) {
 	core.mu.Lock()
 	defer core.mu.Unlock()
+	if core.evSessions == 0 {
+		return
+	}
+	k := evKey{key.Namespace, key.Hash, ipc.MediumL2}
+	core.written.add(k)
 	ss := core.announced[evKey{key.Namespace, key.Hash, ipc.MediumL1}]
 	if len(ss) == 0 {
 		return
 	}
-	k := evKey{key.Namespace, key.Hash, ipc.MediumL2}
 	ev := ipc.Event{Key: ipc.EventKey{Namespace: k.ns, Hash: k.hash, Medium: k.medium}, Kind: ipc.EventStored}
 	for _, s := range append([]*Session(nil), ss...) {
 		if s.closed {
@@ -204,7 +253,9 @@ func (core *Core) l2Stored(key kv.Key) {
 func (core *Core) l2Dropped(key kv.Key) {
 	core.mu.Lock()
 	defer core.mu.Unlock()
-	core.chunkGone(evKey{key.Namespace, key.Hash, ipc.MediumL2})
+	k := evKey{key.Namespace, key.Hash, ipc.MediumL2}
+	delete(core.written.set, k)
+	core.chunkGone(k)
 }
 
 // eventsClosed drops s's events state with it. mu held.
@@ -216,6 +267,9 @@ func (core *Core) eventsClosed(s *Session) {
 		core.unannounce(s, k)
 	}
 	s.ev = nil
+	if core.evSessions--; core.evSessions == 0 {
+		core.written = l2Written{} // nobody listens: the record goes too
+	}
 }
 
 // EventsState reports how many keys s announced and how many events it has

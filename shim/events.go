@@ -241,10 +241,12 @@ func (s *Scheduler) stored(req string, group uint32, chunk int, h kv.Hash) {
 // call and takes what it queued for this scheduler's session (removals,
 // STORAGE copies). It calls only when there is something to say or the
 // server flagged events on an answer: nothing is polled. A failed call
-// keeps the announcements for the next one. Called without s.mu.
-func (s *Scheduler) serverEvents(ann []ipc.EventKey) (out []Event, lost int) {
+// keeps the announcements for the next one. force: call anyway (the
+// first call, which turns the session's events on: from then on the server
+// records which chunks the L2 writer wrote). Called without s.mu.
+func (s *Scheduler) serverEvents(ann []ipc.EventKey, force bool) (out []Event, lost int) {
 	c := s.link.current()
-	if len(ann) == 0 && (c == nil || !c.EventsPending()) {
+	if !force && len(ann) == 0 && (c == nil || !c.EventsPending()) {
 		return nil, 0
 	}
 	var resp *ipc.EventsResp
@@ -281,11 +283,12 @@ func (s *Scheduler) serverEvents(ann []ipc.EventKey) (out []Event, lost int) {
 // their reports are dropped (never announced).
 func (s *Scheduler) TakeEvents() *Events {
 	out, ann := s.takeEvents()
-	if out.Events == nil { // the first call
+	if out.Events == nil { // the first call: turn the server's side on too
 		out.Events = []Event{}
+		_, _ = s.serverEvents(nil, true)
 		return out
 	}
-	more, lost := s.serverEvents(ann)
+	more, lost := s.serverEvents(ann, false)
 	out.Events = append(out.Events, more...)
 	out.Dropped += lost
 	return out
