@@ -66,6 +66,8 @@ type Client struct {
 
 	pop    *populator  // nil: mappings fault on first touch
 	direct *directConn // non-nil: an in-process session (direct.go), no rings
+
+	evPending atomic.Bool // the server has KV events queued for this session (events.go)
 }
 
 type reply struct {
@@ -422,6 +424,9 @@ func (c *Client) readReplies(ctx context.Context, id uint64, ch chan reply, dead
 			}
 			c.shutdown(err)
 			return reply{}, false, err
+		}
+		if h.Flags&FlagEventsPending != 0 {
+			c.evPending.Store(true)
 		}
 		r := reply{status: h.Status, body: append([]byte(nil), body...)}
 		c.rx.Release()

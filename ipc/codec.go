@@ -58,7 +58,7 @@ func DecodeFrame(b []byte) (FrameHeader, []byte, error) {
 	if v != CodecVersion {
 		return FrameHeader{}, nil, fmt.Errorf("%w: frame codec version %d, want %d", ErrMalformed, v, CodecVersion)
 	}
-	if h.Flags&^FlagResponse != 0 {
+	if h.Flags&^(FlagResponse|FlagEventsPending) != 0 || (h.Flags&FlagEventsPending != 0 && h.Flags&FlagResponse == 0) {
 		return FrameHeader{}, nil, fmt.Errorf("%w: frame flags %#x", ErrMalformed, h.Flags)
 	}
 	return h, b[FrameHeaderLen:], nil
@@ -131,8 +131,8 @@ func DecodeHello(b []byte) (Hello, error) {
 	if d.err != nil {
 		return Hello{}, d.err
 	}
-	if h.Version != ProtocolVersion {
-		return h, fmt.Errorf("%w: peer speaks version %d, this side speaks version %d", ErrVersion, h.Version, ProtocolVersion)
+	if h.Version < MinProtocolVersion || h.Version > ProtocolVersion {
+		return h, fmt.Errorf("%w: peer speaks version %d, this side speaks version %d (and back to %d)", ErrVersion, h.Version, ProtocolVersion, MinProtocolVersion)
 	}
 	h.Role = Role(d.u8())
 	if h.Flags = HelloFlags(d.u8()); h.Flags&^helloFlagsKnown != 0 {

@@ -87,6 +87,20 @@
 //	  ... later: segment announcements as L1 grows, always sent before the
 //	  ring answer that names them; Client.Resolve waits for an unknown id.
 //
+// # Versions and KV events (protocol 4)
+//
+// A hello may carry any version from MinProtocolVersion (3) to
+// ProtocolVersion (4); the welcome echoes the client's, so an older client
+// keeps working against a newer server. Version 4 adds OpEvents
+// (events.go): a scheduler announces the chunk keys it told vLLM's
+// KV-event publisher about and takes the events the server queued for its
+// session (an announced chunk evicted from L1 or dropped by an L2, or
+// written to an L2). The server notifies, nobody polls: an answer to a
+// session with events queued carries FlagEventsPending in its frame header
+// (only sessions that sent OpEvents are flagged, so a version-3 client never
+// sees the bit); a direct session's client is marked through
+// Client.MarkEventsPending. The client asks with OpEvents only then.
+//
 // # Server usage
 //
 //	l, _ := ipc.Listen(ipc.DefaultSocketPath(), &ipc.ServerConfig{})

@@ -11,8 +11,13 @@ import "github.com/kvshim/kvshim/kv"
 // ProtocolVersion is carried in the hello and checked by both sides.
 // Version 2: the hello carries flags (HelloDrained), the ring's closed word
 // a reason. Version 3: OpReset; a lookup's answer carries its namespace's
-// generation and the tier that served each chunk.
-const ProtocolVersion uint32 = 3
+// generation and the tier that served each chunk. Version 4: OpEvents and
+// the answers' FlagEventsPending (events.go); a version-3 peer is still
+// accepted (it never sends OpEvents, so it never sees the flag).
+const ProtocolVersion uint32 = 4
+
+// MinProtocolVersion is the oldest version a hello may carry.
+const MinProtocolVersion uint32 = 3
 
 // Op identifies a request type on the submission ring. Responses on the
 // completion ring carry the same Op.
@@ -31,6 +36,7 @@ const (
 	OpClear        Op = 10 // drop every resident object that has no holds
 	OpPing         Op = 11 // liveness / round-trip probe; the answer echoes the request body
 	OpReset        Op = 12 // new generation for namespaces: every chunk stored before misses (controls.go)
+	// OpEvents = 13 (events.go): announce chunk keys, take the session's KV events.
 )
 
 // Status is the per-response (and per-key) outcome. Zero is success.

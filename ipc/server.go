@@ -375,7 +375,8 @@ func (l *Listener) start(c *ServerConn) error {
 	l.conns[c] = struct{}{}
 	l.mu.Unlock()
 	segs := l.segs.Segments()
-	w := welcome{Version: ProtocolVersion, Session: c.id, Server: l.cfg.Instance, SQCap: l.cfg.SQCapacity,
+	w := welcome{Version: c.hello.Version, // the client's: an older client accepts only its own
+		Session: c.id, Server: l.cfg.Instance, SQCap: l.cfg.SQCapacity,
 		CQCap: l.cfg.CQCapacity, Segments: uint32(len(segs)), BeatEvery: l.cfg.HeartbeatInterval, BeatExpire: l.cfg.HeartbeatTimeout}
 	err := sendSock(c.uc, sockWelcome, w.append(nil), c.pair.Fd())
 	for _, s := range segs {

@@ -22,9 +22,10 @@ type ServerConn struct {
 
 	recvMu    sync.Mutex
 	sendMu    sync.Mutex
-	announced map[uint32]bool // under sockMu
-	logged    atomic.Bool     // the end of the session was logged (once)
-	strays    logLimiter      // WARNs for unexpected socket messages
+	announced map[uint32]bool              // under sockMu
+	logged    atomic.Bool                  // the end of the session was logged (once)
+	strays    logLimiter                   // WARNs for unexpected socket messages
+	respFlags atomic.Pointer[func() uint8] // SetResponseFlags
 }
 
 // Hello is what the client said in its hello.
@@ -225,6 +226,10 @@ func (c *ServerConn) Send(h FrameHeader, body []byte) error {
 // reuse one buffer for its answers.
 type Handler func(op Op, body []byte) (Status, []byte, error)
 
+// SetResponseFlags makes Serve set f()'s flags (FlagEventsPending) in the
+// header of every answer, computed after the handler ran.
+func (c *ServerConn) SetResponseFlags(f func() uint8) { c.respFlags.Store(&f) }
+
 // serveSlice bounds each Recv in Serve. The session's end interrupts the
 // ring (shutdown), so Done needs no polling; each new Recv spins before it
 // sleeps, which a 1 s slice made a per-session wake-up and spin every
@@ -254,7 +259,11 @@ func (c *ServerConn) Serve(h Handler) error {
 		if err != nil {
 			return err
 		}
-		if err := c.Send(FrameHeader{Op: hdr.Op, Status: st, ReqID: hdr.ReqID}, resp); err != nil {
+		var fl uint8
+		if f := c.respFlags.Load(); f != nil {
+			fl = (*f)()
+		}
+		if err := c.Send(FrameHeader{Flags: fl, Op: hdr.Op, Status: st, ReqID: hdr.ReqID}, resp); err != nil {
 			if !isFatal(err) {
 				c.closeWith(fmt.Errorf("response for request %d: %w", hdr.ReqID, err))
 			}

@@ -90,6 +90,10 @@ func dispatch(svc Service, op Op, b, out []byte) ([]byte, error) {
 		return typed(b, out, decodeNothing, func(struct{}) (*ClearResp, error) { return svc.Clear() }, AppendClearResp)
 	case OpReset:
 		return typed(b, out, DecodeResetReq, svc.Reset, AppendResetResp)
+	case OpEvents:
+		if es, ok := svc.(EventsService); ok {
+			return typed(b, out, DecodeEventsReq, es.Events, AppendEventsResp)
+		}
 	case OpPing:
 		return append(out, b...), nil // echo: a round-trip probe carrying any body
 	}

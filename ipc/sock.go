@@ -216,7 +216,7 @@ func (w *welcome) append(b []byte) []byte {
 func decodeWelcome(b []byte) (*welcome, error) {
 	d := newDec("welcome", b)
 	w := &welcome{Version: d.u32()}
-	if d.err == nil && w.Version != ProtocolVersion {
+	if d.err == nil && (w.Version < MinProtocolVersion || w.Version > ProtocolVersion) {
 		return nil, fmt.Errorf("%w: server speaks version %d, this client speaks version %d", ErrVersion, w.Version, ProtocolVersion)
 	}
 	w.Segments = d.u32()

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvshim/kvshim/ipc"
@@ -49,18 +50,21 @@ type Core struct {
 	metrics  *metrics
 	trace    traceSink // lifecycle records (trace.go)
 
-	mu       sync.Mutex
-	closed   bool
-	l1       *l1.Cache // allocator, object table, LRU, object states
-	staging  map[stageKey]stageEntry
-	sessions map[kv.Tag]*Session
-	fences   map[*Session][]uint32   // ended sessions' fenced slots (fence.go)
-	pinned   map[uint32]uint32       // object → pins (see Pin)
-	gens     map[kv.Namespace]uint64 // namespace generations (reset.go)
-	looks    map[lookKey]uint32      // lookups of each object, with --l2-store-after-lookups (admit.go)
-	admitted []tier.Object           // objects admitted to L2 by their lookups, not handed over yet
-	cnt      counters
-	now      func() time.Time
+	mu         sync.Mutex
+	closed     bool
+	l1         *l1.Cache // allocator, object table, LRU, object states
+	staging    map[stageKey]stageEntry
+	sessions   map[kv.Tag]*Session
+	fences     map[*Session][]uint32   // ended sessions' fenced slots (fence.go)
+	pinned     map[uint32]uint32       // object → pins (see Pin)
+	gens       map[kv.Namespace]uint64 // namespace generations (reset.go)
+	looks      map[lookKey]uint32      // lookups of each object, with --l2-store-after-lookups (admit.go)
+	admitted   []tier.Object           // objects admitted to L2 by their lookups, not handed over yet
+	announced  map[evKey][]*Session    // KV events: the sessions that announced each chunk (events.go)
+	evSessions int                     // sessions with events on
+	written    l2Written               // chunks the L2 writer wrote lately, while evSessions > 0
+	cnt        counters
+	now        func() time.Time
 
 	stop chan struct{}
 	done chan struct{}
@@ -96,19 +100,20 @@ func NewCore(cfg Config, o Options) (*Core, error) {
 		o.Source = l1.HeapSource{}
 	}
 	core := &Core{
-		cfg:      cfg,
-		filler:   o.Filler,
-		staging:  map[stageKey]stageEntry{},
-		sessions: map[kv.Tag]*Session{},
-		fences:   map[*Session][]uint32{},
-		now:      time.Now,
-		stop:     make(chan struct{}),
-		done:     make(chan struct{}),
+		cfg:       cfg,
+		filler:    o.Filler,
+		staging:   map[stageKey]stageEntry{},
+		sessions:  map[kv.Tag]*Session{},
+		fences:    map[*Session][]uint32{},
+		announced: map[evKey][]*Session{},
+		now:       time.Now,
+		stop:      make(chan struct{}),
+		done:      make(chan struct{}),
 	}
 	core.l1 = l1.New(o.Source, l1.Config{
 		Capacity: cfg.capacity(), SegmentSize: cfg.SegmentSize, SlabSize: cfg.SlabSize,
 		HighWatermark: cfg.HighWatermark, LowWatermark: cfg.LowWatermark,
-		OnSegment: o.OnSegment, OnEvict: core.traceEvict,
+		OnSegment: o.OnSegment, OnEvict: core.onEvict,
 	})
 	core.metrics = newMetrics(core)
 	if err := core.openTier(o); err != nil {
@@ -146,12 +151,14 @@ func (core *Core) Close() error {
 // Session is one client connection (one connector instance). Its id is the
 // instance id from the hello; other sessions name its lookups by it.
 type Session struct {
-	id      kv.Tag
-	opts    SessionOptions
-	closed  bool // guarded by Core.mu
-	lookups map[uint64]*lookup
-	fenced  []uint32      // staging the reaper took from a live writer (fence.go)
-	lifted  chan struct{} // closed when its fence is lifted (ends the exit watch)
+	id        kv.Tag
+	opts      SessionOptions
+	closed    bool // guarded by Core.mu
+	lookups   map[uint64]*lookup
+	fenced    []uint32      // staging the reaper took from a live writer (fence.go)
+	ev        *sessEvents   // KV events (events.go); nil until the session's first OpEvents
+	evPending atomic.Bool   // events queued: read without mu by the answers' header flag
+	lifted    chan struct{} // closed when its fence is lifted (ends the exit watch)
 }
 
 // ID is the session's instance id.
@@ -208,6 +215,7 @@ func (core *Core) closeSessionLocked(s *Session) {
 		}
 	}
 	core.fenceClosed(s)
+	core.eventsClosed(s)
 	delete(core.sessions, s.id)
 	core.cnt.sessionsClosed++
 }

@@ -110,4 +110,20 @@
 // session's holds, and a load that finds its session ended after its copy
 // (ipc.Client.Live) is a load error. The bound: a stalled writer keeps at
 // most what it had staged (kvshim_l1_objects{state="fenced"}).
+//
+// # KV events (events.go, OpEvents)
+//
+// Each scheduler session that turned events on owns: the set of chunk keys
+// (namespace, hash, medium) it announced (at most 65,536; one more reports
+// the oldest removed and forgets it), a queue of events for it (at most
+// 65,536; more are counted in the next answer's Lost) and an entry in the
+// index key → announcing sessions. An L1 eviction (any rank's object of
+// the chunk) or an L2 drop (the fs adapter's own eviction) queues
+// "removed" for every session in the index entry, whichever instance
+// caused it, and forgets the entry; an L2 write of an announced chunk
+// queues "stored" (medium L2), and one that ended before the announce is
+// found in a record of the last 65,536 L2 writes (kept only while some
+// session has events on). A chunk already gone from L1 when announced is
+// reported removed at once. Everything goes with the session
+// (closeSessionLocked → eventsClosed).
 package server

@@ -24,6 +24,10 @@ type SessionOptions struct {
 	// with this id has ended on its side with its mappings gone: their
 	// fenced slots are freed when this one opens.
 	Drained bool
+	// OnEvents, when set, is called (under the core's lock: it must not
+	// block) when an event is queued for a session that had none queued: a
+	// direct session's client has no frame header to carry the flag.
+	OnEvents func()
 }
 
 // releaseStaging gives back a staging object that its writer s no longer

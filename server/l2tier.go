@@ -62,10 +62,15 @@ func (core *Core) openTier(o Options) (err error) {
 		return err
 	}
 	t.wr, err = tier.NewWriter(core, adapters, tier.WriterConfig{
-		Policy: policy, MaxBytes: storeBytes, Hints: hints,
+		Policy: policy, MaxBytes: storeBytes, Hints: hints, OnStored: core.l2Stored,
 	}, core.metrics.reg, log)
 	if err != nil {
 		return err
+	}
+	for _, a := range adapters {
+		if dn, ok := a.Backend().(l2.DropNotifier); ok {
+			dn.OnDrop(core.l2Dropped) // KV events: STORAGE removed (events.go)
+		}
 	}
 	core.tier = t
 	core.filler = t.pc

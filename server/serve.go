@@ -43,6 +43,12 @@ func serveConn(c *ipc.ServerConn, core *Core) {
 		return
 	}
 	defer core.CloseSession(s)
+	c.SetResponseFlags(func() uint8 {
+		if s.EventsPending() {
+			return ipc.FlagEventsPending
+		}
+		return 0
+	})
 	c.Serve(ipc.ServiceHandler(&service{core: core, s: s}))
 }
 
@@ -109,6 +115,11 @@ func (x *service) Clear() (*ipc.ClearResp, error) {
 	return wrap(ipc.OpClear, v, err)
 }
 
+func (x *service) Events(r *ipc.EventsReq) (*ipc.EventsResp, error) {
+	v, err := x.core.Events(x.s, r)
+	return wrap(ipc.OpEvents, v, err)
+}
+
 func (x *service) Reset(r *ipc.ResetReq) (*ipc.ResetResp, error) {
 	v, err := x.core.Reset(x.s, r)
 	return wrap(ipc.OpReset, v, err)
@@ -172,8 +183,8 @@ func Start(cfg Config, ipcCfg *ipc.ServerConfig, o Options) (*Server, error) {
 // the core's session, answered by the same Service as a ring's. It has no
 // L1 mapping, so no write of it can outlive a call: not fenced.
 func (srv *Server) dialDirect(hello ipc.Hello, c *ipc.Client) (ipc.Handler, func(), error) {
-	if hello.Version != ipc.ProtocolVersion {
-		return nil, nil, fmt.Errorf("%w: client speaks %d, server %d", ipc.ErrVersion, hello.Version, ipc.ProtocolVersion)
+	if hello.Version < ipc.MinProtocolVersion || hello.Version > ipc.ProtocolVersion {
+		return nil, nil, fmt.Errorf("%w: client speaks %d, server %d (and back to %d)", ipc.ErrVersion, hello.Version, ipc.ProtocolVersion, ipc.MinProtocolVersion)
 	}
 	srv.directMu.Lock()
 	defer srv.directMu.Unlock()
@@ -181,7 +192,8 @@ func (srv *Server) dialDirect(hello ipc.Hello, c *ipc.Client) (ipc.Handler, func
 		return nil, nil, fmt.Errorf("%w: server stopping", ipc.ErrClosed)
 	}
 	s, err := srv.Core.OpenSessionWith(kv.Tag(hello.Instance), SessionOptions{
-		PeerPID: os.Getpid(), UID: uint32(os.Getuid()), Drained: hello.Flags&ipc.HelloDrained != 0})
+		PeerPID: os.Getpid(), UID: uint32(os.Getuid()), Drained: hello.Flags&ipc.HelloDrained != 0,
+		OnEvents: c.MarkEventsPending})
 	if err != nil {
 		return nil, nil, err
 	}

@@ -1,10 +1,12 @@
 package shim
 
 import (
+	"context"
 	"encoding/hex"
 	"fmt"
 	"time"
 
+	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 )
 
@@ -29,15 +31,22 @@ type SaveReport struct {
 
 // Event is one KV event for vLLM: Kind "stored" (blocks [FirstBlock,
 // FirstBlock+Blocks) of request Req in KV-cache group Group are now held
-// by Medium, "CPU" for kvshim's L1) or "cleared" (every block announced
-// before is gone: a reset).
+// by Medium, "CPU" for kvshim's L1; Chunks names the chunk hashes they
+// make up, in order), "cleared" (every block announced before is gone: a
+// reset), "removed" (the chunk Chunk left Medium: an L1 eviction, whoever
+// caused it, or an L2 drop) or "stored_chunk" (the chunk Chunk announced
+// in L1 is in Medium "STORAGE" too: the L2 writer wrote it). Python turns
+// the last two into BlockRemoved / BlockStored with the block hashes it
+// announced for that chunk.
 type Event struct {
-	Kind       string `json:"kind"`
-	Req        string `json:"req,omitempty"`
-	Group      uint32 `json:"group"`
-	FirstBlock int    `json:"first_block"`
-	Blocks     int    `json:"blocks"`
-	Medium     string `json:"medium,omitempty"`
+	Kind       string   `json:"kind"`
+	Req        string   `json:"req,omitempty"`
+	Group      uint32   `json:"group"`
+	FirstBlock int      `json:"first_block"`
+	Blocks     int      `json:"blocks"`
+	Medium     string   `json:"medium,omitempty"`
+	Chunks     []string `json:"chunks,omitempty"`
+	Chunk      string   `json:"chunk,omitempty"`
 }
 
 // Events is one TakeEvents answer: the events since the last call, the
@@ -52,8 +61,12 @@ type Events struct {
 	Reported int      `json:"reported"`
 }
 
-// MediumL1 is vLLM's medium name for kvshim's L1 (host memory).
-const MediumL1 = "CPU"
+// MediumL1 and MediumL2 are vLLM's medium names for kvshim's L1 (host
+// memory) and its L2 adapters.
+const (
+	MediumL1 = "CPU"
+	MediumL2 = "STORAGE"
+)
 
 // maxPendingEvents bounds the chunks waiting for their ranks' reports;
 // pendingEventTTL is how long one waits (a copy stuck for good never
@@ -85,6 +98,9 @@ type evState struct {
 	done    []string
 	dropped int
 	report  int
+	// announce: the chunks announced since the server last heard of them
+	// (OpEvents tells it, so that their eviction comes back as "removed").
+	announce []ipc.EventKey
 }
 
 // announce records the chunks of svs as waiting for their commits. s.mu held.
@@ -191,21 +207,26 @@ func (s *Scheduler) SaveReports(reports []SaveReport) error {
 			continue
 		}
 		e.resolve(k)
-		s.stored(r.Req, r.Group, p.chunk)
+		s.stored(r.Req, r.Group, p.chunk, h)
 	}
 	return bad
 }
 
 // stored adds the event of one chunk, merged into the last event when it
 // continues it (vLLM's BlockStored covers a run of blocks). s.mu held.
-func (s *Scheduler) stored(req string, group uint32, chunk int) {
+func (s *Scheduler) stored(req string, group uint32, chunk int, h kv.Hash) {
 	e := s.ev
 	cb := s.chunk / s.cfg.BlockSize
 	first := chunk * cb
+	hx := hex.EncodeToString(h[:])
+	if len(e.announce) < maxPendingEvents && int(group) < len(s.gns) {
+		e.announce = append(e.announce, ipc.EventKey{Namespace: s.gns[group], Hash: h, Medium: ipc.MediumL1})
+	}
 	if n := len(e.events); n > 0 {
 		last := &e.events[n-1]
 		if last.Kind == "stored" && last.Req == req && last.Group == group && last.FirstBlock+last.Blocks == first {
 			last.Blocks += cb
+			last.Chunks = append(last.Chunks, hx)
 			return
 		}
 	}
@@ -213,19 +234,73 @@ func (s *Scheduler) stored(req string, group uint32, chunk int) {
 		e.dropped++
 		return
 	}
-	e.events = append(e.events, Event{Kind: "stored", Req: req, Group: group, FirstBlock: first, Blocks: cb, Medium: MediumL1})
+	e.events = append(e.events, Event{Kind: "stored", Req: req, Group: group, FirstBlock: first, Blocks: cb, Medium: MediumL1, Chunks: []string{hx}})
+}
+
+// serverEvents tells the server of the chunks announced since the last
+// call and takes what it queued for this scheduler's session (removals,
+// STORAGE copies). It calls only when there is something to say or the
+// server flagged events on an answer: nothing is polled. A failed call
+// keeps the announcements for the next one. force: call anyway (the
+// first call, which turns the session's events on: from then on the server
+// records which chunks the L2 writer wrote). Called without s.mu.
+func (s *Scheduler) serverEvents(ann []ipc.EventKey, force bool) (out []Event, lost int) {
+	c := s.link.current()
+	if !force && len(ann) == 0 && (c == nil || !c.EventsPending()) {
+		return nil, 0
+	}
+	var resp *ipc.EventsResp
+	err := s.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
+		resp, err = c.Events(ctx, &ipc.EventsReq{Keys: ann})
+		return err
+	})
+	if err != nil {
+		s.mu.Lock()
+		if e := s.ev; e != nil && len(e.announce)+len(ann) <= maxPendingEvents {
+			e.announce = append(ann, e.announce...)
+		} else {
+			lost = len(ann)
+		}
+		s.mu.Unlock()
+		return nil, lost
+	}
+	for _, ev := range resp.Events {
+		m := MediumL1
+		if ev.Key.Medium == ipc.MediumL2 {
+			m = MediumL2
+		}
+		kind := "removed"
+		if ev.Kind == ipc.EventStored {
+			kind = "stored_chunk"
+		}
+		out = append(out, Event{Kind: kind, Medium: m, Chunk: hex.EncodeToString(ev.Key.Hash[:])})
+	}
+	return out, lost + int(resp.Lost)
 }
 
 // TakeEvents returns the events since the last call and starts recording
 // them on the first call. Chunks waiting longer than pendingEventTTL for
 // their reports are dropped (never announced).
 func (s *Scheduler) TakeEvents() *Events {
+	out, ann := s.takeEvents()
+	if out.Events == nil { // the first call: turn the server's side on too
+		out.Events = []Event{}
+		_, _ = s.serverEvents(nil, true)
+		return out
+	}
+	more, lost := s.serverEvents(ann, false)
+	out.Events = append(out.Events, more...)
+	out.Dropped += lost
+	return out
+}
+
+func (s *Scheduler) takeEvents() (*Events, []ipc.EventKey) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e := s.ev
 	if e == nil {
 		s.ev = &evState{pending: map[evKey]*evPending{}, perReq: map[string]int{}, ended: map[string]bool{}}
-		return &Events{Events: []Event{}, Done: []string{}}
+		return &Events{Done: []string{}}, nil
 	}
 	now := time.Now()
 	for k, p := range e.pending {
@@ -241,8 +316,9 @@ func (s *Scheduler) TakeEvents() *Events {
 	if out.Done == nil {
 		out.Done = []string{}
 	}
-	e.events, e.done, e.dropped, e.report = nil, nil, 0, 0
-	return out
+	ann := e.announce
+	e.events, e.done, e.dropped, e.report, e.announce = nil, nil, 0, 0, nil
+	return out, ann
 }
 
 // maxSaveReports bounds the reports a worker keeps between two

@@ -1,15 +1,19 @@
 package shim
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
+	"github.com/kvshim/kvshim/server"
 )
 
 // KV events (events.go) against a real server with real workers on host
@@ -54,6 +58,9 @@ func TestEventsStoredOnceEveryRankCommitted(t *testing.T) {
 	assert.NilError(t, r.sched.SaveReports(r.reports(t, 1)))
 	ev = r.sched.TakeEvents()
 	cb := tChunk / tBS
+	assert.Equal(t, len(ev.Events), 1)
+	assert.Equal(t, len(ev.Events[0].Chunks), 3) // the chunk hashes, for BlockRemoved later
+	ev.Events[0].Chunks = nil
 	assert.DeepEqual(t, ev.Events, []Event{{Kind: "stored", Req: "A", FirstBlock: 0, Blocks: 3 * cb, Medium: MediumL1}})
 	assert.DeepEqual(t, ev.Done, []string{"A"}) // finished, nothing left to announce
 	assert.Equal(t, ev.Pending, 0)
@@ -92,6 +99,8 @@ func TestEventsNothingForSkippedSave(t *testing.T) {
 	for _, rep := range reps {
 		assert.Equal(t, rep.OK, rep.Req == won, "%+v", rep)
 	}
+	assert.Equal(t, len(ev.Events[0].Chunks), 2)
+	ev.Events[0].Chunks = nil
 	assert.DeepEqual(t, ev.Events[0], Event{Kind: "stored", Req: won, FirstBlock: 0, Blocks: 2 * cb, Medium: MediumL1})
 	assert.Equal(t, len(ev.Done), 2)
 	assert.Equal(t, ev.Pending, 0)
@@ -159,4 +168,60 @@ func FuzzSaveReports(f *testing.F) {
 			assert.Equal(t, ev.FirstBlock, 0)
 		}
 	})
+}
+
+// churnL1 makes another instance (a raw worker session of another
+// namespace) commit n objects of size bytes: the LRU evicts the rest.
+func churnL1(t *testing.T, sock string, n int, size uint64) {
+	t.Helper()
+	c, err := ipc.Dial(sock, ipc.Hello{Role: ipc.RoleWorker, Instance: uuid.New()}, 5*time.Second)
+	assert.NilError(t, err)
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	tag := kv.Tag(c.Hello().Instance)
+	ns := kv.Namespace{0xee}
+	for i := range n {
+		h := kv.Hash{byte(i), byte(i >> 8), 0xcc}
+		ar, err := c.Alloc(ctx, &ipc.AllocReq{Tag: tag, Namespace: ns, Hashes: []kv.Hash{h}, Sizes: []uint64{size}})
+		assert.NilError(t, err)
+		if ar.Status[0] != ipc.StatusOK {
+			continue
+		}
+		_, err = c.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: ns, Hashes: []kv.Hash{h}})
+		assert.NilError(t, err)
+	}
+}
+
+// An eviction another instance's saves cause comes back from the server
+// (the flag on an answer, then one OpEvents) as "removed" for exactly the
+// chunks this scheduler announced.
+func TestEventsRemovedWhenAnotherInstanceEvicts(t *testing.T) {
+	r := newRigWith(t, NamespaceSpec{Model: "m", DType: "bfloat16", LayoutFingerprint: "test", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk},
+		func(c *server.Config) { c.L1SizeGB, c.SegmentSize = 16.0/1024, 4<<20 }, nil)
+	startEvents(t, r)
+	_, saved := saveChunks(t, r, "A", tokensOf(11, 3), 3)
+	assert.Equal(t, saved, 3)
+	assert.NilError(t, r.sched.SaveReports(r.reports(t, 0)))
+	ev := r.sched.TakeEvents()
+	assert.Equal(t, len(ev.Events), 1)
+	announced := map[string]bool{}
+	for _, c := range ev.Events[0].Chunks {
+		announced[c] = true
+	}
+	assert.Equal(t, len(announced), 3)
+	assert.Equal(t, len(r.sched.TakeEvents().Events), 0) // nothing evicted yet
+
+	churnL1(t, r.cfg.Socket, 64, 1<<20) // 64 MiB through 16 MiB of L1
+	// The scheduler learns of it from the flag on its next answer (any
+	// call); a lookup is the call a scheduler makes anyway.
+	r.match(t, "probe", tokensOf(99, 1), Extras{}, 0)
+	got := map[string]bool{}
+	for _, e := range r.sched.TakeEvents().Events {
+		assert.Equal(t, e.Kind, "removed")
+		assert.Equal(t, e.Medium, MediumL1)
+		got[e.Chunk] = true
+	}
+	assert.DeepEqual(t, got, announced)
+	assert.Equal(t, len(r.sched.TakeEvents().Events), 0) // once
 }

@@ -21,8 +21,8 @@ type Config struct {
 	// owner's lock): it must not block or call back into the cache.
 	OnSegment func(id uint32, mem []byte)
 	// OnEvict, when set, is called for every object the LRU evicts, before
-	// it is freed (traces).
-	OnEvict func(ns kv.Namespace, rank uint32, size uint64)
+	// it is freed (traces, KV events).
+	OnEvict func(ns kv.Namespace, rank uint32, hash kv.Hash, size uint64)
 }
 
 // Shard is the index of one namespace's table.

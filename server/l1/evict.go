@@ -10,7 +10,7 @@ func (c *Cache) evictOne() bool {
 			continue
 		}
 		if c.cfg.OnEvict != nil {
-			c.cfg.OnEvict(c.shards[o.shard].ns, o.rank, o.size)
+			c.cfg.OnEvict(c.shards[o.shard].ns, o.rank, o.hash, o.size)
 		}
 		c.cnt.evictions++
 		c.cnt.evictedBytes += o.size

@@ -32,6 +32,15 @@ type Releaser interface {
 	Release(keys []kv.Key)
 }
 
+// DropNotifier is implemented by backends that can tell when an object
+// leaves them on their own (the fs adapter's max_bytes eviction): f is
+// called, from the backend's goroutine with no lock of the caller held,
+// for every object dropped. Set once, before any store (KV events'
+// BlockRemoved with medium "STORAGE").
+type DropNotifier interface {
+	OnDrop(f func(kv.Key))
+}
+
 // Tiler is implemented by backends that want batches cut differently from
 // the default (one tile per lane worker, at most one per key). Mooncake's
 // batch calls parallelise internally and want 1.

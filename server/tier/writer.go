@@ -66,6 +66,9 @@ type WriterConfig struct {
 	Hints    *SizeHints
 	// CloseTimeout bounds Close's wait for running writes (default 10 s).
 	CloseTimeout time.Duration
+	// OnStored, when set, is called (from the write's goroutine, no lock
+	// held) for every object an adapter has written (KV events' "STORAGE").
+	OnStored func(kv.Key)
 }
 
 // Writer writes committed L1 objects to the L2 adapters.
@@ -248,6 +251,9 @@ func (wr *Writer) write(a int, bs []*batchObj) {
 		if ev.OK() {
 			wr.saved[a].Add(1)
 			wr.savedBytes[a].Add(int64(len(b.o.Mem)))
+			if wr.cfg.OnStored != nil {
+				wr.cfg.OnStored(b.o.Key)
+			}
 		} else {
 			wr.errs[a].Add(1)
 			if n, ok := wr.errLog[a].allow(time.Now()); ok {

@@ -1,11 +1,11 @@
 """KV events (take_events) through vLLM 0.33's real Scheduler
 (tests/vllm/harness.py) with --kv-events-config's enable_kv_cache_events:
 what the scheduler hands its KV-event publisher (vLLM's KVEventBatch of
-BlockStored / AllBlocksCleared) after kvshim's saves commit, after a save
-that was not committed, and after reset_prefix_cache.
+BlockStored / BlockRemoved / AllBlocksCleared) after kvshim's saves commit,
+after a save that was not committed, after L1 evicted announced chunks,
+after the fs L2 wrote them, and after reset_prefix_cache.
 
-Not tested here: the ZMQ publisher of a real `vllm serve` (tests/e2e);
-BlockRemoved (kvshim does not report evictions yet: docs/vllm-controls.md).
+Not tested here: the ZMQ publisher of a real `vllm serve` (tests/e2e).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from vllm.config import KVEventsConfig
-from vllm.distributed.kv_events import AllBlocksCleared, BlockStored, EventBatch, EventPublisher
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventPublisher
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from harness import CHUNK, ModelRunner, SchedulerHarness, kvshim_config, make_kv_cache_config, prompt, wait_jobs
@@ -47,8 +47,8 @@ class Recorder(EventPublisher):
 def kv_events(tiny_model_dir):
     made: list[SchedulerHarness] = []
 
-    def make(events: bool = True) -> tuple[SchedulerHarness, ModelRunner, Recorder]:
-        cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False)
+    def make(events: bool = True, **extra: Any) -> tuple[SchedulerHarness, ModelRunner, Recorder]:
+        cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False, kv_connector_extra_config=extra)
         if events:
             cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         cfg.cache_config.kv_cache_layout = None
@@ -160,3 +160,54 @@ def test_off_without_kv_events_config(kv_events):
     run(h, prompt(14, 2 * CHUNK))
     assert drain(h, rec, 0) == []
     assert h.kvshim.scheduler.events is None
+
+
+def hashes_of(req: Any, first: int, n: int) -> list[Any]:
+    return [maybe_convert_block_hash(b) for b in req.block_hashes[first:first + n]]
+
+
+def test_block_removed_when_l1_evicts(kv_events):
+    # A small L1: every prompt's chunks are saved, announced, and in time
+    # evicted by the later prompts'; each eviction comes back as
+    # BlockRemoved naming exactly the block hashes announced for the chunk.
+    h, _, rec = kv_events(**{"kvshim.l1_size_gb": 1 / 1024, "kvshim.l1_prefault_gb": 0})
+    first = run(h, prompt(40, 2 * CHUNK))
+    got = drain(h, rec, 1)
+    assert len(got) == 1 and isinstance(got[0], BlockStored), got
+    n = 2 * CHUNK // BS
+    assert got[0].block_hashes == hashes_of(first, 0, n)
+    stored = list(got[0].block_hashes)
+    removed: list[Any] = []
+    for i in range(200):
+        run(h, prompt(41 + i, 2 * CHUNK))
+        for e in drain(h, rec, 1):
+            if isinstance(e, BlockRemoved):
+                assert e.medium == "CPU" and e.group_idx == 0
+                removed += e.block_hashes
+            else:
+                assert isinstance(e, BlockStored) and e.medium == "CPU", e
+        if set(stored) <= set(removed):
+            break
+    assert set(stored) <= set(removed), "the first prompt's chunks were never reported evicted"
+    # Per chunk, in the chunk's own block order; each block once.
+    mine = [b for b in removed if b in set(stored)]
+    assert sorted(mine) == sorted(stored) and len(mine) == len(set(mine))
+    assert mine[: n // 2] in (stored[: n // 2], stored[n // 2:])
+
+
+def test_storage_stored_with_the_fs_l2(kv_events, tmp_path):
+    adapter = {"type": "fs", "base_path": str(tmp_path / "l2")}
+    h, _, rec = kv_events(**{"kvshim.l2_adapters": [adapter]})
+    req = run(h, prompt(60, 2 * CHUNK))
+    got = drain(h, rec, 3)  # CPU for both chunks, then STORAGE for each
+    n = 2 * CHUNK // BS
+    cpu = [e for e in got if isinstance(e, BlockStored) and e.medium == "CPU"]
+    storage = [e for e in got if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+    assert len(cpu) == 1 and cpu[0].block_hashes == hashes_of(req, 0, n), got
+    # One STORAGE event per chunk, as the L2 writer finished each.
+    assert sorted(b for e in storage for b in e.block_hashes) == sorted(hashes_of(req, 0, n)), got
+    for e in storage:
+        assert e.block_size == BS and e.group_idx == 0 and len(e.token_ids) == len(e.block_hashes) * BS
+        i = hashes_of(req, 0, n).index(e.block_hashes[0])
+        assert e.token_ids == list(req.all_token_ids[i * BS:(i + len(e.block_hashes)) * BS])
+        assert e.parent_block_hash == (None if i == 0 else hashes_of(req, i - 1, 1)[0])

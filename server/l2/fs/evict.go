@@ -196,6 +196,8 @@ type evictor struct {
 	announced  bool
 
 	scans, evicted, evictedBytes, skipped, full, touchErrs atomic.Int64
+
+	onDrop atomic.Pointer[func(kv.Key)] // Backend.OnDrop
 }
 
 func newEvictor(b *Backend, c Config) *evictor {
@@ -450,6 +452,9 @@ func (e *evictor) remove(c cand) int64 {
 		if err := os.Remove(aside); err == nil {
 			e.evicted.Add(1)
 			e.evictedBytes.Add(c.size)
+			if f := e.onDrop.Load(); f != nil {
+				(*f)(c.key)
+			}
 			return c.size
 		}
 	}
@@ -663,6 +668,15 @@ func (b *Backend) EvictStats() EvictStats {
 		return EvictStats{}
 	}
 	return b.ev.stats()
+}
+
+// OnDrop makes f hear of every object this server's eviction removes
+// (l2.DropNotifier); without max_bytes nothing is evicted and f is never
+// called. Another server's eviction of a shared base_path is not seen.
+func (b *Backend) OnDrop(f func(kv.Key)) {
+	if b.ev != nil {
+		b.ev.onDrop.Store(&f)
+	}
 }
 
 // Rescan scans base_path now and evicts when it is over max_bytes (what
