@@ -3,11 +3,12 @@ a ZMQ subscriber decodes vLLM's KVEventBatch (msgspec) from
 `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
 ...}'` and sees kvshim's BlockStored (medium "CPU") name the same block
 hashes as vLLM's own GPU prefix-cache events for the chunks kvshim
-committed. See docs/vllm-controls.md ("KV events").
+committed, and BlockRemoved (medium "CPU") name the hashes it announced once
+a small L1 evicts them. See docs/vllm-controls.md ("KV events").
 
-Not tested here: BlockRemoved (kvshim does not report evictions yet) and
-AllBlocksCleared after POST /reset_prefix_cache (tests/vllm checks the
-connector's through vLLM's Scheduler).
+Not tested here: BlockStored / BlockRemoved medium "STORAGE" (an L2) and
+AllBlocksCleared after POST /reset_prefix_cache (tests/vllm checks both
+through vLLM's Scheduler).
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from vllm.distributed.kv_events import BlockStored, KVEventBatch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from harness import Processes, VllmServer, free_port, kvshim_config, prompt_ids
 
 CHUNK = 256  # kvshim.chunk_size (its default)
+# The tiny model's chunk is 512 KiB (4 layers x 2 KV heads x 64 x bf16 K and
+# V x 256 tokens): an L1 of 2 MiB holds at most 4, so 6 more chunks evict.
+L1_GB = 2 / 1024
 
 
 class Subscriber:
@@ -92,7 +96,7 @@ def served(procs: Processes) -> Iterator[tuple[VllmServer, Subscriber]]:
     endpoint = f"tcp://127.0.0.1:{port}"
     ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
     sub = Subscriber(endpoint)
-    s = procs.start_vllm("vllm-events", kv=kvshim_config(), prefix_caching=True,
+    s = procs.start_vllm("vllm-events", kv=kvshim_config(l1_size_gb=L1_GB), prefix_caching=True,
                          args=["--kv-events-config", json.dumps(ev)])
     yield s, sub
     sub.close()
@@ -123,3 +127,36 @@ def test_block_stored_names_vllms_own_block_hashes(served: tuple[VllmServer, Sub
     gpu = [h for e in gpu_events for h in e.block_hashes]
     assert got == gpu[: len(got)]
     assert stored[0].parent_block_hash is None
+
+
+def test_block_removed_names_the_hashes_announced_when_l1_evicts(served: tuple[VllmServer, Subscriber]) -> None:
+    s, sub = served
+    first = prompt_ids(2 * CHUNK + 10, seed=51)
+    s.complete(first, max_tokens=1)
+
+    def first_stored(evs: list[Any]) -> list[BlockStored]:
+        """kvshim's BlockStored of the first prompt's chunks (one per chunk)."""
+        return [e for e in kvshim_stored(evs)
+                if any(e.token_ids == first[i:i + len(e.token_ids)] for i in range(0, 2 * CHUNK, CHUNK))]
+
+    events = sub.drain(lambda evs: sum(len(e.token_ids) for e in first_stored(evs)) >= 2 * CHUNK, 60)
+    announced = {h for e in first_stored(events) for h in e.block_hashes}
+    assert announced, "no BlockStored for the first prompt"
+    for seed in (52, 53, 54):  # 6 chunks more than L1 holds: the first prompt's are evicted
+        s.complete(prompt_ids(2 * CHUNK + 10, seed=seed), max_tokens=1)
+
+    def removed(evs: list[Any]) -> set[Any]:
+        return {h for e in evs if isinstance(e, BlockRemoved) and e.medium == "CPU" for h in e.block_hashes}
+
+    # The server flags the eviction on its next answer to this instance's
+    # scheduler; a short request makes the scheduler ask (an idle engine
+    # has no step to publish in).
+    deadline = time.monotonic() + 60
+    while not announced <= removed(sub.drain(lambda evs: announced <= removed(evs), 2)):
+        assert time.monotonic() < deadline, "no BlockRemoved for the evicted chunks"
+        s.complete(prompt_ids(CHUNK + 8, seed=int(time.monotonic() * 1000) % 10_000), max_tokens=1)
+    events = sub.drain(lambda evs: False, 0)
+    everything_stored = {h for e in kvshim_stored(events) for h in e.block_hashes}
+    # a router's view stays a subset of what kvshim holds: nothing is
+    # removed that was not announced first
+    assert removed(events) <= everything_stored
