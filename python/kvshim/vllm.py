@@ -1004,13 +1004,18 @@ class KVShimWorker:
     def clear(self) -> None:
         self._bound = None
 
-    def start_load_kv(self) -> None:
+    def start_load_kv(self, idle: bool = False) -> None:
         if self._bound is None:
             return
         if self._layerwise:
             self.native.start_loads_layered()
         else:
             self.native.start_loads()
+            if idle and self._bound.data[1:2] not in (b"", b"\x00"):  # byte 1: the number of loads
+                # Loads and no forward pass this step (vLLM's no-forward step): waited for here,
+                # briefly, so this step reports them and vLLM computes the request in the next
+                # step, not after one more empty step and its 1 ms sleep (docs/e2e.md).
+                self.native.wait(min(self._timeout_ms, 20))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise: returns once this layer's copies of the step ended."""
@@ -1194,7 +1199,8 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.clear()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.worker.start_load_kv()
+        # No attention metadata: a step without a forward pass (kv_connector_no_forward).
+        self.worker.start_load_kv(idle=getattr(forward_context, "attn_metadata", None) is None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # By default loads are asynchronous (vLLM schedules a request only
