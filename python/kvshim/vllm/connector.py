@@ -156,7 +156,8 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.clear()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.worker.start_load_kv()
+        # No attention metadata: a step without a forward pass (kv_connector_no_forward).
+        self.worker.start_load_kv(idle=getattr(forward_context, "attn_metadata", None) is None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # By default loads are asynchronous (vLLM schedules a request only

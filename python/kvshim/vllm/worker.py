@@ -100,6 +100,7 @@ class KVShimWorker:
         self._kv_cache_config = kv_cache_config
         self._timeout_ms = timeout_ms
         self._bound: KVShimMetadata | None = None
+        self._cpu_caches = False  # every KV tensor on the CPU: no stream event (_stream_event)
         self._load_errors: set[int] = set()
         # Several KV-cache groups: block ids are unique only within a group,
         # and vLLM raises on invalid_block_ids (Scheduler._handle_invalid_blocks);
@@ -144,6 +145,7 @@ class KVShimWorker:
             else:
                 descs.append(_tensor_desc(name, t, g or 0))
         self.native.register(descs)
+        self._cpu_caches = all(t.device.type == "cpu" for t in kv_caches.values())
 
     def bind(self, meta: KVConnectorMetadata) -> None:
         """Binds a step's metadata once (handle_preemptions and
@@ -156,13 +158,18 @@ class KVShimWorker:
     def clear(self) -> None:
         self._bound = None
 
-    def start_load_kv(self) -> None:
+    def start_load_kv(self, idle: bool = False) -> None:
         if self._bound is None:
             return
         if self._layerwise:
             self.native.start_loads_layered()
         else:
             self.native.start_loads()
+            if idle and self._bound.has_loads():
+                # Loads and no forward pass this step (vLLM's no-forward step): waited for here,
+                # briefly, so this step reports them and vLLM computes the request in the next
+                # step, not after one more empty step and its 1 ms sleep (docs/e2e.md).
+                self.native.wait(min(self._timeout_ms, 20))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise: returns once this layer's copies of the step ended."""
@@ -195,7 +202,10 @@ class KVShimWorker:
     def _stream_event(self) -> Any:
         """A torch.cuda.Event recorded on vLLM's current stream after the
         forward pass, for the save stream to wait on; None when the KV cache
-        is on the CPU (the forward pass is done)."""
+        is on the CPU (the forward pass is done). Known at registration: in
+        vLLM's CPU worker torch.cuda.is_available() took ~0.45 ms a step."""
+        if self._cpu_caches:
+            return None
         try:
             import torch
         except ImportError:
