@@ -29,12 +29,17 @@ func kvshim_meta_json(meta unsafe.Pointer, n C.size_t, buf unsafe.Pointer, capac
 		if err != nil {
 			return err
 		}
-		out, err := json.Marshal(m)
-		if err != nil {
-			return err
-		}
-		return outputLib(out, buf, capacity, outLen)
+		return outputLibJSON(m, buf, capacity, outLen)
 	})
+}
+
+// outputLibJSON is outputLib of v's JSON form.
+func outputLibJSON(v any, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) error {
+	out, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return outputLib(out, buf, capacity, outLen)
 }
 
 // outputLib is output for the exports that take no handle and compute the

@@ -31,10 +31,6 @@ func kvshim_vllm_namespace(specJSON *C.char, buf unsafe.Pointer, capacity C.size
 		if err != nil {
 			return err
 		}
-		out, err := json.Marshal(l)
-		if err != nil {
-			return err
-		}
-		return outputLib(out, buf, capacity, outLen)
+		return outputLibJSON(l, buf, capacity, outLen)
 	})
 }

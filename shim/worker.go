@@ -648,31 +648,12 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 	if !errors.Is(err, errCopyStuck) {
 		free() // the copy has read the blocks (or stopped): they are vLLM's again
 	}
-	if err == nil {
-		err = w.seal(l, ns, objs, hashes)
-	}
 	saved := 0
 	switch {
 	case err == nil:
-		if beforeCommit != nil {
-			beforeCommit()
-		}
 		// COMMIT on the session that staged the objects: a later session
 		// of this writer tag may stage the same keys for another copy.
-		err = w.link.callOn(client, func(ctx context.Context, c *ipc.Client) error {
-			resp, err := c.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: ns, Rank: w.kvRank, Hashes: hashes})
-			if err == nil {
-				for i, st := range resp.Status {
-					if st == ipc.StatusOK {
-						saved++
-						if i < len(hashes) {
-							committed = append(committed, hashes[i])
-						}
-					}
-				}
-			}
-			return err
-		})
+		committed, saved, err = w.sealCommit(client, l, ns, tag, objs, hashes)
 	case errors.Is(err, errCopyStuck):
 		stuck = true
 	default:
