@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 from vllm import SamplingParams
@@ -681,12 +681,23 @@ class _RunnerReq:
     blocks: list[int]
 
 
-class ModelRunner:
-    """One rank's model runner without a GPU: CPU torch KV tensors standing
-    in for GPU memory, registered with a WORKER-role KVShimConnector (made by
-    vLLM's factory), driven in vLLM's model-runner order
-    (vllm/v1/worker/kv_connector_model_runner_mixin.py and, for
-    handle_preemptions, v1/worker/gpu/kv_connector.py):
+@dataclass
+class _HybridReq:
+    tokens: list[int]
+    hashes: list[int]
+    blocks: list[list[int]]  # per KV-cache group (0: vLLM's null block)
+    # (n, {group: wrong block indices}) when first scheduled with n tokens it
+    # did not compute (test_hma's HybridRunner records it here)
+    first_check: tuple[int, dict[int, list[int]]] | None = None
+
+
+R = TypeVar("R", _RunnerReq, _HybridReq)
+
+
+class WorkerStepDriver(Generic[R]):
+    """The one worker-step driver: a WORKER-role connector driven in vLLM's
+    model-runner order (vllm/v1/worker/kv_connector_model_runner_mixin.py
+    and, for handle_preemptions, v1/worker/gpu/kv_connector.py):
 
         handle_preemptions -> bind_connector_metadata -> [start_load_kv if
         sync] -> forward (writes KV of the scheduled tokens) -> [start_load_kv
@@ -694,7 +705,117 @@ class ModelRunner:
         get_block_ids_with_load_errors -> stats/events/worker meta ->
         clear_connector_metadata
 
-    Output tokens are the harness's fake sampled token (``sampled_token``)."""
+    Subclasses say what a request's blocks are (_new_req, _add_blocks), what
+    is checked before a loaded prefix is used (_check_prefix) and how the
+    forward pass writes (_forward); _meta may edit the step's metadata.
+    ``skip_save_steps`` drops this rank's saves of those steps (no
+    wait_for_save). Output tokens are ``sampled_token``."""
+
+    vllm_config: VllmConfig
+    connector: KVConnectorBase_V1
+    kv_caches: dict[str, torch.Tensor]
+    sampled_token: int = 7
+
+    def _start(self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor],
+               connector: KVConnectorBase_V1) -> None:
+        self.vllm_config = vllm_config
+        self.kv_caches = kv_caches
+        self.connector = connector
+        connector.register_kv_caches(kv_caches)
+        self.reqs: dict[str, R] = {}
+        self.load_errors: list[set[int]] = []  # per step
+        self.skip_save_steps: set[int] = set()  # steps whose saves this rank drops
+        self.step_no = 0
+
+    @property
+    def kvshim(self) -> KVShimConnector:
+        """The worker-role connector, checked to be kvshim's."""
+        return as_kvshim(self.connector)
+
+    def scribble(self) -> None:
+        """Overwrite the whole cache (e.g. after a request was freed), so only
+        a real load can bring the right bytes back."""
+        for t in self.kv_caches.values():
+            t.view(torch.int16).fill_(-21846)  # 0xAAAA
+
+    # -- what differs between runners --
+    def _new_req(self, tokens: list[int], block_ids: Sequence[Sequence[int]]) -> R:
+        raise NotImplementedError
+
+    def _add_blocks(self, r: R, new_block_ids: Sequence[Sequence[int]]) -> None:
+        raise NotImplementedError
+
+    def _check_prefix(self, rid: str, num_computed: int) -> None:
+        raise NotImplementedError
+
+    def _forward(self, work: list[tuple[str, int, int]]) -> None:
+        raise NotImplementedError
+
+    def _meta(self, meta: Any) -> Any:
+        return meta
+
+    # -- one step --
+    def _extend(self, r: R, end: int) -> None:
+        """Decode: the tokens up to end are the previous sampled tokens."""
+        if len(r.tokens) < end:
+            r.tokens.extend([self.sampled_token] * (end - len(r.tokens)))
+            r.hashes = KVModel.prefix_hashes(r.tokens)
+
+    def _track(self, so: SchedulerOutput) -> list[tuple[str, int, int]]:
+        """Update block tables; return (req, first token, n tokens) to compute."""
+        for rid in so.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            self.reqs.pop(rid, None)
+        work = []
+        for nr in so.scheduled_new_reqs:
+            # A request resumed after a preemption comes back as a new one
+            # (vLLM's V2 model runner) with all its tokens, generated ones too.
+            toks = list(nr.prefill_token_ids or nr.prompt_token_ids or [])
+            self.reqs[nr.req_id] = self._new_req(toks, nr.block_ids)
+            self._check_prefix(nr.req_id, nr.num_computed_tokens)
+            work.append((nr.req_id, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id]))
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            new = c.new_block_ids[i]
+            r = self.reqs.get(rid)
+            if r is None or rid in c.resumed_req_ids:
+                toks = list(c.all_token_ids.get(rid) or (r.tokens if r else []))
+                self.reqs[rid] = self._new_req(toks, new or ())
+                self._check_prefix(rid, c.num_computed_tokens[i])
+            elif new is not None:
+                self._add_blocks(r, new)
+            work.append((rid, c.num_computed_tokens[i], so.num_scheduled_tokens[rid]))
+        return work
+
+    def execute(self, so: SchedulerOutput) -> KVConnectorOutput:
+        wc, out = self.connector, KVConnectorOutput()
+        self.step_no += 1
+        meta = self._meta(so.kv_connector_metadata)
+        assert meta is not None
+        with set_forward_context(None, self.vllm_config):
+            wc.handle_preemptions(meta)
+            wc.bind_connector_metadata(meta)
+            sync = so.has_sync_kv_loads
+            if sync:
+                wc.start_load_kv(get_forward_context())
+            self._forward(self._track(so))
+            if not sync:
+                wc.start_load_kv(get_forward_context())
+            if self.step_no not in self.skip_save_steps:
+                wc.wait_for_save()
+            collect_worker_output(wc, so.finished_req_ids, out)
+        self.load_errors.append(set(out.invalid_block_ids))
+        return out
+
+    def close(self) -> None:
+        self.connector.shutdown()
+
+
+class ModelRunner(WorkerStepDriver[_RunnerReq]):
+    """One rank's model runner without a GPU (one KV-cache group): CPU torch
+    KV tensors standing in for GPU memory, registered with a WORKER-role
+    KVShimConnector (made by vLLM's factory), driven by WorkerStepDriver."""
 
     def __init__(
         self,
@@ -705,7 +826,6 @@ class ModelRunner:
         sampled_token: int = 7,
         connector: KVConnectorBase_V1 | None = None,
     ) -> None:
-        self.vllm_config = vllm_config
         self.rank = rank
         self.sampled_token = sampled_token
         group = kv_cache_config.kv_cache_groups[0]
@@ -722,33 +842,18 @@ class ModelRunner:
         resolve_layout(vllm_config, kv_cache_config)
         cache_config.num_gpu_blocks_override = kv_cache_config.num_blocks
         kv_cache_config = get_kv_cache_config_from_groups(vllm_config, kv_cache_config.kv_cache_groups, 1 << 40)
-        self.kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), cache_config.get_resolved_kv_cache_layout())
-        self.connector = connector or KVConnectorFactory.create_connector(
-            vllm_config, KVConnectorRole.WORKER, kv_cache_config
+        self._start(
+            vllm_config,
+            allocate_kv_cache(kv_cache_config, torch.device("cpu"), cache_config.get_resolved_kv_cache_layout()),
+            connector or KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config),
         )
-        self.connector.register_kv_caches(self.kv_caches)
-        self.reqs: dict[str, _RunnerReq] = {}
-        self.load_errors: list[set[int]] = []  # per step
-        self.skip_save_steps: set[int] = set()  # steps whose saves this rank drops
-        self.step_no = 0
         # req -> (num_computed_tokens, indices of wrong blocks) checked when
         # vLLM first schedules a request with a prefix it did not compute
         # in this step (loaded or a local prefix-cache hit), before the
         # forward pass: those blocks must already hold the model's bytes.
         self.prefix_checks: dict[str, tuple[int, list[int]]] = {}
 
-    @property
-    def kvshim(self) -> KVShimConnector:
-        """The worker-role connector, checked to be kvshim's."""
-        return as_kvshim(self.connector)
-
     # -- KV access --
-    def scribble(self) -> None:
-        """Overwrite the whole cache (e.g. after a request was freed), so only
-        a real load can bring the right bytes back."""
-        for t in self.kv_caches.values():
-            t.view(torch.int16).fill_(-21846)  # 0xAAAA
-
     def block_bytes(self, block_id: int) -> torch.Tensor:
         """int16 KV of one block, every layer: (layers, heads, block, K|V)."""
         return torch.stack([t.view(torch.int16)[block_id] for t in self.kv_caches.values()])
@@ -773,34 +878,12 @@ class ModelRunner:
             if not torch.equal(self.block_bytes(b), self.expected_block(tokens, i))
         ]
 
-    # -- one step --
-    def _track(self, so: SchedulerOutput) -> list[tuple[str, int, int]]:
-        """Update block tables; return (req, first token, n tokens) to compute."""
-        for rid in so.finished_req_ids:
-            self.reqs.pop(rid, None)
-        for rid in getattr(so, "preempted_req_ids", None) or ():
-            self.reqs.pop(rid, None)
-        work = []
-        for nr in so.scheduled_new_reqs:
-            # A request resumed after a preemption comes back as a new one
-            # (vLLM's V2 model runner) with all its tokens, generated ones too.
-            toks = list(nr.prefill_token_ids or nr.prompt_token_ids or [])
-            self.reqs[nr.req_id] = _RunnerReq(toks, KVModel.prefix_hashes(toks), list(nr.block_ids[0]))
-            self._check_prefix(nr.req_id, nr.num_computed_tokens)
-            work.append((nr.req_id, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id]))
-        c = so.scheduled_cached_reqs
-        for i, rid in enumerate(c.req_ids):
-            new = c.new_block_ids[i]
-            r = self.reqs.get(rid)
-            if r is None or rid in c.resumed_req_ids:
-                toks = list(c.all_token_ids.get(rid) or (r.tokens if r else []))
-                r = self.reqs[rid] = _RunnerReq(toks, KVModel.prefix_hashes(toks), [])
-                r.blocks = list(new[0]) if new is not None else []
-                self._check_prefix(rid, c.num_computed_tokens[i])
-            elif new is not None:
-                r.blocks.extend(new[0])
-            work.append((rid, c.num_computed_tokens[i], so.num_scheduled_tokens[rid]))
-        return work
+    # -- one step: group 0's blocks --
+    def _new_req(self, tokens: list[int], block_ids: Sequence[Sequence[int]]) -> _RunnerReq:
+        return _RunnerReq(tokens, KVModel.prefix_hashes(tokens), list(block_ids[0]) if block_ids else [])
+
+    def _add_blocks(self, r: _RunnerReq, new_block_ids: Sequence[Sequence[int]]) -> None:
+        r.blocks.extend(new_block_ids[0])
 
     def _check_prefix(self, rid: str, num_computed: int) -> None:
         n = num_computed // self.block_size
@@ -813,39 +896,13 @@ class ModelRunner:
         for rid, start, n in work:
             r = self.reqs[rid]
             end = start + n
-            while len(r.tokens) < end:  # decode: the previous sampled token
-                r.tokens.append(self.sampled_token)
-                r.hashes = KVModel.prefix_hashes(r.tokens)
+            self._extend(r, end)
             pos = torch.arange(start, end)
             blocks = torch.tensor(r.blocks, dtype=torch.long)[pos // bs]
             slots = pos % bs
             for i, name in enumerate(self.layer_names):
                 kv = self._content(self.model.kv(r.hashes[start:end], i))
                 self.kv_caches[name].view(torch.int16)[blocks, :, slots] = kv
-
-    def execute(self, so: SchedulerOutput) -> KVConnectorOutput:
-        wc = self.connector
-        self.step_no += 1
-        out = KVConnectorOutput()
-        meta = so.kv_connector_metadata
-        assert meta is not None
-        with set_forward_context(None, self.vllm_config):
-            wc.handle_preemptions(meta)
-            wc.bind_connector_metadata(meta)
-            sync = so.has_sync_kv_loads
-            if sync:
-                wc.start_load_kv(get_forward_context())
-            self._forward(self._track(so))
-            if not sync:
-                wc.start_load_kv(get_forward_context())
-            if self.step_no not in self.skip_save_steps:
-                wc.wait_for_save()
-            collect_worker_output(wc, so.finished_req_ids, out)
-        self.load_errors.append(set(out.invalid_block_ids))
-        return out
-
-    def close(self) -> None:
-        self.connector.shutdown()
 
 
 # ---- kvshim helpers shared by the connector tests ------------------------------
@@ -1085,14 +1142,20 @@ def hybrid_kv_cache_config(vllm_config: VllmConfig, specs: dict[str, Any], num_b
     return kvc
 
 
-@dataclass
-class _HybridReq:
-    tokens: list[int]
-    hashes: list[int]
-    blocks: list[list[int]]  # per KV-cache group (0: vLLM's null block)
+class HybridStepDriver(WorkerStepDriver[_HybridReq]):
+    """WorkerStepDriver for several KV-cache groups: a request's blocks per
+    group (HybridModelRunner, test_hma.py's HybridRunner)."""
+
+    # -- one step: every group's blocks --
+    def _new_req(self, tokens: list[int], block_ids: Sequence[Sequence[int]]) -> _HybridReq:
+        return _HybridReq(tokens, KVModel.prefix_hashes(tokens), [list(b) for b in block_ids])
+
+    def _add_blocks(self, r: _HybridReq, new_block_ids: Sequence[Sequence[int]]) -> None:
+        for g, b in enumerate(new_block_ids):
+            r.blocks[g].extend(b)
 
 
-class HybridModelRunner:
+class HybridModelRunner(HybridStepDriver):
     """One rank's model runner for a hybrid model (several KV-cache groups),
     as ModelRunner is for one group: vLLM's allocate_kv_cache on the CPU
     (layers of different groups view one buffer, as on a GPU), a WORKER-role
@@ -1110,7 +1173,6 @@ class HybridModelRunner:
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, rank: int = 0) -> None:
         assert kv_cache_config.kv_cache_tensors, "hybrid_kv_cache_config makes the tensors"
-        self.vllm_config = vllm_config
         self.rank = rank
         resolve_layout(vllm_config, kv_cache_config)
         self.groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
@@ -1122,25 +1184,15 @@ class HybridModelRunner:
         self.index = {n: i for i, n in enumerate(names)}
         self.model = KVModel(len(names), spec.num_kv_heads, spec.head_size, rank)
         layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-        self.kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
-        self.connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        self.connector.register_kv_caches(self.kv_caches)
-        self.reqs: dict[str, _HybridReq] = {}
-        self.load_errors: list[set[int]] = []
-        self.skip_save_steps: set[int] = set()
+        self._start(
+            vllm_config,
+            allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout),
+            KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config),
+        )
         self.drop_saves: dict[int, set[int]] = {}
-        self.step_no = 0
         self.prefix_checks: dict[str, tuple[int, dict[int, list[int]]]] = {}
 
-    @property
-    def kvshim(self) -> KVShimConnector:
-        return as_kvshim(self.connector)
-
     # -- KV access --
-    def scribble(self) -> None:
-        for t in self.kv_caches.values():
-            t.view(torch.int16).fill_(-21846)  # 0xAAAA
-
     def block_bytes(self, name: str, block_id: int) -> torch.Tensor:
         """int16 (heads, block, K|V) of one layer's block."""
         return self.kv_caches[name].view(torch.int16)[block_id]
@@ -1160,33 +1212,6 @@ class HybridModelRunner:
         ]
 
     # -- one step --
-    def _track(self, so: SchedulerOutput) -> list[tuple[str, int, int]]:
-        for rid in so.finished_req_ids:
-            self.reqs.pop(rid, None)
-        for rid in getattr(so, "preempted_req_ids", None) or ():
-            self.reqs.pop(rid, None)
-        work = []
-        for nr in so.scheduled_new_reqs:
-            # a request resumed after a preemption comes back as a new one
-            # with all its tokens, generated ones too (ModelRunner._track)
-            toks = list(nr.prefill_token_ids or nr.prompt_token_ids or [])
-            self.reqs[nr.req_id] = _HybridReq(toks, KVModel.prefix_hashes(toks), [list(b) for b in nr.block_ids])
-            self._check_prefix(nr.req_id, nr.num_computed_tokens)
-            work.append((nr.req_id, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id]))
-        c = so.scheduled_cached_reqs
-        for i, rid in enumerate(c.req_ids):
-            new = c.new_block_ids[i]
-            r = self.reqs.get(rid)
-            if r is None or rid in c.resumed_req_ids:
-                toks = list(c.all_token_ids.get(rid) or (r.tokens if r else []))
-                r = self.reqs[rid] = _HybridReq(toks, KVModel.prefix_hashes(toks), [list(b) for b in new or ()])
-                self._check_prefix(rid, c.num_computed_tokens[i])
-            elif new is not None:
-                for g, b in enumerate(new):
-                    r.blocks[g].extend(b)
-            work.append((rid, c.num_computed_tokens[i], so.num_scheduled_tokens[rid]))
-        return work
-
     def _check_prefix(self, rid: str, n: int) -> None:
         if n < self.block_size:
             return
@@ -1202,9 +1227,7 @@ class HybridModelRunner:
         for rid, start, n in work:
             r = self.reqs[rid]
             end = start + n
-            while len(r.tokens) < end:  # decode: the previous sampled token
-                r.tokens.append(7)
-                r.hashes = KVModel.prefix_hashes(r.tokens)
+            self._extend(r, end)
             pos = torch.arange(start, end)
             slots = pos % bs
             for g, names in enumerate(self.groups):
@@ -1224,27 +1247,6 @@ class HybridModelRunner:
         m = meta_json(meta.data)
         m["saves"] = [sv for sv in m.get("saves", []) if sv.get("group", 0) not in drop]
         return KVShimMetadata(json.dumps(m).encode())
-
-    def execute(self, so: SchedulerOutput) -> KVConnectorOutput:
-        wc, out = self.connector, KVConnectorOutput()
-        self.step_no += 1
-        meta = self._meta(so.kv_connector_metadata)
-        with set_forward_context(None, self.vllm_config):
-            wc.handle_preemptions(meta)
-            wc.bind_connector_metadata(meta)
-            if so.has_sync_kv_loads:
-                wc.start_load_kv(get_forward_context())
-            self._forward(self._track(so))
-            if not so.has_sync_kv_loads:
-                wc.start_load_kv(get_forward_context())
-            if self.step_no not in self.skip_save_steps:
-                wc.wait_for_save()
-            collect_worker_output(wc, so.finished_req_ids, out)
-        self.load_errors.append(set(out.invalid_block_ids))
-        return out
-
-    def close(self) -> None:
-        self.connector.shutdown()
 
 
 # ---- ranks in spawned processes (test_tp_large.py, test_hma_tp.py) --------------
