@@ -707,7 +707,8 @@ class WorkerStepDriver(Generic[R]):
 
     Subclasses say what a request's blocks are (_new_req, _add_blocks), what
     is checked before a loaded prefix is used (_check_prefix) and how the
-    forward pass writes (_forward); _meta may edit the step's metadata.
+    forward pass writes (_forward); _meta may edit the step's metadata and
+    _wait_layers wait for each layer's load.
     ``skip_save_steps`` drops this rank's saves of those steps (no
     wait_for_save). Output tokens are ``sampled_token``."""
 
@@ -754,6 +755,11 @@ class WorkerStepDriver(Generic[R]):
     def _meta(self, meta: Any) -> Any:
         return meta
 
+    def _wait_layers(self, wc: KVConnectorBase_V1) -> None:
+        """After a synchronous start_load_kv: the forward pass's per-layer
+        wait_for_layer_load (none by default; test_layerwise's runner waits
+        for every layer)."""
+
     # -- one step --
     def _extend(self, r: R, end: int) -> None:
         """Decode: the tokens up to end are the previous sampled tokens."""
@@ -799,6 +805,7 @@ class WorkerStepDriver(Generic[R]):
             sync = so.has_sync_kv_loads
             if sync:
                 wc.start_load_kv(get_forward_context())
+                self._wait_layers(wc)
             self._forward(self._track(so))
             if not sync:
                 wc.start_load_kv(get_forward_context())
