@@ -331,6 +331,7 @@ class SchedulerHarness:
             self.worker_connector = KVConnectorFactory.create_connector(
                 vllm_config, KVConnectorRole.WORKER, kv_cache_config
             )
+        self._worker = None if self.worker_connector is None else ConnectorStepDriver(vllm_config, self.worker_connector)
         # Model runners with KV tensors (ModelRunner, or anything with
         # execute(scheduler_output) -> KVConnectorOutput, e.g. a proxy of a
         # runner in another process). They replace worker_connector.
@@ -390,24 +391,8 @@ class SchedulerHarness:
         """Run the worker-role connector in the model runner's order
         (vllm/v1/worker/kv_connector_model_runner_mixin.py,
         _get_kv_connector_output) around an absent forward pass."""
-        wc = self.worker_connector
-        assert wc is not None, "SchedulerHarness(with_worker=True) needed"
-        out = KVConnectorOutput()
-        meta = scheduler_output.kv_connector_metadata
-        assert meta is not None
-        with set_forward_context(None, self.vllm_config):
-            wc.handle_preemptions(meta)  # model runner v2 calls this first
-            wc.bind_connector_metadata(meta)
-            sync = scheduler_output.has_sync_kv_loads
-            if sync:
-                wc.start_load_kv(get_forward_context())
-            # (forward pass: attention layers would call wait_for_layer_load
-            # and save_kv_layer here)
-            if not sync:
-                wc.start_load_kv(get_forward_context())
-            wc.wait_for_save()
-            collect_worker_output(wc, scheduler_output.finished_req_ids, out)
-        return out
+        assert self._worker is not None, "SchedulerHarness(with_worker=True) needed"
+        return self._worker.execute(scheduler_output)
 
     def runners_step(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput:
         """Every runner executes the step; with TP their connector outputs
@@ -717,12 +702,13 @@ class WorkerStepDriver(Generic[R]):
     kv_caches: dict[str, torch.Tensor]
     sampled_token: int = 7
 
-    def _start(self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor],
+    def _start(self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor] | None,
                connector: KVConnectorBase_V1) -> None:
         self.vllm_config = vllm_config
-        self.kv_caches = kv_caches
+        self.kv_caches = kv_caches or {}
         self.connector = connector
-        connector.register_kv_caches(kv_caches)
+        if kv_caches is not None:  # None: a connector without KV tensors (ConnectorStepDriver)
+            connector.register_kv_caches(kv_caches)
         self.reqs: dict[str, R] = {}
         self.load_errors: list[set[int]] = []  # per step
         self.skip_save_steps: set[int] = set()  # steps whose saves this rank drops
@@ -817,6 +803,21 @@ class WorkerStepDriver(Generic[R]):
 
     def close(self) -> None:
         self.connector.shutdown()
+
+
+class ConnectorStepDriver(WorkerStepDriver[_RunnerReq]):
+    """The step loop around an absent forward pass: a worker connector with
+    no KV tensors (SchedulerHarness(with_worker=True)); the connector is the
+    harness's, which shuts it down."""
+
+    def __init__(self, vllm_config: VllmConfig, connector: KVConnectorBase_V1) -> None:
+        self._start(vllm_config, None, connector)
+
+    def _track(self, so: SchedulerOutput) -> list[tuple[str, int, int]]:
+        return []
+
+    def _forward(self, work: list[tuple[str, int, int]]) -> None:
+        """(attention layers would call wait_for_layer_load and save_kv_layer here)"""
 
 
 class ModelRunner(WorkerStepDriver[_RunnerReq]):
