@@ -25,6 +25,7 @@ the test sets HMA on the same way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import pytest
@@ -177,7 +178,7 @@ class HybridRunner(HybridStepDriver):
         t = self.kv_caches[name].view(torch.int16)
         return torch.cat([t[self._where(block, s)[0], :, self._where(block, s)[1]].unsqueeze(1) for s in range(BLOCK)], 1)
 
-    def expected(self, name: str, tokens: list[int], index: int) -> torch.Tensor:
+    def expected(self, name: str, tokens: Sequence[int], index: int) -> torch.Tensor:
         hs = KVModel.prefix_hashes(tokens[: (index + 1) * BLOCK])[index * BLOCK :]
         kv = self.model.kv(hs, self.index[name])  # (2, tokens, heads, head)
         return kv.permute(2, 1, 0, 3).reshape(HEADS, BLOCK, 2 * HEAD)
@@ -193,14 +194,6 @@ class HybridRunner(HybridStepDriver):
 
     def state_ok(self, group: int, hashes: list[int], block: int, n: int) -> bool:
         return all(torch.equal(self.kv_caches[name][block, 0, 0], self.state(name, hashes, n)) for name in self.groups[group])
-
-    def wrong_blocks(self, group: int, tokens: list[int], blocks: list[int], indices: range) -> list[int]:
-        """Block indices in indices whose block does not hold the model's KV
-        for every layer of the group."""
-        return [
-            i for i in indices
-            if any(not torch.equal(self.block_bytes(n, blocks[i]), self.expected(n, tokens, i)) for n in self.groups[group])
-        ]
 
     # -- one step --
     def _check_prefix(self, rid: str, n: int) -> None:

@@ -371,6 +371,23 @@ class HybridStepDriver(WorkerStepDriver[_HybridReq]):
         for g, b in enumerate(new_block_ids):
             r.blocks[g].extend(b)
 
+    # -- KV access: each subclass's block_bytes and expected, per layer --
+    groups: list[list[str]]  # layer names per KV-cache group
+
+    def block_bytes(self, name: str, block_id: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def expected(self, name: str, tokens: Sequence[int], index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def wrong_blocks(self, group: int, tokens: Sequence[int], blocks: Sequence[int], indices: Iterable[int]) -> list[int]:
+        """Indices i in indices whose block does not hold the model's KV for
+        every layer of the group."""
+        return [
+            i for i in indices
+            if any(not torch.equal(self.block_bytes(n, blocks[i]), self.expected(n, tokens, i)) for n in self.groups[group])
+        ]
+
 
 class HybridModelRunner(HybridStepDriver):
     """One rank's model runner for a hybrid model (several KV-cache groups),
@@ -419,14 +436,6 @@ class HybridModelRunner(HybridStepDriver):
         hs = KVModel.prefix_hashes(tokens[: (index + 1) * bs])[index * bs :]
         assert len(hs) == bs, "block beyond the tokens"
         return ModelRunner._content(self.model.kv(hs, self.index[name])).transpose(0, 1)
-
-    def wrong_blocks(self, group: int, tokens: Sequence[int], blocks: Sequence[int], indices: Iterable[int]) -> list[int]:
-        """Indices i in indices whose block does not hold the model's KV for
-        every layer of the group."""
-        return [
-            i for i in indices
-            if any(not torch.equal(self.block_bytes(n, blocks[i]), self.expected(n, tokens, i)) for n in self.groups[group])
-        ]
 
     # -- one step --
     def _check_prefix(self, rid: str, n: int) -> None:
