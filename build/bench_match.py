@@ -3,7 +3,7 @@
 
 vLLM 0.33's real Scheduler builds the SCHEDULER-role KVShimConnector (with
 kvshim's embedded server in this process) and a WORKER-role connector with
-CPU KV caches stores each prompt once (tests/vllm/harness.py: nothing of
+CPU KV caches stores each prompt once (tests/vllm/harness/: nothing of
 vLLM is stubbed). Then, for prompts of 16K and 128K tokens (64 and 512
 chunks of 256 tokens), each timed call is one fresh vLLM Request, as the
 scheduler sees it, from the first get_num_new_matched_tokens to its final

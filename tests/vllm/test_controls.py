@@ -1,5 +1,5 @@
 """vLLM's own controls reaching kvshim, through vLLM 0.33's real Scheduler
-(tests/vllm/harness.py): reset_prefix_cache(reset_connector=True), the
+(tests/vllm/harness/): reset_prefix_cache(reset_connector=True), the
 per-tier hit sources in vLLM's connector prefix-cache stats, per-request
 kv_transfer_params and kv_role. The L2 is a real fs adapter of the embedded
 server in a temporary directory.

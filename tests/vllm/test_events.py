@@ -1,5 +1,5 @@
 """KV events (take_events) through vLLM 0.33's real Scheduler
-(tests/vllm/harness.py) with --kv-events-config's enable_kv_cache_events:
+(tests/vllm/harness/) with --kv-events-config's enable_kv_cache_events:
 what the scheduler hands its KV-event publisher (vLLM's KVEventBatch of
 BlockStored / BlockRemoved / AllBlocksCleared) after kvshim's saves commit,
 after a save that was not committed, after L1 evicted announced chunks,

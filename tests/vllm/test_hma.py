@@ -25,14 +25,13 @@ the test sets HMA on the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
-from vllm.forward_context import get_forward_context, set_forward_context
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -42,15 +41,14 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from harness import (
     CHUNK,
+    HybridStepDriver,
     KVModel,
     SchedulerHarness,
     assert_clean,
-    collect_worker_output,
     kvshim_config,
     loads_of,
     new_req_data,
@@ -140,31 +138,18 @@ def hma_config(model_dir, specs: dict[str, Any], layout: str = "LBNHC", *, prefi
     return cfg, kvc
 
 
-@dataclass
-class _Req:
-    tokens: list[int]
-    hashes: list[int]
-    blocks: list[list[int]]  # per group
-    first_check: tuple[int, dict[int, list[int]]] | None = None
-
-
-@dataclass
-class HybridRunner:
+class HybridRunner(HybridStepDriver):
     """One rank's model runner for a hybrid model, without a GPU: vLLM's
     allocate_kv_cache on the CPU (optionally with kernel blocks of
     kernel_block_size tokens), a WORKER-role KVShimConnector from vLLM's
-    factory, driven in the model runner's order (harness.ModelRunner);
-    every group's layers write the KV of the scheduled tokens into that
-    group's blocks."""
+    factory, driven by harness.WorkerStepDriver; every group's layers write
+    the KV of the scheduled tokens into that group's blocks (a Mamba
+    group's layers: the state, _advance_state)."""
 
-    vllm_config: Any
-    kv_cache_config: KVCacheConfig
-    kernel_block_size: int | None = None
-    reqs: dict[str, _Req] = field(default_factory=dict)
-    load_errors: list[set[int]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        cfg, kvc = self.vllm_config, self.kv_cache_config
+    def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, kernel_block_size: int | None = None) -> None:
+        cfg, kvc = vllm_config, kv_cache_config
+        self.kv_cache_config = kvc
+        self.kernel_block_size = kernel_block_size
         resolve_layout(cfg, kvc)
         self.groups = [list(g.layer_names) for g in kvc.kv_cache_groups]
         self.specs = [g.kv_cache_spec for g in kvc.kv_cache_groups]
@@ -176,17 +161,15 @@ class HybridRunner:
         names = sorted({n for g in self.groups for n in g}, key=lambda n: int(n.split(".")[2]))
         self.index = {n: i for i, n in enumerate(names)}
         self.model = KVModel(len(names), HEADS, HEAD)
-        kbs = None if self.kernel_block_size is None else [self.kernel_block_size] * len(self.groups)
-        self.kv_caches = allocate_kv_cache(kvc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(), kbs)
-        self.kbs = self.kernel_block_size or BLOCK
-        self.connector = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
-        self.connector.register_kv_caches(self.kv_caches)
+        kbs = None if kernel_block_size is None else [kernel_block_size] * len(self.groups)
+        self.kbs = kernel_block_size or BLOCK
+        self._start(
+            cfg,
+            allocate_kv_cache(kvc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(), kbs),
+            KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc),
+        )
 
     # -- KV access: (kernel) block coordinates, never the connector's view --
-    def scribble(self) -> None:
-        for t in self.kv_caches.values():
-            t.view(torch.int16).fill_(-21846)
-
     def _where(self, block: int, slot: int) -> tuple[int, int]:
         k = BLOCK // self.kbs
         return block * k + slot // self.kbs, slot % self.kbs
@@ -195,7 +178,7 @@ class HybridRunner:
         t = self.kv_caches[name].view(torch.int16)
         return torch.cat([t[self._where(block, s)[0], :, self._where(block, s)[1]].unsqueeze(1) for s in range(BLOCK)], 1)
 
-    def expected(self, name: str, tokens: list[int], index: int) -> torch.Tensor:
+    def expected(self, name: str, tokens: Sequence[int], index: int) -> torch.Tensor:
         hs = KVModel.prefix_hashes(tokens[: (index + 1) * BLOCK])[index * BLOCK :]
         kv = self.model.kv(hs, self.index[name])  # (2, tokens, heads, head)
         return kv.permute(2, 1, 0, 3).reshape(HEADS, BLOCK, 2 * HEAD)
@@ -212,38 +195,7 @@ class HybridRunner:
     def state_ok(self, group: int, hashes: list[int], block: int, n: int) -> bool:
         return all(torch.equal(self.kv_caches[name][block, 0, 0], self.state(name, hashes, n)) for name in self.groups[group])
 
-    def wrong_blocks(self, group: int, tokens: list[int], blocks: list[int], indices: range) -> list[int]:
-        """Block indices in indices whose block does not hold the model's KV
-        for every layer of the group."""
-        return [
-            i for i in indices
-            if any(not torch.equal(self.block_bytes(n, blocks[i]), self.expected(n, tokens, i)) for n in self.groups[group])
-        ]
-
     # -- one step --
-    def _track(self, so) -> list[tuple[str, int, int]]:
-        for rid in so.finished_req_ids:
-            self.reqs.pop(rid, None)
-        for rid in getattr(so, "preempted_req_ids", None) or ():
-            self.reqs.pop(rid, None)
-        work = []
-        for nr in so.scheduled_new_reqs:
-            toks = list(nr.prompt_token_ids or [])
-            r = self.reqs[nr.req_id] = _Req(toks, KVModel.prefix_hashes(toks), [list(b) for b in nr.block_ids])
-            self._check_prefix(nr.req_id, nr.num_computed_tokens)
-            work.append((nr.req_id, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id]))
-        c = so.scheduled_cached_reqs
-        for i, rid in enumerate(c.req_ids):
-            new = c.new_block_ids[i]
-            r = self.reqs[rid]
-            if rid in c.resumed_req_ids:
-                r.blocks = [list(b) for b in new]
-            elif new is not None:
-                for g, b in enumerate(new):
-                    r.blocks[g].extend(b)
-            work.append((rid, c.num_computed_tokens[i], so.num_scheduled_tokens[rid]))
-        return work
-
     def _check_prefix(self, rid: str, n: int) -> None:
         """Before vLLM computes a request with n tokens it did not compute
         (a load): every real block each group has for them must hold the
@@ -264,9 +216,7 @@ class HybridRunner:
     def _forward(self, work) -> None:
         for rid, start, n in work:
             r = self.reqs[rid]
-            while len(r.tokens) < start + n:
-                r.tokens.append(7)
-                r.hashes = KVModel.prefix_hashes(r.tokens)
+            self._extend(r, start + n)
             for g, names in enumerate(self.groups):
                 if g in self.state_groups:
                     self._advance_state(rid, g, start, start + n)
@@ -296,25 +246,6 @@ class HybridRunner:
         assert dst != 0, f"group {g}: the state at {end} goes into the null block"
         for name in self.groups[g]:
             self.kv_caches[name][dst, 0, 0] = self.state(name, r.hashes, end)
-
-    def execute(self, so) -> KVConnectorOutput:
-        wc, out = self.connector, KVConnectorOutput()
-        meta = so.kv_connector_metadata
-        with set_forward_context(None, self.vllm_config):
-            wc.handle_preemptions(meta)
-            wc.bind_connector_metadata(meta)
-            if so.has_sync_kv_loads:
-                wc.start_load_kv(get_forward_context())
-            self._forward(self._track(so))
-            if not so.has_sync_kv_loads:
-                wc.start_load_kv(get_forward_context())
-            wc.wait_for_save()
-            collect_worker_output(wc, so.finished_req_ids, out)
-        self.load_errors.append(set(out.invalid_block_ids))
-        return out
-
-    def close(self) -> None:
-        self.connector.shutdown()
 
 
 @pytest.fixture

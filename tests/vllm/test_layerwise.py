@@ -19,15 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from vllm.forward_context import get_forward_context, set_forward_context
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.outputs import KVConnectorOutput
 
 from harness import (
     CHUNK,
     ModelRunner,
     SchedulerHarness,
-    collect_worker_output,
     kvshim_config,
     loads_of,
     make_kv_cache_config,
@@ -47,28 +44,10 @@ class LayerwiseRunner(ModelRunner):
         super().__init__(*a, **kw)
         self.waited: list[str] = []
 
-    def execute(self, so: Any) -> Any:
-        wc = self.connector
-        self.step_no += 1
-        out = KVConnectorOutput()
-        meta = so.kv_connector_metadata
-        with set_forward_context(None, self.vllm_config):
-            wc.handle_preemptions(meta)
-            wc.bind_connector_metadata(meta)
-            sync = so.has_sync_kv_loads
-            if sync:
-                wc.start_load_kv(get_forward_context())
-                for name in self.layer_names:  # the attention layers, in the forward pass's order
-                    wc.wait_for_layer_load(name)
-                    self.waited.append(name)
-            work = self._track(so)
-            self._forward(work)
-            if not sync:
-                wc.start_load_kv(get_forward_context())
-            wc.wait_for_save()
-            collect_worker_output(wc, so.finished_req_ids, out)
-        self.load_errors.append(set(out.invalid_block_ids))
-        return out
+    def _wait_layers(self, wc: Any) -> None:
+        for name in self.layer_names:  # the attention layers, in the forward pass's order
+            wc.wait_for_layer_load(name)
+            self.waited.append(name)
 
 
 @pytest.fixture
