@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 else:
     torch = pytest.importorskip("torch")
-vllm_connector = pytest.importorskip("kvshim.vllm")  # _tensor_desc: how the connector reports tensors
+vllm_connector = pytest.importorskip("kvshim.vllm.worker")  # _tensor_desc: how the connector reports tensors
 
 from rig import BLOCK, CHUNK, Rig  # noqa: E402
 
