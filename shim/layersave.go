@@ -202,33 +202,12 @@ func (w *Worker) saveLayered(sv *SaveSpec, st *layerSave, free func()) {
 		free = func() {} // as save: the blocks come back with the COMMIT's report
 	}
 	failAll := func() { w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(sv.Hashes)) }) }
-	l, ns, eng, err := w.group(sv.Group)
+	staged, err := w.stageSave(sv)
 	if err != nil {
 		failAll()
 		return
 	}
-	size, _ := l.ObjectSize(l.ChunkTokens())
-	cb := l.ChunkBlocks()
-	tag := kv.Tag(w.cfg.Instance)
-	req := &ipc.AllocReq{Tag: tag, Namespace: ns, Rank: w.kvRank, Hashes: make([]kv.Hash, len(sv.Hashes)), Sizes: make([]uint64, len(sv.Hashes))}
-	for i, h := range sv.Hashes {
-		req.Hashes[i], req.Sizes[i] = kv.Hash(h), size
-	}
-	var resp *ipc.AllocResp
-	var client *ipc.Client
-	if err := w.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
-		client = c
-		resp, err = c.Alloc(ctx, req)
-		return err
-	}); err != nil {
-		failAll()
-		return
-	}
-	release, err := client.Use()
-	if err != nil {
-		failAll()
-		return
-	}
+	l, ns, eng, size, cb, tag, req, resp, client, release := staged.l, staged.ns, staged.eng, staged.size, staged.cb, staged.tag, staged.req, staged.resp, staged.client, staged.release
 	stuck := false
 	defer func() {
 		if !stuck {

@@ -587,36 +587,12 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 		// COMMIT (microseconds under kvshim.verify=l2).
 		free = func() {}
 	}
-	l, ns, eng, err := w.group(sv.Group)
+	st, err := w.stageSave(sv)
 	if err != nil {
 		w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(sv.Hashes)) })
 		return
 	}
-	size, _ := l.ObjectSize(l.ChunkTokens())
-	cb := l.ChunkBlocks()
-	tag := kv.Tag(w.cfg.Instance)
-	req := &ipc.AllocReq{Tag: tag, Namespace: ns, Rank: w.kvRank, Hashes: make([]kv.Hash, len(sv.Hashes)), Sizes: make([]uint64, len(sv.Hashes))}
-	for i, h := range sv.Hashes {
-		req.Hashes[i], req.Sizes[i] = kv.Hash(h), size
-	}
-	var resp *ipc.AllocResp
-	var client *ipc.Client
-	err = w.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
-		client = c
-		resp, err = c.Alloc(ctx, req)
-		return err
-	})
-	if err != nil {
-		w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(sv.Hashes)) })
-		return
-	}
-	// The staged slots stay mapped while this job writes them (Use); a
-	// copy that may still be running keeps them mapped for good.
-	release, err := client.Use()
-	if err != nil {
-		w.count(func(s *WorkerStats) { s.FailedSaves += uint64(len(sv.Hashes)) })
-		return
-	}
+	l, ns, eng, size, cb, tag, req, resp, client, release := st.l, st.ns, st.eng, st.size, st.cb, st.tag, st.req, st.resp, st.client, st.release
 	stuck := false
 	defer func() {
 		if !stuck {
@@ -665,6 +641,48 @@ func (w *Worker) save(sv *SaveSpec, free func()) {
 		s.SavedBytes += uint64(saved) * size
 		s.FailedSaves += uint64(len(hashes) - saved)
 	})
+}
+
+// stagedSave is what stageSave returns: the group's layout, the ALLOC
+// asked and answered on client, and release, which unmaps the staged slots.
+type stagedSave struct {
+	l       *layout.Layout
+	ns      kv.Namespace
+	eng     cuda.Engine
+	size    uint64
+	cb      int
+	tag     kv.Tag
+	req     *ipc.AllocReq
+	resp    *ipc.AllocResp
+	client  *ipc.Client
+	release func()
+}
+
+// stageSave ALLOCs L1 slots for sv's chunks and keeps the session's
+// mappings of them alive (Use) while the job writes them; a copy that may
+// still be running keeps them mapped for good (the caller skips release).
+func (w *Worker) stageSave(sv *SaveSpec) (*stagedSave, error) {
+	l, ns, eng, err := w.group(sv.Group)
+	if err != nil {
+		return nil, err
+	}
+	size, _ := l.ObjectSize(l.ChunkTokens())
+	st := &stagedSave{l: l, ns: ns, eng: eng, size: size, cb: l.ChunkBlocks(), tag: kv.Tag(w.cfg.Instance)}
+	st.req = &ipc.AllocReq{Tag: st.tag, Namespace: ns, Rank: w.kvRank, Hashes: make([]kv.Hash, len(sv.Hashes)), Sizes: make([]uint64, len(sv.Hashes))}
+	for i, h := range sv.Hashes {
+		st.req.Hashes[i], st.req.Sizes[i] = kv.Hash(h), size
+	}
+	if err := w.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
+		st.client = c
+		st.resp, err = c.Alloc(ctx, st.req)
+		return err
+	}); err != nil {
+		return nil, err
+	}
+	if st.release, err = st.client.Use(); err != nil {
+		return nil, err
+	}
+	return st, nil
 }
 
 // seal seals the headers of saved objects. Under kvshim.verify=l2 or off
