@@ -229,7 +229,8 @@ func TestS3CredentialsNeverShown(t *testing.T) {
 	assert.NilError(t, err)
 	ctx := context.Background()
 	k := l2test.Key(42)
-	assert.Equal(t, l2test.Wait(t, a.Store(ctx, []kv.Key{k}, [][]byte{l2test.Payload(1, 10)}))[0].Status, l2.StatusOK)
+	r := l2test.Wait(t, a.Store(ctx, []kv.Key{k}, [][]byte{l2test.Payload(1, 10)}))[0]
+	assert.Equal(t, r.Status, l2.StatusOK, "%v", r.Err)
 	// a corrupt object's warning goes to the same log
 	rewrite(t, a, backend(a).Name(k), func(b []byte) []byte { b[0] ^= 1; return b })
 	assert.Equal(t, l2test.Wait(t, a.Load(ctx, []kv.Key{k}, [][]byte{make([]byte, 10)}))[0].Status, l2.StatusMiss)

@@ -9,6 +9,7 @@
 package s3test
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -116,7 +117,7 @@ func (w *Weed) Restart() error {
 		"-s3", "-s3.port="+p(0), "-s3.port.grpc="+p(1), "-s3.port.iceberg=0", "-s3.port.lance=0",
 		"-master.port="+p(2), "-master.port.grpc="+p(3), "-volume.port="+p(4), "-volume.port.grpc="+p(5),
 		"-filer.port="+p(6), "-filer.port.grpc="+p(7), "-filer.localSocket="+filepath.Join(w.dir, "filer.sock"),
-		"-master.volumeSizeLimitMB=256", "-volume.max=16", "-volume.preStopSeconds=0")
+		"-master.volumeSizeLimitMB=256", "-volume.max=64", "-volume.preStopSeconds=0")
 	cmd.Stdout, cmd.Stderr = log, log
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
@@ -136,17 +137,40 @@ func (w *Weed) Restart() error {
 			return fmt.Errorf("s3test: weed exited: %s", w.Tail())
 		default:
 		}
-		// An anonymous ListBuckets: 200 once the gateway and its filer are up.
-		if resp, err := client.Get(w.Endpoint + "/"); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
+		if w.ready(client) {
+			return nil
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
 	w.Kill()
 	return fmt.Errorf("s3test: the S3 gateway did not answer in 90 s: %s", w.Tail())
+}
+
+// ready: the S3 gateway answers an anonymous ListBuckets, and the master
+// can assign a file id. The gateway answers 200 seconds before a volume
+// server has registered and grown a writable volume; a PUT in that window
+// fails with InternalError (seen on a loaded 2-core CI machine, where it
+// failed TestS3ServerKilled's first store). The probe grows the default
+// collection's volumes (7 here), and every bucket is a collection of its
+// own: hence -volume.max=64, room for the tests' buckets.
+func (w *Weed) ready(client *http.Client) bool {
+	resp, err := client.Get(w.Endpoint + "/")
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return false
+	}
+	resp, err = client.Get("http://127.0.0.1:" + strconv.Itoa(w.ports[2]) + "/dir/assign")
+	if err != nil {
+		return false
+	}
+	defer resp.Body.Close()
+	var a struct {
+		Fid string `json:"fid"`
+	}
+	return resp.StatusCode == http.StatusOK && json.NewDecoder(resp.Body).Decode(&a) == nil && a.Fid != ""
 }
 
 // Kill stops weed at once (SIGKILL) and waits for it.
