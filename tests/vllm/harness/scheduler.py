@@ -321,8 +321,8 @@ class SchedulerHarness:
             else:
                 time.sleep(0.001)  # like an idle engine loop; leaves the CPU to the transfer
         raise AssertionError(
-            f"scheduler not idle after {steps} steps with tokens and "
-            f"{idle_timeout_s:g} s without one: "
+            f"scheduler not idle after {steps} steps with tokens (limit {max_steps}) "
+            f"or {idle_timeout_s:g} s without one: "
             f"{ {r: q.status.name for r, q in self.scheduler.requests.items()} }"
         )
 

@@ -84,8 +84,8 @@ func freePorts(n int) ([]int, error) {
 	return ports, nil
 }
 
-// Start starts weed with its data in dir and waits (at most 90 s) until the
-// S3 gateway answers.
+// Start starts weed with its data in dir and waits (at most 90 s) until it
+// is ready for writes (see ready).
 func Start(dir string) (*Weed, error) {
 	bin, err := Binary()
 	if err != nil {
@@ -143,7 +143,7 @@ func (w *Weed) Restart() error {
 		time.Sleep(200 * time.Millisecond)
 	}
 	w.Kill()
-	return fmt.Errorf("s3test: the S3 gateway did not answer in 90 s: %s", w.Tail())
+	return fmt.Errorf("s3test: weed not ready for writes in 90 s (gateway up, a file id assigned): %s", w.Tail())
 }
 
 // ready: the S3 gateway answers an anonymous ListBuckets, and the master
