@@ -23,7 +23,7 @@ type Info struct {
 // something is added, MAJOR when anything is removed or changes meaning.
 const (
 	ABIMajor   = 5
-	ABIMinor   = 5
+	ABIMinor   = 6
 	ABIVersion = ABIMajor*1000 + ABIMinor // what kvshim_abi_version returns
 )
 

@@ -69,9 +69,10 @@ extern "C" {
  * (kvshim_worker_start_loads_layered, _wait_layer, _wait_layers); 5.3 the KV
  * events (kvshim_worker_take_save_reports, kvshim_sched_save_reports,
  * kvshim_sched_take_events); 5.4 layer-wise saves (kvshim_worker_save_layer); 5.5
- * kvshim_vllm_namespace (and, for tests, kvshim_meta_json). */
+ * kvshim_vllm_namespace (and, for tests, kvshim_meta_json); 5.6
+ * kvshim_vllm_config and kvshim_worker_start_loads_wait. */
 #define KVSHIM_ABI_MAJOR 5
-#define KVSHIM_ABI_MINOR 5
+#define KVSHIM_ABI_MINOR 6
 #define KVSHIM_ABI_VERSION (KVSHIM_ABI_MAJOR * 1000 + KVSHIM_ABI_MINOR)
 
 typedef int64_t kvshim_handle;
@@ -284,6 +285,14 @@ int kvshim_worker_bind(kvshim_handle h, const void *meta, size_t n, int64_t time
 /* Starts the bound step's loads (asynchronous; see kvshim_worker_poll). */
 int kvshim_worker_start_loads(kvshim_handle h);
 
+/* kvshim_worker_start_loads, then, when the bound step has loads, waits at
+ * most wait_ms for kvshim_worker_poll to have something to report (ABI
+ * 5.6). For a step without a forward pass (vLLM's no-forward step): its
+ * output then reports the loads and vLLM computes the request in the next
+ * step instead of after one more empty step. KVSHIM_OK whether or not a
+ * load ended in time. */
+int kvshim_worker_start_loads_wait(kvshim_handle h, int64_t wait_ms);
+
 /* Starts the bound step's saves after the forward pass; stream_event is a
  * CUevent recorded on vLLM's stream (0 for CPU caches). */
 int kvshim_worker_start_saves(kvshim_handle h, uint64_t stream_event);
@@ -343,6 +352,20 @@ int kvshim_worker_save_layer(kvshim_handle h, const char *layer, uint64_t stream
  * answer does not fit buf[0:cap] (call again). KVSHIM_EINVAL naming the
  * field, or the refusal. */
 int kvshim_vllm_namespace(const char *spec_json, void *buf, size_t cap, size_t *out_len);
+
+/* The whole vLLM connector configuration, decided in Go (ABI 5.6). in_json
+ * (connector.VLLMIn): {"extra": kv_connector_extra_config, "kv_cache_layouts":
+ * vLLM's KVCacheLayout names, "role": "scheduler" | "worker", "vllm":
+ * shim.VLLMSpec less chunk_size and kvshim_model, "engine_id", "kv_role",
+ * "rank"}. The answer (connector.VLLMOut): {"settings": every kvshim.* key
+ * with its default, "open": the role's kvshim_open config, "layerwise",
+ * "by_request" (failed loads are reported by request), "warnings" (for
+ * vLLM's log), "summary"}. With "extra" alone only "settings" is answered.
+ * The kvshim.* keys, their defaults and their checks live here only: a key
+ * that is unknown, given twice (flat and nested, vLLM's dotted CLI form)
+ * or out of range is KVSHIM_EINVAL naming it. Buffer as
+ * kvshim_vllm_namespace. */
+int kvshim_vllm_config(const char *in_json, void *buf, size_t cap, size_t *out_len);
 
 /* ---- CPython callers only: these read Python objects in place. ----
  * They must be called through ctypes.PyDLL (with the GIL held; the Python C

@@ -45,6 +45,9 @@ func TestSchemaFieldsMatchGoStructs(t *testing.T) {
 		{"tensors.json", []string{"items"}, reflect.TypeFor[layout.TensorDesc](), nil},
 		{"poll.json", nil, reflect.TypeFor[pollJSON](), nil},
 		{"stats.json", []string{"$defs", "worker"}, reflect.TypeFor[shim.WorkerStats](), nil},
+		{"vllm_config.json", nil, reflect.TypeFor[connector.VLLMIn](), nil},
+		{"vllm_config.json", []string{"$defs", "out"}, reflect.TypeFor[connector.VLLMOut](), nil},
+		{"vllm_config.json", []string{"$defs", "settings"}, reflect.TypeFor[connector.Settings](), nil},
 	} {
 		props, err := schema.Properties(tc.schema, tc.path...)
 		if err != nil {

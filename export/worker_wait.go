@@ -23,3 +23,21 @@ func kvshim_worker_wait(h C.int64_t, timeoutMS C.int64_t) C.int {
 		return nil
 	})
 }
+
+//export kvshim_worker_start_loads_wait
+func kvshim_worker_start_loads_wait(h C.int64_t, waitMS C.int64_t) C.int {
+	return call(h, func(in *instance, ws *workerState) error {
+		if waitMS < 0 {
+			return fmt.Errorf("wait_ms %d is negative: %w", waitMS, errInvalid)
+		}
+		m, err := ws.boundMeta()
+		if err != nil {
+			return err
+		}
+		ws.w.StartLoads(m)
+		if len(m.Loads) > 0 {
+			ws.w.WaitReport(time.Duration(waitMS) * time.Millisecond) // in time or not: reported when they end
+		}
+		return nil
+	})
+}

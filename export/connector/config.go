@@ -74,7 +74,7 @@ type Namespace struct {
 	Model     string `json:"model"`
 	DType     string `json:"dtype"`
 	Layout    string `json:"layout"`
-	Format    uint32 `json:"object_format"` // optional: this build's layout.FormatVersion
+	Format    uint32 `json:"object_format,omitempty"` // optional: this build's layout.FormatVersion
 	WorldSize int    `json:"world_size"`
 	TPSize    int    `json:"tp_size"`
 	ChunkSize int    `json:"chunk_size"`

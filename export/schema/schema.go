@@ -1,7 +1,8 @@
 // Package schema holds the JSON Schemas of the documents that cross the C
 // ABI (export/kvshim.h): the kvshim_open config (open.json), the tensor
 // descriptors of kvshim_worker_register (tensors.json) and the results of
-// kvshim_worker_poll (poll.json) and kvshim_stats (stats.json). They are
+// kvshim_worker_poll (poll.json) and kvshim_stats (stats.json), and the
+// vLLM connector's configuration (vllm_config.json: kvshim_vllm_config). They are
 // the one written form of those documents: Go's tests check that the Go
 // structs and what Go emits agree with them, Python's tests
 // (tests/test_schema.py) that what the connector sends does, and
@@ -27,7 +28,7 @@ import (
 var files embed.FS
 
 // Names are the schemas, by file name.
-var Names = []string{"open.json", "tensors.json", "poll.json", "stats.json"}
+var Names = []string{"open.json", "tensors.json", "poll.json", "stats.json", "vllm_config.json"}
 
 // ErrUnknown: no schema of that name.
 var ErrUnknown = errors.New("schema: unknown schema")

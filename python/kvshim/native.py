@@ -69,6 +69,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_worker_register": [_c_handle, ctypes.c_char_p],
     "kvshim_worker_bind": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64],
     "kvshim_worker_start_loads": [_c_handle],
+    "kvshim_worker_start_loads_wait": [_c_handle, ctypes.c_int64],  # ABI 5.6
     "kvshim_worker_start_saves": [_c_handle, ctypes.c_uint64],
     "kvshim_worker_poll": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_worker_wait": [_c_handle, ctypes.c_int64],
@@ -78,7 +79,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_worker_save_layer": [_c_handle, ctypes.c_char_p, ctypes.c_uint64],
     "kvshim_worker_engine_copy": [_c_handle, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t,
                                   ctypes.c_int64, _u64p],
-    "kvshim_vllm_namespace": [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],  # ABI 5.4
+    "kvshim_vllm_namespace": [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],  # ABI 5.5
+    "kvshim_vllm_config": [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],  # ABI 5.6
     # test-only (kvshim.h, "Tests and benchmarks"; ABI 5.4)
     "kvshim_meta_json": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, _sizep],
 }
@@ -186,6 +188,14 @@ def vllm_namespace(spec: Mapping[str, Any]) -> dict[str, Any]:
     compatibility, groups and refusals; InvalidArgumentError names the
     field or says why)."""
     return dict(json.loads(_lib_output("kvshim_vllm_namespace", json.dumps(spec).encode())))
+
+
+def vllm_config(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """kv_connector_extra_config and vLLM's configuration as plain data ->
+    the settings and the role's open config (kvshim_vllm_config: every
+    kvshim.* key's default and check live in Go; InvalidArgumentError names
+    the key)."""
+    return dict(json.loads(_lib_output("kvshim_vllm_config", json.dumps(doc).encode())))
 
 
 def meta_json(meta: bytes) -> dict[str, Any]:
@@ -547,8 +557,14 @@ class Worker(_Role):
         buf = ctypes.create_string_buffer(meta, len(meta))
         self.handle.check(library().kvshim_worker_bind(self.handle.value, buf, len(meta), timeout_ms))
 
-    def start_loads(self) -> None:
-        self.handle.check(library().kvshim_worker_start_loads(self.handle.value))
+    def start_loads(self, wait_ms: int = 0) -> None:
+        """Starts the bound step's loads; with wait_ms, and loads in the
+        step, waits that long at most for one to end (a step without a
+        forward pass: kvshim_worker_start_loads_wait)."""
+        if wait_ms:
+            self.handle.check(library().kvshim_worker_start_loads_wait(self.handle.value, wait_ms))
+        else:
+            self.handle.check(library().kvshim_worker_start_loads(self.handle.value))
 
     def start_loads_layered(self) -> None:
         """Starts the bound step's loads layer by layer (kvshim.layerwise)."""

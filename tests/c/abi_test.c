@@ -105,6 +105,16 @@ static void test_open_errors(void) {
   CHECK(kvshim_open("{\"role\":\"tool\",\"server\":\"/nonexistent/kvshim.sock\"}", &h) == KVSHIM_EIO,
         "no server: %s", last_error(0));
   CHECK(h == 0, "out must not be written on failure");
+
+  /* kvshim_vllm_config: the connector's settings are checked here too. */
+  char out[4096];
+  size_t n = 0;
+  CHECK(kvshim_vllm_config("{\"extra\":{\"kvshim.l1_size_gb\":-1}}", out, sizeof out, &n) == KVSHIM_EINVAL,
+        "l1_size_gb -1: %s", last_error(0));
+  CHECK(strstr(last_error(0), "kvshim.l1_size_gb: must be > 0") != NULL, "message names the key: %s", last_error(0));
+  CHECK(kvshim_vllm_config("{\"extra\":{}}", out, 8, &n) == KVSHIM_ERANGE && n > 8, "small buffer: the size needed");
+  CHECK(kvshim_vllm_config("{\"extra\":{}}", out, sizeof out, &n) == KVSHIM_OK, "%s", last_error(0));
+  CHECK(strstr(out, "\"kvshim.chunk_size\":256") != NULL, "defaults: %.*s", (int)n, out);
 }
 
 static void test_bad_handles(void) {
@@ -134,6 +144,9 @@ static void test_handle_life(void) {
 
   CHECK(kvshim_worker_start_loads(h) == KVSHIM_EINVAL, "start_loads before bind");
   CHECK(strstr(last_error(h), "no metadata bound") != NULL, "message: %s", last_error(h));
+  CHECK(kvshim_worker_start_loads_wait(h, 5) == KVSHIM_EINVAL, "start_loads_wait before bind");
+  CHECK(kvshim_worker_start_loads_wait(h, -1) == KVSHIM_EINVAL, "negative wait");
+  CHECK(strstr(last_error(h), "wait_ms -1") != NULL, "message names the argument: %s", last_error(h));
   char small[8];
   CHECK(kvshim_last_error(h, small, sizeof small) == KVSHIM_ERANGE, "truncated error text");
   CHECK(strlen(small) == sizeof small - 1, "truncated text fills the buffer");

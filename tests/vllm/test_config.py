@@ -16,7 +16,7 @@ from kvshim.vllm import read_config
 def test_nested_form_is_the_same_setting():
     assert read_config({"kvshim": {"l1_size_gb": 4}})["kvshim.l1_size_gb"] == 4.0
     assert read_config({"kvshim": {"l1_size_gb": 4}, "kvshim.l1_size_gb": 4})["kvshim.l1_size_gb"] == 4.0
-    with pytest.raises(ValueError, match=r"unknown .*'kvshim.l1_size'"):
+    with pytest.raises(ValueError, match=r'unknown .*"kvshim.l1_size"'):
         read_config({"kvshim": {"l1_size": 4}})
     with pytest.raises(ValueError, match="given twice"):
         read_config({"kvshim": {"l1_size_gb": 4}, "kvshim.l1_size_gb": 8})
@@ -29,11 +29,11 @@ def test_nested_form_is_the_same_setting():
     [
         ({"kvshim.l1_size_gb": 0}, "kvshim.l1_size_gb: must be > 0, got 0"),
         ({"kvshim.l1_size_gb": -1}, "kvshim.l1_size_gb: must be > 0"),
-        ({"kvshim.chunk_size": "abc"}, "kvshim.chunk_size: want a number, got 'abc'"),
+        ({"kvshim.chunk_size": "abc"}, 'kvshim.chunk_size: want a number, got "abc"'),
         ({"kvshim.timeout_ms": True}, "kvshim.timeout_ms: want a number"),
         ({"kvshim.l2_adapters": "[{"}, "kvshim.l2_adapters: not a JSON list"),
         ({"kvshim.l2_adapters": 3}, "kvshim.l2_adapters: want a list of adapters"),
-        ({"kvshim.verify": "sometimes"}, "kvshim.verify: 'sometimes' is not one of"),
+        ({"kvshim.verify": "sometimes"}, 'kvshim.verify: "sometimes" is not one of'),
         ({"kvshim.l1_prefault_gb": -2}, "kvshim.l1_prefault_gb: must be >= 0"),
         ({"kvshim.server": ""}, "kvshim.server: want a non-empty string"),
     ],
@@ -75,3 +75,15 @@ def test_connector_says_it_is_active_and_warns_once_when_the_server_is_away(tiny
         assert err.count("cannot reach the server") == 2, err  # the scheduler's link and the worker's, once each
     finally:
         h.close()
+
+
+def test_required_layout_is_read_without_the_library():
+    """get_required_kvcache_layout may be asked before vLLM forks: it reads
+    the key, flat or nested, in Python; a name vLLM does not know is refused."""
+    from kvshim.vllm.config import required_layout
+
+    assert required_layout({"kvshim": {"kv_cache_layout": "BLNHC"}}) == "BLNHC"
+    assert required_layout({"kvshim.kv_cache_layout": "BLHNC"}) == "BLHNC"
+    assert required_layout({}) is None
+    with pytest.raises(ValueError, match=r"kvshim\.kv_cache_layout: 'NHD' is not one of"):
+        required_layout({"kvshim.kv_cache_layout": "NHD"})

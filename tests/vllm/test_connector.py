@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
 
@@ -473,16 +474,15 @@ def test_layouts_do_not_share_a_namespace(tiny_model_dir):
     # Block-outermost objects hold blocks in another order: an instance
     # with another layout must not even find them (its load would fail the
     # fingerprint check and recompute).
-    from kvshim.vllm import _namespace, read_config
+    from kvshim.vllm import connector_config, read_config
 
     def ns(layout: str | None) -> dict[str, Any]:
         cfg = kvshim_config(tiny_model_dir)
         cfg.cache_config.kv_cache_layout = layout
         kvc = make_kv_cache_config()
-        assert cfg.kv_transfer_config is not None
-        return _namespace(cfg, kvc, read_config(cfg.kv_transfer_config.kv_connector_extra_config))
+        return dict(connector_config(cfg, kvc, KVConnectorRole.WORKER)["open"]["namespace"])
 
     assert ns("LBNHC") == ns("LBNHC")
     assert ns("LBNHC")["layout"] != ns("BLNHC")["layout"]
-    with pytest.raises(ValueError, match=r"kvshim.kv_cache_layout: 'NHD' is not one of"):
+    with pytest.raises(ValueError, match=r'kvshim.kv_cache_layout: "NHD" is not one of \['):
         read_config({"kvshim.kv_cache_layout": "NHD"})

@@ -59,7 +59,7 @@ from harness import (
     wait_jobs,
 )
 from kvshim.native import meta_json
-from kvshim.vllm import KVShimConnector, _namespace, read_config
+from kvshim.vllm import KVShimConnector, connector_config
 
 BLOCK = 16
 HEADS, HEAD = 2, 16
@@ -453,7 +453,7 @@ def test_groups_are_named_in_the_namespace(tiny_model_dir):
     import json
 
     cfg, kvc = hma_config(tiny_model_dir, gemma3_specs())
-    ns = _namespace(cfg, kvc, read_config(cfg.kv_transfer_config.kv_connector_extra_config))
+    ns = connector_config(cfg, kvc, KVConnectorRole.WORKER)["open"]["namespace"]
     groups = json.loads(ns["layout"])["groups"]
     assert [g["kind"] for g in groups] == [
         "full" if type(g.kv_cache_spec) is FullAttentionSpec else "sliding_window" for g in kvc.kv_cache_groups
@@ -484,7 +484,7 @@ def test_single_group_keys_are_unchanged(tiny_model_dir):
     cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False)
     cfg.cache_config.kv_cache_layout = "LBNHC"
     assert cfg.kv_transfer_config is not None
-    ns = _namespace(cfg, make_kv_cache_config(), read_config(cfg.kv_transfer_config.kv_connector_extra_config))
+    ns = connector_config(cfg, make_kv_cache_config(), KVConnectorRole.WORKER)["open"]["namespace"]
     ns.pop("model")
     assert ns == SINGLE_GROUP_NAMESPACE
 
@@ -532,7 +532,7 @@ def test_mamba_groups_are_named_in_the_namespace(tiny_model_dir):
     import json
 
     cfg, kvc = hma_config(tiny_model_dir, jamba_specs(), mamba_cache_mode="align")
-    ns = _namespace(cfg, kvc, read_config(cfg.kv_transfer_config.kv_connector_extra_config))
+    ns = connector_config(cfg, kvc, KVConnectorRole.WORKER)["open"]["namespace"]
     groups = json.loads(ns["layout"])["groups"]
     assert [g["kind"] for g in groups] == ["mamba" if isinstance(g.kv_cache_spec, MambaSpec) else "full" for g in kvc.kv_cache_groups]
     assert groups[0] | {"layers": 2} == {"kind": "mamba", "spec": "MambaSpec", "block_size": BLOCK, "kv_heads": None, "head_size": None,
@@ -678,7 +678,7 @@ def test_attention_free_mamba_model_restores_its_state(hybrid):
     assert [type(sp).__name__ for sp in r.specs] == ["MambaSpec"] and r.state_groups == {0}
     cfg = h.scheduler.vllm_config
     assert h.scheduler.need_mamba_block_aligned_split
-    ns = _namespace(cfg, r.kv_cache_config, read_config(cfg.kv_transfer_config.kv_connector_extra_config))
+    ns = connector_config(cfg, r.kv_cache_config, KVConnectorRole.WORKER)["open"]["namespace"]
     layout = json.loads(ns["layout"])
     assert [g["kind"] for g in layout["groups"]] == ["mamba"] and layout["spec"] == "MambaSpec", layout
     assert ns["kv_group"] == 0
@@ -772,7 +772,7 @@ def test_lone_sliding_window_group_saves_only_its_window(hybrid):
     h, r = hybrid(specs, groups=1)
     assert [type(sp).__name__ for sp in r.specs] == ["SlidingWindowSpec"]
     cfg = h.scheduler.vllm_config
-    ns = _namespace(cfg, r.kv_cache_config, read_config(cfg.kv_transfer_config.kv_connector_extra_config))
+    ns = connector_config(cfg, r.kv_cache_config, KVConnectorRole.WORKER)["open"]["namespace"]
     assert [g["kind"] for g in json.loads(ns["layout"])["groups"]] == ["sliding_window"], ns["layout"]
     p = prompt(41, 3 * CHUNK + 5)
     a = h.add_request(h.make_request(p, max_tokens=60))

@@ -4,13 +4,13 @@ role's object, scheduler.py (KVShimScheduler) or worker.py (KVShimWorker);
 config.py reads kv_connector_extra_config; stats.py holds the step metadata
 and the stats. Importing it loads nothing native."""
 
-from kvshim.vllm.config import CONFIG_KEYS, LOGGER_NAME, _namespace, read_config
+from kvshim.vllm.config import LOGGER_NAME, connector_config, read_config
 from kvshim.vllm.connector import KVShimConnector
 from kvshim.vllm.scheduler import KVShimScheduler, _extras, _i64, _u32
 from kvshim.vllm.stats import KVShimMetadata, KVShimStats
 from kvshim.vllm.worker import KVShimWorker
 
 __all__ = [
-    "CONFIG_KEYS", "LOGGER_NAME", "KVShimConnector", "KVShimMetadata", "KVShimScheduler", "KVShimStats", "KVShimWorker",
-    "_extras", "_i64", "_namespace", "_u32", "read_config",
+    "LOGGER_NAME", "KVShimConnector", "KVShimMetadata", "KVShimScheduler", "KVShimStats", "KVShimWorker",
+    "_extras", "_i64", "_u32", "connector_config", "read_config",
 ]

@@ -1,12 +1,11 @@
-"""kv_connector_extra_config and what the native handles are opened with:
-the kvshim.* keys, the namespace (what makes KV bytes compatible) and the
-KV-cache groups, computed the same way in every role."""
+"""vLLM's configuration as plain data for the library, which decides the
+kvshim.* settings (their defaults and checks), the namespace (what makes KV
+bytes compatible), the KV-cache groups and each role's open config
+(kvshim_vllm_config, export/connector/vllm.go)."""
 
 from __future__ import annotations
 
-import json
 import logging
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -27,138 +26,28 @@ if TYPE_CHECKING:
 LOGGER_NAME = "vllm.kvshim"
 logger = logging.getLogger(LOGGER_NAME)
 
-# kv_connector_extra_config keys: name -> (default, meaning).
-CONFIG_KEYS: dict[str, tuple[Any, str]] = {
-    "kvshim.server": ("embedded", '"embedded" (server inside vLLM\'s engine process) or the socket of a `kvshim serve`'),
-    "kvshim.chunk_size": (256, "tokens per stored chunk; a multiple of vLLM's block size"),
-    "kvshim.l1_size_gb": (16.0, "L1 host memory of the embedded server, GiB (> 0)"),
-    "kvshim.l1_prefault_gb": (None, "embedded server: L1 created and faulted in ahead of use, GiB (default min(L1, 4); 0: lazy)"),
-    "kvshim.timeout_ms": (5000, "longest wait for the server or a copy; past it a lookup is a miss, a load an error"),
-    "kvshim.hold_ttl_s": (1800.0, "embedded server: last-resort release of holds a live client forgot"),
-    "kvshim.model": (None, "model identity in the namespace (default: the model name and revision)"),
-    "kvshim.l2_adapters": ([], 'embedded server: L2 adapters, each like `kvshim serve --l2-adapter` ({"type": "fs", "base_path": ...})'),
-    "kvshim.verify": ("l2", ('payload checksums: "l2" (checked where bytes enter from L2, never re-read on an L1 restore), '
-                             '"always" (also computed at every save and checked at every load) or "off" (unsafe with L2)')),
-    "kvshim.kv_cache_layout": (None, ('KV cache layout to ask vLLM for: "BLNHC" or "BLHNC" put all layers of a block side by '
-                                      "side, so a chunk is copied as one span per block (default: vLLM's choice)")),
-    "kvshim.trace_dir": (None, ("directory for lifecycle traces (Arrow IPC files, `kvshim trace DIR` reads them) of the "
-                                "workers and the embedded server (default: off)")),
-    "kvshim.metrics_port": (0, ("embedded server: serve Prometheus metrics and /healthz at http://127.0.0.1:PORT "
-                                "(0: off), as `kvshim serve --metrics-port`")),
-    "kvshim.layerwise": (False, ("load a hit layer by layer in the step that computes the request, each attention "
-                                 "layer waiting only for its own copy (docs/datapath.md); default: off, the load "
-                                 "runs before the request is scheduled")),
-}
 
-KV_CACHE_LAYOUTS = tuple(m.name for m in KVCacheLayout)
-
-
-def _positive(kind: type, *, zero: bool = False) -> Any:
-    def check(key: str, v: Any) -> Any:
-        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-            raise ValueError(f"{key}: want a number, got {v!r}")
-        try:
-            x = kind(v)
-        except ValueError:
-            raise ValueError(f"{key}: want a number, got {v!r}") from None
-        if not (x > 0 or (zero and x == 0)):
-            raise ValueError(f"{key}: must be {'>= 0' if zero else '> 0'}, got {v!r}")
-        return x
-    return check
-
-
-def _bool(key: str, v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.lower() in ("true", "1", "on", "false", "0", "off"):
-        return v.lower() in ("true", "1", "on")
-    raise ValueError(f"{key}: want true or false, got {v!r}")
-
-
-def _string(key: str, v: Any) -> str:
-    if not isinstance(v, str) or not v:
-        raise ValueError(f"{key}: want a non-empty string, got {v!r}")
+def required_layout(extra: dict[str, Any]) -> str | None:
+    """kvshim.kv_cache_layout, flat or nested, for get_required_kvcache_layout:
+    read here, not by the library: vLLM asks wherever it resolves the
+    layout, possibly in a process that forks later, and the Go runtime must
+    not be loaded before a fork. The library checks it with the rest when
+    the connector opens."""
+    nested = extra.get("kvshim")
+    v = extra.get("kvshim.kv_cache_layout", nested.get("kv_cache_layout") if isinstance(nested, dict) else None)
+    if v is not None and v not in KVCacheLayout.__members__:
+        raise ValueError(f"kvshim.kv_cache_layout: {v!r} is not one of {list(KVCacheLayout.__members__)}")
     return v
-
-
-def _adapters(key: str, v: Any) -> list[Any]:
-    # vLLM's dotted CLI form delivers a JSON list as a string.
-    if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except ValueError as e:
-            raise ValueError(f"{key}: not a JSON list of adapters: {e}") from None
-    if isinstance(v, dict):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(a, (dict, str)) for a in v):
-        raise ValueError(f'{key}: want a list of adapters such as [{{"type": "fs", "base_path": "/mnt/kv"}}], got {v!r}')
-    return v
-
-
-def _port(key: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, str)):
-        raise ValueError(f"{key}: want a TCP port (0..65535, 0: off), got {v!r}")
-    try:
-        x = int(v)
-    except ValueError:
-        raise ValueError(f"{key}: want a TCP port (0..65535, 0: off), got {v!r}") from None
-    if not 0 <= x <= 65535:
-        raise ValueError(f"{key}: must be in 0..65535 (0: off), got {v!r}")
-    return x
-
-
-def _choice(*valid: Any) -> Any:
-    def check(key: str, v: Any) -> Any:
-        if v not in valid:
-            raise ValueError(f"{key}: {v!r} is not one of {list(valid)}")
-        return v
-    return check
-
-
-# How each key's value is checked and converted (the default is not checked).
-_CHECKS: dict[str, Any] = {
-    "kvshim.server": _string,
-    "kvshim.chunk_size": _positive(int),
-    "kvshim.l1_size_gb": _positive(float),
-    "kvshim.l1_prefault_gb": _positive(float, zero=True),
-    "kvshim.timeout_ms": _positive(int),
-    "kvshim.hold_ttl_s": _positive(float),
-    "kvshim.model": _string,
-    "kvshim.l2_adapters": _adapters,
-    "kvshim.verify": _choice("l2", "always", "off"),
-    "kvshim.kv_cache_layout": _choice(*KV_CACHE_LAYOUTS),
-    "kvshim.trace_dir": _string,
-    "kvshim.metrics_port": _port,
-    "kvshim.layerwise": _bool,
-}
 
 
 def read_config(extra: dict[str, Any]) -> dict[str, Any]:
-    """The kvshim.* keys with defaults, checked. vLLM's dotted CLI form
-    (--kv-transfer-config.kv_connector_extra_config.kvshim.l1_size_gb=4)
-    arrives nested, {"kvshim": {"l1_size_gb": 4}}: the same setting. An
-    unknown key or a bad value is an error that names the key."""
-    flat = {k: v for k, v in extra.items() if k != "kvshim"}
-    nested = extra.get("kvshim", {})
-    if not isinstance(nested, dict):
-        raise ValueError(f"kvshim: want an object of kvshim settings, got {nested!r}")
-    for k, v in nested.items():
-        key = f"kvshim.{k}"
-        if key in flat and flat[key] != v:
-            raise ValueError(f"{key} is given twice, as {flat[key]!r} and {v!r}")
-        flat[key] = v
-    unknown = sorted(k for k in flat if k.startswith("kvshim.") and k not in CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; valid keys: {sorted(CONFIG_KEYS)}")
-    cfg = {k: default for k, (default, _) in CONFIG_KEYS.items()}
-    for k in CONFIG_KEYS:
-        if k in flat and flat[k] is not None:
-            cfg[k] = _CHECKS[k](k, flat[k])
-    return cfg
+    """The kvshim.* keys with their defaults, checked by the library
+    (kvshim_vllm_config): an unknown key or a bad value is an
+    InvalidArgumentError (a ValueError) naming the key."""
+    return dict(native.vllm_config({"extra": extra, "kv_cache_layouts": list(KVCacheLayout.__members__)})["settings"])
 
 
-
-def _vllm_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, cfg: dict[str, Any]) -> dict[str, Any]:
+def _vllm_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> dict[str, Any]:
     """vLLM's objects as plain data (shim.VLLMSpec): Go decides from them what
     makes KV bytes compatible, the KV-cache groups and what it refuses."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
@@ -179,8 +68,7 @@ def _vllm_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
             "tokens_per_state": int(getattr(sp, "tokens_per_state", 0) or 0), "dcp_sharded": getattr(sp, "dcp_sharded", None),
         })
     spec = {
-        "model": mc.model, "revision": mc.revision or "", "kvshim_model": cfg["kvshim.model"] or "",
-        "chunk_size": int(cfg["kvshim.chunk_size"]), "cache_dtype": str(cc.cache_dtype), "block_size": cc.block_size,
+        "model": mc.model, "revision": mc.revision or "", "cache_dtype": str(cc.cache_dtype), "block_size": cc.block_size,
         # Resolved by the engine core before the scheduler and the workers'
         # connectors exist (resolve_kv_cache_layout, record_kv_cache_layout).
         "kv_cache_layout": cc.kv_cache_layout or getattr(kv_cache_config, "kv_cache_layout", None),
@@ -200,57 +88,18 @@ def _vllm_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, c
     return spec
 
 
-def _resolve(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The namespace, with sched_block_size and groups, as Go decides it
-    (kvshim_vllm_namespace, shim/vllmspec.go)."""
-    return native.vllm_namespace(_vllm_spec(vllm_config, kv_cache_config, cfg))
-
-
-def _namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, cfg: dict[str, Any]) -> dict[str, Any]:
-    """What makes KV bytes compatible, the same in every role."""
-    ns = _resolve(vllm_config, kv_cache_config, cfg)
-    del ns["sched_block_size"], ns["groups"]
-    return ns
-
-
-def _layerwise(cfg: dict[str, Any], groups: bool) -> bool:
-    """kvshim.layerwise, on only for one full-attention KV-cache group:
-    several groups (or a lone window or Mamba group) report failed loads by
-    request (failed_recving), which vLLM reads only for asynchronous loads."""
-    on = bool(cfg["kvshim.layerwise"])
-    if on and groups:
-        logger.warning("kvshim.layerwise: off for this model (several KV-cache groups, or one that frees blocks: "
-                       "failed loads are reported by request, which needs asynchronous loads)")
-        return False
-    return on
-
-
-def _open_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, cfg: dict[str, Any],
-                 role: KVConnectorRole) -> tuple[dict[str, Any], bool]:
-    """What native.Scheduler / native.Worker are opened with: the same server,
-    engine and namespace in every role, and each role's own settings; and
-    whether the namespace names KV-cache groups."""
+def connector_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+                     role: KVConnectorRole) -> dict[str, Any]:
+    """What the library makes of vLLM's configuration for this role
+    (kvshim_vllm_config): "settings" (the kvshim.* keys), "open" (what
+    native.Scheduler / native.Worker are opened with: the same server,
+    engine and namespace in every role), "layerwise", "by_request",
+    "warnings" and "summary"."""
     tc = vllm_config.kv_transfer_config
-    ns = _resolve(vllm_config, kv_cache_config, cfg)
-    block_size, groups = ns.pop("sched_block_size"), bool(ns.pop("groups"))
     assert tc is not None  # vLLM builds connectors only from a kv_transfer_config
-    common = {
-        "server": cfg["kvshim.server"],
-        "engine_id": str(tc.engine_id),
-        "instance": str(uuid.uuid4()),
-        "namespace": ns,
-        "timeout_ms": int(cfg["kvshim.timeout_ms"]),
-        **({} if cfg["kvshim.trace_dir"] is None else {"trace_dir": cfg["kvshim.trace_dir"]}),
-    }
-    if role == KVConnectorRole.SCHEDULER:
-        return common | {
-            "block_size": block_size,  # the scheduler's block: DCP ranks each hold a slice of it
-            "l1_size_gb": float(cfg["kvshim.l1_size_gb"]),
-            **({} if cfg["kvshim.l1_prefault_gb"] is None else {"l1_prefault_gb": cfg["kvshim.l1_prefault_gb"]}),
-            "hold_ttl_s": float(cfg["kvshim.hold_ttl_s"]),
-            "l2_adapters": [a if isinstance(a, str) else json.dumps(a) for a in cfg["kvshim.l2_adapters"]],
-            "metrics_port": int(cfg["kvshim.metrics_port"]),
-            # kv_producer saves and never loads, kv_consumer loads and never saves (Go: shim.Role)
-            "kv_role": str(tc.kv_role or "kv_both"),
-        }, groups
-    return common | {"rank": int(vllm_config.parallel_config.rank), "verify": str(cfg["kvshim.verify"])}, groups
+    return native.vllm_config({
+        "extra": dict(tc.kv_connector_extra_config or {}), "kv_cache_layouts": list(KVCacheLayout.__members__),
+        "role": "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
+        "vllm": _vllm_spec(vllm_config, kv_cache_config), "engine_id": str(tc.engine_id),
+        "kv_role": str(tc.kv_role or "kv_both"), "rank": int(vllm_config.parallel_config.rank),
+    })

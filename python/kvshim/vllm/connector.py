@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvshim import events as kv_events
 from kvshim import native
-from kvshim.vllm.config import _layerwise, _open_config, logger, read_config
+from kvshim.vllm.config import connector_config, logger, required_layout
 from kvshim.vllm.scheduler import KVShimScheduler, _flat_groups
 from kvshim.vllm.stats import KVShimStats
 from kvshim.vllm.worker import KVShimWorker
@@ -62,28 +62,22 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         # The base declares kv_cache_config required; kvshim also runs without
         # one (one KV-cache group, the layout from vllm_config).
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
-        tc = vllm_config.kv_transfer_config
-        cfg = read_config(dict(tc.kv_connector_extra_config or {}) if tc else {})
-        open_cfg, groups = _open_config(vllm_config, kv_cache_config, cfg, role)
+        conf = connector_config(vllm_config, kv_cache_config, role)
+        cfg, open_cfg = conf["settings"], conf["open"]
+        for w in conf["warnings"]:
+            logger.warning("%s", w)
         self.connector_scheduler: KVShimScheduler | None = None
         self.connector_worker: KVShimWorker | None = None
         # The first native call of this process: after vLLM's fork.
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVShimScheduler(native.Scheduler(open_cfg), int(cfg["kvshim.chunk_size"]),
-                                                       _layerwise(cfg, groups))
+            self.connector_scheduler = KVShimScheduler(native.Scheduler(open_cfg), cfg["kvshim.chunk_size"], conf["layerwise"])
             if kv_events.enabled(vllm_config):
-                self.connector_scheduler.events = kv_events.EventSource(self.connector_scheduler.native,
-                                                                        int(open_cfg["block_size"]))
-            detail = (f" l1_size_gb={cfg['kvshim.l1_size_gb']:g} l2_adapters={len(cfg['kvshim.l2_adapters'])}"
-                      f" kv_cache_layout={open_cfg['namespace'].get('layout', '?')[:120]}")
+                self.connector_scheduler.events = kv_events.EventSource(self.connector_scheduler.native, open_cfg["block_size"])
         else:
             self.connector_worker = KVShimWorker(native.Worker(open_cfg), vllm_config, kv_cache_config,
-                                                 int(cfg["kvshim.timeout_ms"]), _layerwise(cfg, groups), groups)
-            detail = f" rank={open_cfg['rank']}"
+                                                 cfg["kvshim.timeout_ms"], conf["layerwise"], conf["by_request"])
         # One line that says kvshim is active, and with what.
-        logger.info("kvshim %s active: role=%s server=%s chunk_size=%d verify=%s%s", native.version(),
-                    "scheduler" if self.connector_scheduler else "worker", cfg["kvshim.server"],
-                    int(cfg["kvshim.chunk_size"]), cfg["kvshim.verify"], detail)
+        logger.info("kvshim %s active: %s", native.version(), conf["summary"])
 
     @property
     def scheduler(self) -> KVShimScheduler:
@@ -108,8 +102,7 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         # A wish: vLLM drops it, with a warning, if a backend cannot use it.
         tc = vllm_config.kv_transfer_config
-        layout: str | None = read_config(dict(tc.kv_connector_extra_config or {}) if tc else {})["kvshim.kv_cache_layout"]
-        return layout
+        return required_layout(dict(tc.kv_connector_extra_config or {}) if tc else {})
 
     # ---------------------------------------------------------------- scheduler
 

@@ -54,11 +54,3 @@ class KVShimMetadata(KVConnectorMetadata):
     by Go (shim/meta.go: a binary form, chunk hashes as raw bytes)."""
 
     data: bytes
-
-    def has_loads(self) -> bool:
-        """Whether the step loads anything: byte 1 of shim/meta.go's form
-        (after the version byte) starts the uvarint count of loads, zero
-        exactly when there are none. The one byte of Go's format Python
-        reads; a version change of the format changes the library with it."""
-        return self.data[1:2] not in (b"", b"\x00")
-

@@ -164,12 +164,10 @@ class KVShimWorker:
         if self._layerwise:
             self.native.start_loads_layered()
         else:
-            self.native.start_loads()
-            if idle and self._bound.has_loads():
-                # Loads and no forward pass this step (vLLM's no-forward step): waited for here,
-                # briefly, so this step reports them and vLLM computes the request in the next
-                # step, not after one more empty step and its 1 ms sleep (docs/e2e.md).
-                self.native.wait(min(self._timeout_ms, 20))
+            # No forward pass this step (vLLM's no-forward step): its loads are waited for
+            # briefly, so this step reports them and vLLM computes the request in the next
+            # step, not after one more empty step and its 1 ms sleep (docs/e2e.md).
+            self.native.start_loads(wait_ms=min(self._timeout_ms, 20) if idle else 0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise: returns once this layer's copies of the step ended."""
