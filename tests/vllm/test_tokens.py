@@ -15,6 +15,8 @@ Go's golden file and against the real scheduler's metadata.
 
 from __future__ import annotations
 
+import ctypes
+
 import array
 import json
 import logging
@@ -29,7 +31,8 @@ from harness import (
     prompt,
     store,
 )
-from kvshim.vllm import _i64, _u32
+from kvshim.native import _c_array
+from kvshim.vllm import _u32
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,11 +140,13 @@ def test_non_integers_are_refused():
 
 
 def test_block_ids():
-    a = _i64([3, -1, 2**40])
-    assert a.dtype == np.int64 and a.tolist() == [3, -1, 2**40]
-    assert _i64(np.array([1, 2], dtype=np.int32)).tolist() == [1, 2]
+    """Block ids go to the library as vLLM's lists: the binding packs them."""
+    ptr, n, _owner = _c_array([3, -1, 2**40], "q", ctypes.c_int64)
+    assert ptr[:n] == [3, -1, 2**40]
+    ptr, n, _owner = _c_array(np.array([1, 2], dtype=np.int32), "q", ctypes.c_int64)
+    assert ptr[:n] == [1, 2]
     with pytest.raises(OverflowError):
-        _i64([2**63])
+        _c_array([2**63], "q", ctypes.c_int64)
 
 
 # ---- in the connector ------------------------------------------------------

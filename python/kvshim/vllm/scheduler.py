@@ -29,27 +29,16 @@ if TYPE_CHECKING:
 
 
 _U32_MAX = 0xFFFFFFFF
-if array.array("I").itemsize != 4 or array.array("q").itemsize != 8:  # pragma: no cover - every platform vLLM runs on
-    raise ImportError("kvshim needs array('I') of 4 bytes and array('q') of 8")
 
 
 def _u32(tokens: Any) -> npt.NDArray[np.uint32]:
-    """Token ids as a contiguous uint32 array: what Go reads (a pointer and a
-    length, no copy on its side).
-
-    A list (vLLM's Request.prompt_token_ids) is read by the library in one
-    C loop over the list's items (native.tokens_from_list: 31 µs for 16K
-    ids where array('I', ...) takes 111 µs, 0.27 ms for 128K where it takes
-    0.85 ms); any other plain sequence, or a list the library cannot read
-    (an id out of range: the error below), is packed by ``array('I', ...)``,
-    itself about 4x faster than ``np.asarray(tokens, dtype=np.uint32)``
-    (``make bench-match`` measures the candidates). vLLM 0.33's Request
-    holds no array of its ids to borrow: prompt_token_ids and
-    _all_token_ids are lists (EngineCoreRequest's too).
-
-    A uint32 array, memoryview or tensor is used as it is; any other integer
-    array is range-checked, then converted. An id outside [0, 2^32) is a
-    ValueError and a non-integer a TypeError, both naming the first bad id:
+    """Token ids as a contiguous uint32 array: what Go reads (a pointer and
+    a length, no copy on its side). A list (vLLM's token ids) is read by
+    the library in one C loop (native.tokens_from_list), any other sequence
+    packed by array('I') (``make bench-match`` measures both against numpy:
+    docs/benchmarks.md); a uint32 array, memoryview or tensor is used as it
+    is, any other integer array range-checked. An id outside [0, 2^32) is a
+    ValueError, a non-integer a TypeError, both naming the first bad id:
     never a silent wrap."""
     if isinstance(tokens, (str, bytes, bytearray)):
         raise TypeError(f"token ids must be a sequence or array of integers, not {type(tokens).__name__}")
@@ -86,15 +75,6 @@ def _bad_token(tokens: list[Any], cause: Exception) -> Exception:
         if not 0 <= v <= _U32_MAX:
             return ValueError(f"token id {v} at position {i} is outside [0, 2**32)")
     return ValueError(f"token ids are not uint32: {cause}")
-
-
-def _i64(ids: Any) -> npt.NDArray[np.int64]:
-    """Block ids as a contiguous int64 array (a list: packed by array('q'),
-    about 10 % faster than numpy at 1K-8K ids)."""
-    if isinstance(ids, (list, tuple)):
-        return np.frombuffer(array.array("q", ids), dtype=np.int64)
-    return np.ascontiguousarray(np.asarray(ids, dtype=np.int64))
-
 
 
 def _flat_groups(block_ids: Any) -> list[int]:
@@ -236,7 +216,7 @@ class KVShimScheduler:
             self._hits["hit_tokens"] += num_external_tokens
             self._hits["hit_requests"] += 1
         # num_computed left out: Go uses the local prefix-cache hit it was given at the match.
-        self.native.after_alloc(request.request_id, _i64(_flat_groups(blocks.get_block_ids())), num_external_tokens)
+        self.native.after_alloc(request.request_id, _flat_groups(blocks.get_block_ids()), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVShimMetadata:
         sched = scheduler_output.num_scheduled_tokens
@@ -329,7 +309,7 @@ class KVShimScheduler:
         # are already rolled back.
         first = len(prompt) // self._chunk * self._chunk
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
-        done = self.native.finished_tokens(rid, _u32(request.all_token_ids[first:]), first, computed, _i64(block_ids))
+        done = self.native.finished_tokens(rid, _u32(request.all_token_ids[first:]), first, computed, block_ids)
         if done.not_saved is not None:
             # The request is finished either way: tokens that do not fit it
             # skip the save, never an error in vLLM's scheduler.
