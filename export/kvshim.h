@@ -344,6 +344,22 @@ int kvshim_worker_save_layer(kvshim_handle h, const char *layer, uint64_t stream
  * field, or the refusal. */
 int kvshim_vllm_namespace(const char *spec_json, void *buf, size_t cap, size_t *out_len);
 
+/* ABI 5.6. vLLM's KV tensors as raw facts -> how each lies in memory
+ * (in_json: shim.VLLMTensorsIn, export/schema/vllm_tensors.json, written
+ * by python/kvshim/vllm/worker.py's register_kv_caches: the scheduler's
+ * block_size, kv_cache_config's groups as kvshim_vllm_namespace takes them
+ * (classes, layers, block_size read) and, for each tensor of
+ * register_kv_caches in the dict's order, layer, device, data_ptr,
+ * dtype_size, shape, strides in elements, storage_ptr, storage_bytes).
+ * Writes the JSON array kvshim_worker_register takes
+ * (export/schema/tensors.json). Go decides each layer's KV-cache group,
+ * which layers sharing one tensor are registered, the backend from the
+ * shape, the whole-block view of kernel blocks and Mamba state pages
+ * (shim/vllmtensors.go). Needs no handle; KVSHIM_ERANGE with *out_len the
+ * size needed when the answer does not fit buf[0:cap] (call again).
+ * KVSHIM_EINVAL naming the field (tensors[3].shape) and why. */
+int kvshim_vllm_tensors(const char *in_json, void *buf, size_t cap, size_t *out_len);
+
 /* ---- CPython callers only: these read Python objects in place. ----
  * They must be called through ctypes.PyDLL (with the GIL held; the Python C
  * API is found with dlsym(RTLD_DEFAULT) on first use). Another engine uses
