@@ -79,6 +79,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_worker_engine_copy": [_c_handle, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, _i64p, ctypes.c_size_t,
                                   ctypes.c_int64, _u64p],
     "kvshim_vllm_namespace": [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],  # ABI 5.4
+    "kvshim_vllm_tensors": [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],  # ABI 5.6
     # test-only (kvshim.h, "Tests and benchmarks"; ABI 5.4)
     "kvshim_meta_json": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, _sizep],
 }
@@ -186,6 +187,15 @@ def vllm_namespace(spec: Mapping[str, Any]) -> dict[str, Any]:
     compatibility, groups and refusals; InvalidArgumentError names the
     field or says why)."""
     return dict(json.loads(_lib_output("kvshim_vllm_namespace", json.dumps(spec).encode())))
+
+
+def vllm_tensors(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """vLLM's KV tensors as raw facts (the scheduler's block_size, the
+    KV-cache groups, each tensor's layer, device, pointers, shape and
+    strides) -> the descriptors Worker.register takes (kvshim_vllm_tensors:
+    Go decides groups, shared tensors, backends, kernel-block and Mamba
+    state views; InvalidArgumentError names the field and says why)."""
+    return list(json.loads(_lib_output("kvshim_vllm_tensors", json.dumps(doc).encode())))
 
 
 def meta_json(meta: bytes) -> dict[str, Any]:
