@@ -70,7 +70,7 @@ extern "C" {
  * events (kvshim_worker_take_save_reports, kvshim_sched_save_reports,
  * kvshim_sched_take_events); 5.4 layer-wise saves (kvshim_worker_save_layer); 5.5
  * kvshim_vllm_namespace (and, for tests, kvshim_meta_json); 5.6
- * kvshim_vllm_config and kvshim_worker_start_loads_wait. */
+ * kvshim_vllm_config, kvshim_vllm_tensors and kvshim_worker_start_loads_wait. */
 #define KVSHIM_ABI_MAJOR 5
 #define KVSHIM_ABI_MINOR 6
 #define KVSHIM_ABI_VERSION (KVSHIM_ABI_MAJOR * 1000 + KVSHIM_ABI_MINOR)
@@ -366,6 +366,22 @@ int kvshim_vllm_namespace(const char *spec_json, void *buf, size_t cap, size_t *
  * or out of range is KVSHIM_EINVAL naming it. Buffer as
  * kvshim_vllm_namespace. */
 int kvshim_vllm_config(const char *in_json, void *buf, size_t cap, size_t *out_len);
+
+/* ABI 5.6. vLLM's KV tensors as raw facts -> how each lies in memory
+ * (in_json: shim.VLLMTensorsIn, export/schema/vllm_tensors.json, written
+ * by python/kvshim/vllm/worker.py's register_kv_caches: the scheduler's
+ * block_size, kv_cache_config's groups as kvshim_vllm_namespace takes them
+ * (classes, layers, block_size read) and, for each tensor of
+ * register_kv_caches in the dict's order, layer, device, data_ptr,
+ * dtype_size, shape, strides in elements, storage_ptr, storage_bytes).
+ * Writes the JSON array kvshim_worker_register takes
+ * (export/schema/tensors.json). Go decides each layer's KV-cache group,
+ * which layers sharing one tensor are registered, the backend from the
+ * shape, the whole-block view of kernel blocks and Mamba state pages
+ * (shim/vllmtensors.go). Needs no handle; KVSHIM_ERANGE with *out_len the
+ * size needed when the answer does not fit buf[0:cap] (call again).
+ * KVSHIM_EINVAL naming the field (tensors[3].shape) and why. */
+int kvshim_vllm_tensors(const char *in_json, void *buf, size_t cap, size_t *out_len);
 
 /* ---- CPython callers only: these read Python objects in place. ----
  * They must be called through ctypes.PyDLL (with the GIL held; the Python C

@@ -48,6 +48,9 @@ func TestSchemaFieldsMatchGoStructs(t *testing.T) {
 		{"vllm_config.json", nil, reflect.TypeFor[connector.VLLMIn](), nil},
 		{"vllm_config.json", []string{"$defs", "out"}, reflect.TypeFor[connector.VLLMOut](), nil},
 		{"vllm_config.json", []string{"$defs", "settings"}, reflect.TypeFor[connector.Settings](), nil},
+		{"vllm_tensors.json", nil, reflect.TypeFor[shim.VLLMTensorsIn](), nil},
+		{"vllm_tensors.json", []string{"$defs", "group"}, reflect.TypeFor[shim.VLLMGroup](), nil},
+		{"vllm_tensors.json", []string{"$defs", "tensor"}, reflect.TypeFor[shim.VLLMTensor](), nil},
 	} {
 		props, err := schema.Properties(tc.schema, tc.path...)
 		if err != nil {
@@ -136,6 +139,60 @@ func TestOpenSchemaAgreesWithParse(t *testing.T) {
 		}
 		if serr != nil && !errors.Is(serr, schema.ErrInvalid) {
 			t.Errorf("%s: %v does not wrap schema.ErrInvalid", tc.doc, serr)
+		}
+	}
+}
+
+// kvshim_vllm_tensors' answer to each documented input is a
+// kvshim_worker_register array (tensors.json), and the two agree on what
+// a single field refuses.
+func TestVLLMTensorsSchema(t *testing.T) {
+	ex, err := schema.Examples("vllm_tensors.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, e := range ex {
+		descs, err := shim.ParseVLLMTensors(e)
+		if err != nil {
+			t.Fatalf("example %d: %v", i, err)
+		}
+		out, _ := json.Marshal(descs)
+		if err := schema.Validate("tensors.json", out); err != nil {
+			t.Errorf("example %d: %s: %v", i, out, err)
+		}
+	}
+	tensor := func(key string, v any) string { // one field of a valid tensor changed (nil: none)
+		x := map[string]any{"layer": "a", "device": "cpu", "data_ptr": 4096, "dtype_size": 2,
+			"shape": []int{64, 16, 128}, "strides": []int{2048, 128, 1}}
+		if key != "" {
+			x[key] = v
+		}
+		b, _ := json.Marshal(map[string]any{"block_size": 16, "tensors": []any{x}})
+		return string(b)
+	}
+	for _, tc := range []struct {
+		doc   string
+		valid bool
+	}{
+		{tensor("", nil), true},
+		{`{"block_size": 16}`, true},
+		{`{"block_size": 0}`, false},
+		{`{"tensors": []}`, false},
+		{`{"block_size": 16, "extra": 1}`, false},
+		{`{"block_size": 16, "groups": [{"classes": [], "layers": []}]}`, false},
+		{`{"block_size": 16, "groups": [{"classes": ["A"], "block_size": -1}]}`, false},
+		{`{"block_size": 16, "groups": [{"classes": ["A"], "kind": "full"}]}`, false},
+		{tensor("device", "tpu"), false},
+		{tensor("dtype_size", 0), false},
+		{tensor("layer", ""), false},
+		{tensor("shape", []int{64, -16, 128}), false},
+		{tensor("data_ptr", -1), false},
+		{tensor("stride_bytes", []int{1}), false},
+	} {
+		serr := schema.Validate("vllm_tensors.json", []byte(tc.doc))
+		_, perr := shim.ParseVLLMTensors([]byte(tc.doc))
+		if (serr == nil) != tc.valid || (perr == nil) != tc.valid {
+			t.Errorf("%s: schema says %v, Go says %v; want valid=%v", tc.doc, serr, perr, tc.valid)
 		}
 	}
 }

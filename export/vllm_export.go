@@ -34,3 +34,17 @@ func kvshim_vllm_namespace(specJSON *C.char, buf unsafe.Pointer, capacity C.size
 		return outputLibJSON(l, buf, capacity, outLen)
 	})
 }
+
+//export kvshim_vllm_tensors
+func kvshim_vllm_tensors(inJSON *C.char, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) C.int {
+	return callLib(func() error {
+		if inJSON == nil {
+			return fmt.Errorf("in_json is NULL: %w", errInvalid)
+		}
+		descs, err := shim.ParseVLLMTensors([]byte(C.GoString(inJSON)))
+		if err != nil {
+			return err
+		}
+		return outputLibJSON(descs, buf, capacity, outLen)
+	})
+}

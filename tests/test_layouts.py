@@ -12,18 +12,18 @@ import ctypes.util
 import json
 import os
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 
-from kvshim import errors
+from kvshim import errors, native
 
 if TYPE_CHECKING:
     import torch
 else:
     torch = pytest.importorskip("torch")
-vllm_connector = pytest.importorskip("kvshim.vllm.worker")  # _tensor_desc: how the connector reports tensors
+vllm_connector = pytest.importorskip("kvshim.vllm.worker")  # _raw: what the connector reads of a tensor
 
 from rig import BLOCK, CHUNK, Rig  # noqa: E402
 
@@ -48,6 +48,18 @@ def mla() -> torch.Tensor:
     return torch.empty(NB, BLOCK, MLA_D, dtype=torch.bfloat16)
 
 
+def describe(layers: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """The descriptors the connector registers for these tensors (no KV-cache
+    groups): its _raw facts, decided in Go (kvshim_vllm_tensors)."""
+    return native.vllm_tensors({"block_size": BLOCK, "groups": [],
+                                "tensors": [vllm_connector._raw(name, t) for name, t in layers.items()]})
+
+
+def desc(name: str, t: torch.Tensor) -> dict[str, Any]:
+    (d,) = describe({name: t})
+    return d
+
+
 LAYOUTS = {
     "flash_attn NHD": (lambda: fa(False), 1),
     "flash_attn HND": (lambda: fa(True), 1),
@@ -64,7 +76,8 @@ def test_round_trip_into_other_blocks(name):
     gen = torch.Generator().manual_seed(hash(name) & 0xFFFF)
     for t in layers:
         t.copy_(torch.randn(t.shape, generator=gen).to(torch.bfloat16))
-    descs = [vllm_connector._tensor_desc(f"model.layers.{i}.attn", t, 0) for i, t in enumerate(layers)]
+    descs = describe({f"model.layers.{i}.attn": t for i, t in enumerate(layers)})
+    assert [d["layer"] for d in descs] == [f"model.layers.{i}.attn" for i in range(3)]
     if not name.startswith("mla"):
         assert not layers[0].is_contiguous() or "NHD" in name  # HND views are strided, not copied
     rig = Rig(f"lay-{uuid.uuid4().hex[:8]}", list(zip(layers, descs)), mla=name == "mla")
@@ -103,7 +116,7 @@ def register(h, descs) -> None:
 
 def test_inconsistent_geometry_is_refused_with_layer_and_field():
     t = fa(False)
-    d = vllm_connector._tensor_desc("model.layers.0.attn", t, 0)
+    d = desc("model.layers.0.attn", t)
     d["stride_bytes"][1] = 7  # blocks overlapping each other
     with worker_handle() as h:
         with pytest.raises(errors.InvalidArgumentError, match=r'layer "model.layers.0.attn"') as e:
@@ -113,7 +126,7 @@ def test_inconsistent_geometry_is_refused_with_layer_and_field():
 
 def test_registered_twice_is_an_invalid_argument():
     t = fa(False)
-    d = vllm_connector._tensor_desc("model.layers.0.attn", t, 0)
+    d = desc("model.layers.0.attn", t)
     with worker_handle() as h:
         register(h, [d])
         with pytest.raises(errors.InvalidArgumentError, match="registered twice"):
@@ -124,9 +137,15 @@ def test_registered_twice_is_an_invalid_argument():
                     reason="a CUDA driver is loadable here")
 def test_gpu_cache_without_a_driver_is_not_supported():
     t = fa(False)
-    d = {**vllm_connector._tensor_desc("model.layers.0.attn", t, 0), "device": "cuda:0"}
+    d = {**desc("model.layers.0.attn", t), "device": "cuda:0"}
     with worker_handle() as h:
         with pytest.raises(errors.NotSupportedError, match="cuda") as e:
             register(h, [d])
         assert e.value.code == errors.ENOTSUP
-        register(h, [vllm_connector._tensor_desc("model.layers.0.attn", t, 0)])  # the host engine still works
+        register(h, [desc("model.layers.0.attn", t)])  # the host engine still works
+
+
+def test_a_shape_no_backend_has_is_refused_naming_the_tensor():
+    # a ValueError, as the connector's own check was
+    with pytest.raises(errors.InvalidArgumentError, match=r'tensors\[0\]\.shape: KV tensor "x": unsupported shape \[24, 7\]'):
+        desc("x", torch.empty(NB, 7))

@@ -2,9 +2,10 @@
 // ABI (export/kvshim.h): the kvshim_open config (open.json), the tensor
 // descriptors of kvshim_worker_register (tensors.json) and the results of
 // kvshim_worker_poll (poll.json) and kvshim_stats (stats.json), and the
-// vLLM connector's configuration (vllm_config.json: kvshim_vllm_config). They are
-// the one written form of those documents: Go's tests check that the Go
-// structs and what Go emits agree with them, Python's tests
+// vLLM connector's configuration (vllm_config.json: kvshim_vllm_config) and
+// the input of kvshim_vllm_tensors (vllm_tensors.json). They are the one
+// written form of those documents: Go's tests check that the Go structs
+// and what Go emits agree with them, Python's tests
 // (tests/test_schema.py) that what the connector sends does, and
 // docs/c-abi.md points here instead of describing the fields again.
 //
@@ -28,7 +29,7 @@ import (
 var files embed.FS
 
 // Names are the schemas, by file name.
-var Names = []string{"open.json", "tensors.json", "poll.json", "stats.json", "vllm_config.json"}
+var Names = []string{"open.json", "tensors.json", "poll.json", "stats.json", "vllm_config.json", "vllm_tensors.json"}
 
 // ErrUnknown: no schema of that name.
 var ErrUnknown = errors.New("schema: unknown schema")

@@ -81,6 +81,7 @@ _SIGNATURES: dict[str, list[type]] = {
                                   ctypes.c_int64, _u64p],
     "kvshim_vllm_namespace": [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],  # ABI 5.5
     "kvshim_vllm_config": [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],  # ABI 5.6
+    "kvshim_vllm_tensors": [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],  # ABI 5.6
     # test-only (kvshim.h, "Tests and benchmarks"; ABI 5.4)
     "kvshim_meta_json": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, _sizep],
 }
@@ -196,6 +197,15 @@ def vllm_config(doc: Mapping[str, Any]) -> dict[str, Any]:
     kvshim.* key's default and check live in Go; InvalidArgumentError names
     the key)."""
     return dict(json.loads(_lib_output("kvshim_vllm_config", json.dumps(doc).encode())))
+
+
+def vllm_tensors(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """vLLM's KV tensors as raw facts (the scheduler's block_size, the
+    KV-cache groups, each tensor's layer, device, pointers, shape and
+    strides) -> the descriptors Worker.register takes (kvshim_vllm_tensors:
+    Go decides groups, shared tensors, backends, kernel-block and Mamba
+    state views; InvalidArgumentError names the field and says why)."""
+    return list(json.loads(_lib_output("kvshim_vllm_tensors", json.dumps(doc).encode())))
 
 
 def meta_json(meta: bytes) -> dict[str, Any]:

@@ -17,75 +17,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def _tensor_desc(name: str, t: torch.Tensor, group: int) -> dict[str, Any]:
-    """How a KV tensor lies in memory, read from the tensor itself."""
-    shape, esize = list(t.shape), t.element_size()
-    if len(shape) == 4:
-        backend = "paged"  # vLLM >= 0.33: (blocks, heads, block_size, K|V content), any stride order
-    elif len(shape) == 3:
-        backend = "mla"
-    elif len(shape) == 5 and shape[0] == 2:
-        backend = "flash_attn"
-    elif len(shape) == 5 and shape[1] == 2:
-        backend = "flashinfer"
-    else:
-        raise ValueError(f"KV tensor {name}: unsupported shape {shape} (want vLLM 0.33's (blocks, heads, block_size, content) "
-                         "view, FlashAttention, FlashInfer or MLA)")
-    device = str(t.device)
-    if device == "cuda":
-        device = f"cuda:{t.device.index or 0}"
+def _raw(name: str, t: torch.Tensor) -> dict[str, Any]:
+    """A KV tensor's facts as torch reports them; how it lies in memory is
+    decided from them in Go (kvshim_vllm_tensors, shim/vllmtensors.go)."""
     storage = t.untyped_storage()
-    return {
-        "layer": name,
-        "group": group,
-        "backend": backend,
-        "device": device,
-        "data_ptr": t.data_ptr(),
-        "dtype_size": esize,
-        "shape": shape,
-        "stride_bytes": [s * esize for s in t.stride()],
-        "storage_ptr": storage.data_ptr(),
-        "storage_bytes": storage.nbytes(),
-    }
-
-
-def _kernel_split_desc(name: str, t: torch.Tensor, block_size: int, group: int) -> dict[str, Any]:
-    """The descriptor of a (blocks, heads, kernel block, content) view whose
-    blocks vLLM split into kernel blocks (v1/worker/utils.py
-    prepare_kernel_block_sizes and allocate_kv_cache: dim 0 counts kernel
-    blocks, k of them per block, in order), in the whole blocks the
-    scheduler's block ids index. When a kernel block's tokens continue where
-    the previous one's end (token-major per-layer pages: LBNHC), the same
-    memory is a (blocks, heads, block_size, content) view: one run of tokens
-    a block. Otherwise (heads outside the tokens: LBHNC, ...) a
-    kernel_blocks dimension says that a block is k kernel blocks
-    (layout.DimKernelBlocks)."""
-    kbs = t.shape[2]
-    if block_size % kbs or t.shape[0] % (block_size // kbs):
-        raise ValueError(f"KV tensor {name}: kernel blocks of {kbs} tokens do not divide vLLM's {block_size}-token blocks")
-    k = block_size // kbs
-    s0, s1, s2, s3 = t.stride()
-    if s0 == kbs * s2:
-        return _tensor_desc(name, t.as_strided((t.shape[0] // k, t.shape[1], block_size, t.shape[3]), (k * s0, s1, s2, s3)), group)
-    d = _tensor_desc(name, t, group)
-    esize = t.element_size()
-    d["shape"] = [t.shape[0] // k, k, t.shape[1], kbs, t.shape[3]]
-    d["stride_bytes"] = [x * esize for x in (k * s0, s0, s1, s2, s3)]
-    d["dims"] = ["blocks", "kernel_blocks", "heads", "block_size", "head"]
-    return d
-
-
-def _state_desc(name: str, t: torch.Tensor, block_size: int, group: int) -> dict[str, Any]:
-    """The descriptor of a Mamba/SSM layer's page view: vLLM 0.33 views it
-    as (blocks, num_heads, states, state bytes) int8 (kv_cache_interface.py
-    create_kv_cache_views and compute_layer_kv_cache_shape_bytes: one state
-    a block, page_size_padded left outside the view). The block still
-    stands for block_size tokens of the block table (layout.TensorDesc
-    BlockTokens): kvshim copies the whole state."""
-    if t.dim() != 4 or t.shape[2] != 1:
-        raise ValueError(f"Mamba state tensor {name}: shape {list(t.shape)}, want vLLM 0.33's (blocks, heads, 1, state bytes) view")
-    return _tensor_desc(name, t, group) | {"block_tokens": block_size}
-
+    return {"layer": name, "device": str(t.device), "data_ptr": t.data_ptr(), "dtype_size": t.element_size(),
+            "shape": list(t.shape), "strides": list(t.stride()), "storage_ptr": storage.data_ptr(),
+            "storage_bytes": storage.nbytes()}
 
 
 class KVShimWorker:
@@ -115,35 +53,13 @@ class KVShimWorker:
             worker.take_save_reports()  # Go records from now on
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        group_of: dict[str, int] = {}
-        block_of: dict[str, int | None] = {}
-        state_layers: set[str] = set()
-        if self._kv_cache_config is not None:
-            from vllm.v1.kv_cache_interface import MambaSpec
-
-            for i, grp in enumerate(self._kv_cache_config.kv_cache_groups):
-                group_of |= dict.fromkeys(grp.layer_names, i)
-                block_of |= dict.fromkeys(grp.layer_names, getattr(grp.kv_cache_spec, "block_size", None))
-                if isinstance(grp.kv_cache_spec, MambaSpec):
-                    state_layers.update(grp.layer_names)
-        descs: list[dict[str, Any]] = []
-        seen: set[tuple[int | None, int]] = set()
-        # Layers of a group first: with several KV-cache groups, the i-th
-        # layers of all groups view one tensor (vLLM's hybrid allocator),
-        # and each group copies its blocks through its own layers. A layer
-        # in no group reads another's KV (KV sharing): copied once, with it.
-        for name, t in sorted(kv_caches.items(), key=lambda kv: kv[0] not in group_of):
-            g = group_of.get(name)
-            if (g, t.data_ptr()) in seen or (g is None and any(p == t.data_ptr() for _, p in seen)):
-                continue  # layers that share one KV tensor (KV sharing) are copied once
-            seen.add((g, t.data_ptr()))
-            block_size = block_of.get(name) or self._vllm_config.cache_config.block_size
-            if name in state_layers:
-                descs.append(_state_desc(name, t, block_size, g or 0))
-            elif t.dim() == 4 and t.shape[2] != block_size:
-                descs.append(_kernel_split_desc(name, t, block_size, g or 0))
-            else:
-                descs.append(_tensor_desc(name, t, g or 0))
+        # Go decides each layer's group, which layers sharing a tensor are
+        # registered, the backend, kernel-block and Mamba state views.
+        groups = [{"classes": [c.__name__ for c in type(grp.kv_cache_spec).__mro__], "layers": list(grp.layer_names),
+                   "block_size": getattr(grp.kv_cache_spec, "block_size", 0) or 0}
+                  for grp in (self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else ())]
+        descs = native.vllm_tensors({"block_size": self._vllm_config.cache_config.block_size, "groups": groups,
+                                     "tensors": [_raw(name, t) for name, t in kv_caches.items()]})
         self.native.register(descs)
         self._cpu_caches = all(t.device.type == "cpu" for t in kv_caches.values())
 
