@@ -15,9 +15,8 @@ Go's golden file and against the real scheduler's metadata.
 
 from __future__ import annotations
 
-import ctypes
-
 import array
+import ctypes
 import json
 import logging
 from pathlib import Path
