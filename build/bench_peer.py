@@ -198,7 +198,7 @@ class KvshimSide:
     def after_alloc(self, req: str, blocks: list[int], load: int) -> None:
         ids = np.asarray(blocks, dtype=np.int64)
         self.sched.check(self.lib.kvshim_sched_after_alloc(self.sched.value, req.encode(),
-                                                           ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), len(ids), -1, load))
+                                                           ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), len(ids), 1, -1, load))
 
     def step(self, requests: list[dict], saves: bool) -> list[dict]:
         """build_connector_meta; every worker's bind, start_load_kv,

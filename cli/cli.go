@@ -22,8 +22,8 @@ type Info struct {
 // prints the version beside it, state one number: MINOR grows when
 // something is added, MAJOR when anything is removed or changes meaning.
 const (
-	ABIMajor   = 5
-	ABIMinor   = 6
+	ABIMajor   = 6
+	ABIMinor   = 0
 	ABIVersion = ABIMajor*1000 + ABIMinor // what kvshim_abi_version returns
 )
 

@@ -9,6 +9,7 @@ import "C"
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"time"
 	"unsafe"
 
@@ -102,7 +103,7 @@ func schedMatch(s *shim.Scheduler, reqID, extras *C.char, numComputed C.int64_t,
 }
 
 //export kvshim_sched_after_alloc
-func kvshim_sched_after_alloc(h C.int64_t, reqID *C.char, blocks *C.int64_t, nBlocks C.size_t, numComputed, numExternal C.int64_t) C.int {
+func kvshim_sched_after_alloc(h C.int64_t, reqID *C.char, blocks *C.int64_t, nBlocks, nGroups C.size_t, numComputed, numExternal C.int64_t) C.int {
 	return call(h, func(in *instance, s *shim.Scheduler) error {
 		req, err := goString(reqID, "req_id")
 		if err != nil {
@@ -112,9 +113,13 @@ func kvshim_sched_after_alloc(h C.int64_t, reqID *C.char, blocks *C.int64_t, nBl
 		if err != nil {
 			return err
 		}
-		return s.AfterAlloc(req, ids, int(numComputed), int(numExternal))
+		return s.AfterAlloc(req, ids, groupCount(nGroups), int(numComputed), int(numExternal))
 	})
 }
+
+// groupCount is n_groups as shim reads it: a count past any namespace's
+// stays one (a mismatch the scheduler names), never wraps.
+func groupCount(n C.size_t) int { return int(min(uint64(n), math.MaxInt32)) }
 
 //export kvshim_sched_build_meta
 func kvshim_sched_build_meta(h C.int64_t, stepJSON *C.char, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) C.int {
@@ -154,7 +159,7 @@ func kvshim_sched_finished(h C.int64_t, reqID *C.char, delay *C.int) C.int {
 }
 
 //export kvshim_sched_finished_tokens
-func kvshim_sched_finished_tokens(h C.int64_t, reqID *C.char, toks *C.uint32_t, nToks C.size_t, first, numComputed C.int64_t, blocks *C.int64_t, nBlocks C.size_t, delay *C.int) C.int {
+func kvshim_sched_finished_tokens(h C.int64_t, reqID *C.char, toks *C.uint32_t, nToks C.size_t, first, numComputed C.int64_t, blocks *C.int64_t, nBlocks, nGroups C.size_t, delay *C.int) C.int {
 	return call(h, func(in *instance, s *shim.Scheduler) error {
 		req, err := goString(reqID, "req_id")
 		if err != nil {
@@ -170,7 +175,7 @@ func kvshim_sched_finished_tokens(h C.int64_t, reqID *C.char, toks *C.uint32_t, 
 		if delay == nil {
 			return fmt.Errorf("delay is NULL: %w", errInvalid)
 		}
-		fin.First, fin.Computed = int(first), int(numComputed)
+		fin.First, fin.Computed, fin.Groups = int(first), int(numComputed), groupCount(nGroups)
 		// The request is finished either way: delay is set even when the
 		// tokens do not fit it (then nothing new is saved and the error says why).
 		d, err := s.FinishedSaving(req, &fin)

@@ -39,11 +39,16 @@
  *     it starts, new calls on h return KVSHIM_EBADH; it waits for the calls
  *     already running on h to return (each is bounded by its own timeout),
  *     then frees h's resources.
- *   - Several KV-cache groups (hybrid models): functions that take "blocks"
- *     take every group's block ids in one array of len(groups) equal parts,
- *     group 0 first, each part padded with -1 to the longest; with groups
- *     other than one full-attention group, block id 0 (vLLM's null block)
- *     means "no block".
+ * *
+ * Block ids (one form everywhere: kvshim_sched_after_alloc,
+ * kvshim_sched_finished_tokens and step_json's "blocks" / "new_blocks"):
+ * every KV-cache group's ids in one array of n_groups ("groups") equal
+ * parts, group 0 first, each part padded with -1 to the longest. n_groups
+ * is stated by the caller and must be the namespace's group count (1 for a
+ * model without groups; 0 reads as 1); an array of no ids is no blocks in
+ * any group.
+ * With groups other than one full-attention group, block id 0 (vLLM's
+ * null block) means "no block".
  */
 #ifndef KVSHIM_H
 #define KVSHIM_H
@@ -70,9 +75,12 @@ extern "C" {
  * events (kvshim_worker_take_save_reports, kvshim_sched_save_reports,
  * kvshim_sched_take_events); 5.4 layer-wise saves (kvshim_worker_save_layer); 5.5
  * kvshim_vllm_namespace (and, for tests, kvshim_meta_json); 5.6
- * kvshim_vllm_config, kvshim_vllm_tensors and kvshim_worker_start_loads_wait. */
-#define KVSHIM_ABI_MAJOR 5
-#define KVSHIM_ABI_MINOR 6
+ * kvshim_vllm_config, kvshim_vllm_tensors and kvshim_worker_start_loads_wait;
+ * 6.0 states the group count of block ids (n_groups of
+ * kvshim_sched_after_alloc and kvshim_sched_finished_tokens, step_json's
+ * "groups") and drops step_json's "group_blocks" / "new_group_blocks". */
+#define KVSHIM_ABI_MAJOR 6
+#define KVSHIM_ABI_MINOR 0
 #define KVSHIM_ABI_VERSION (KVSHIM_ABI_MAJOR * 1000 + KVSHIM_ABI_MINOR)
 
 typedef int64_t kvshim_handle;
@@ -162,16 +170,24 @@ int kvshim_sched_match(kvshim_handle h, const char *req_id, const uint32_t *toke
                        size_t n_tokens, const char *extras_json, int64_t num_computed,
                        int64_t *out);
 
-/* Answers update_state_after_alloc: blocks are all block ids of the
- * request in token order (every group's: see Threads above); num_computed the tokens vLLM has;
- * num_external the tokens to load. Plans the load; releases other holds. */
+/* Answers update_state_after_alloc: blocks[0:n_blocks] are all block ids
+ * of the request in token order, n_groups groups of them (Block ids
+ * above); num_computed the tokens vLLM has (negative: the value given to
+ * the match); num_external the tokens to load. Plans the load; releases
+ * other holds. KVSHIM_EINVAL when the ids are not n_groups equal parts or
+ * n_groups is not the namespace's. */
 int kvshim_sched_after_alloc(kvshim_handle h, const char *req_id, const int64_t *blocks,
-                             size_t n_blocks, int64_t num_computed, int64_t num_external);
+                             size_t n_blocks, size_t n_groups, int64_t num_computed,
+                             int64_t num_external);
 
 /* Answers build_connector_meta for one step described by step_json
- * ({"requests": [{"req", "blocks", "new_blocks", "computed", "scheduled"}],
- * "preempted": [...]}); writes the workers' metadata (variable-length
- * output). Resets the pending loads and finished requests. */
+ * ({"requests": [{"req", "blocks" (new and resumed requests: all their
+ * ids), "new_blocks" (running ones: the ids added this step), "groups"
+ * (their group count, Block ids above; absent: 1), "computed",
+ * "scheduled", "tokens", "tokens_from"}], "preempted": [...]}); writes the
+ * workers' metadata (variable-length output). Resets the pending loads and
+ * finished requests. A malformed step is KVSHIM_EINVAL naming the request,
+ * and nothing pending is lost. */
 int kvshim_sched_build_meta(kvshim_handle h, const char *step_json, void *buf, size_t cap,
                             size_t *out_len);
 
@@ -188,13 +204,14 @@ int kvshim_sched_finished(kvshim_handle h, const char *req_id, int *delay);
  * first on (first at most the prompt's full chunks: 0 is always right),
  * num_computed the tokens whose KV its blocks hold (vLLM's
  * num_computed_tokens less those still in flight), blocks[0:n_blocks] its
- * block ids in token order (every group's, as kvshim_sched_after_alloc). The saves go with the next step's
- * metadata; *delay is 1 when there are any. *delay is set even when the
- * call fails (tokens that do not fit the request: KVSHIM_EINVAL, nothing
- * new saved). */
+ * block ids in token order, n_groups groups of them (Block ids above). The
+ * saves go with the next step's metadata; *delay is 1 when there are any.
+ * *delay is set even when the call fails (tokens or blocks that do not fit
+ * the request: KVSHIM_EINVAL, nothing new saved). */
 int kvshim_sched_finished_tokens(kvshim_handle h, const char *req_id, const uint32_t *tokens,
                                  size_t n_tokens, int64_t first, int64_t num_computed,
-                                 const int64_t *blocks, size_t n_blocks, int *delay);
+                                 const int64_t *blocks, size_t n_blocks, size_t n_groups,
+                                 int *delay);
 
 /* ---- Scheduler role: vLLM's controls. ----
  *

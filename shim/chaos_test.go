@@ -189,7 +189,7 @@ func (c *chaosClient) save(t testing.TB, req string, tokens []uint32, blocks []i
 		c.cache.fill(int(b), seed)
 	}
 	c.match(t, req, tokens)
-	assert.NilError(t, c.sched.AfterAlloc(req, blocks, 0, 0))
+	assert.NilError(t, c.sched.AfterAlloc(req, blocks, 1, 0, 0))
 	before := c.w.Stats().SavedChunks
 	c.step(t, &Step{Requests: []StepRequest{{Req: req, Blocks: blocks, Scheduled: len(tokens)}}})
 	c.settle(t, 10*time.Second)
@@ -372,7 +372,7 @@ func TestChaosStalledWriter(t *testing.T) {
 			assert.Equal(t, saved, 0, "round %d: B saved %d chunks, C found none", round, saved)
 			continue
 		}
-		assert.NilError(t, c.sched.AfterAlloc(fmt.Sprint("C", round), dst, -1, n))
+		assert.NilError(t, c.sched.AfterAlloc(fmt.Sprint("C", round), dst, 1, -1, n))
 		c.step(t, &Step{})
 		// C's cache gets B's source bytes to compare with.
 		for _, blk := range src {
@@ -441,7 +441,7 @@ func TestChaosServerKilled(t *testing.T) {
 		}
 		if round%2 == 0 { // kill during a load
 			req, n := cl.matchHit(t, fmt.Sprint("L", round), tokens)
-			assert.NilError(t, cl.sched.AfterAlloc(req, dst, -1, n))
+			assert.NilError(t, cl.sched.AfterAlloc(req, dst, 1, -1, n))
 			go killer()
 			start := time.Now()
 			cl.step(t, &Step{})
@@ -461,7 +461,7 @@ func TestChaosServerKilled(t *testing.T) {
 				cl.cache.fill(int(b), uint64(round)+7)
 			}
 			cl.match(t, req, more)
-			assert.NilError(t, cl.sched.AfterAlloc(req, other, 0, 0))
+			assert.NilError(t, cl.sched.AfterAlloc(req, other, 1, 0, 0))
 			go killer()
 			cl.step(t, &Step{Requests: []StepRequest{{Req: req, Blocks: other, Scheduled: len(more)}}})
 			cl.settle(t, 3*timeout)
@@ -480,7 +480,7 @@ func TestChaosServerKilled(t *testing.T) {
 	}
 	req, n := cl.matchHit(t, "G", tokens)
 	assert.Equal(t, n, len(tokens)-1) // a full hit reports one token less
-	assert.NilError(t, cl.sched.AfterAlloc(req, dst, -1, n))
+	assert.NilError(t, cl.sched.AfterAlloc(req, dst, 1, -1, n))
 	cl.step(t, &Step{})
 	_, errs := cl.settle(t, 10*time.Second)
 	assert.Equal(t, cl.checkRestore(t, n, src, dst, errs), n/cBS)

@@ -172,7 +172,7 @@ func TestConnectorSaveThenRestoreIntoOtherBlocks(t *testing.T) {
 	// Request A computes everything: a miss, then its 3 chunks are saved.
 	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
 	srcBlocks := seq(10, 7)
-	assert.NilError(t, r.sched.AfterAlloc("A", srcBlocks, 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc("A", srcBlocks, 1, 0, 0))
 	for rank, c := range r.caches {
 		for _, b := range srcBlocks {
 			c.fill(int(b), uint64(rank+1))
@@ -194,7 +194,7 @@ func TestConnectorSaveThenRestoreIntoOtherBlocks(t *testing.T) {
 	n := r.match(t, "B", tokens, Extras{}, 0)
 	assert.Equal(t, n, 3*tChunk)
 	dst := seq(40, 6) // blocks for 24 tokens
-	assert.NilError(t, r.sched.AfterAlloc("B", dst, -1, n))
+	assert.NilError(t, r.sched.AfterAlloc("B", dst, 1, -1, n))
 	recv, errs := r.step(t, &Step{})
 	assert.Equal(t, recv["B"], 2, "each rank reports the load once")
 	assert.Equal(t, len(errs), 0)
@@ -225,7 +225,7 @@ func TestConnectorPartialPrefixAndLocalHit(t *testing.T) {
 	for _, b := range blocks {
 		r.caches[0].fill(int(b), 9)
 	}
-	assert.NilError(t, r.sched.AfterAlloc("A", blocks, 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc("A", blocks, 1, 0, 0))
 	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: blocks, Scheduled: 2*tChunk + 1}}})
 	r.sched.Finished("A")
 
@@ -235,7 +235,7 @@ func TestConnectorPartialPrefixAndLocalHit(t *testing.T) {
 	assert.Equal(t, n, 2*tChunk-tBS)
 	dst := []int64{0, 30, 31, 32, 33, 34, 35, 36}
 	before := r.caches[0].block(0, 0)
-	assert.NilError(t, r.sched.AfterAlloc("B", dst, -1, n))
+	assert.NilError(t, r.sched.AfterAlloc("B", dst, 1, -1, n))
 	recv, errs := r.step(t, &Step{})
 	assert.Equal(t, recv["B"], 1)
 	assert.Equal(t, len(errs), 0)
@@ -253,7 +253,7 @@ func TestConnectorServerDownIsAMiss(t *testing.T) {
 	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
 	assert.Assert(t, time.Since(start) < 3*time.Second)
 	// Saves with no server are skipped, not errors.
-	assert.NilError(t, r.sched.AfterAlloc("A", seq(0, 4), 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc("A", seq(0, 4), 1, 0, 0))
 	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: seq(0, 4), Scheduled: 2 * tChunk}}})
 	assert.Equal(t, r.workers[0].Stats().SavedChunks, uint64(0))
 }

@@ -50,7 +50,7 @@ func (r *rig) clearL1(t *testing.T) {
 // load plans req's load of n tokens into fresh blocks and runs it.
 func (r *rig) load(t *testing.T, req string, n int) {
 	t.Helper()
-	assert.NilError(t, r.sched.AfterAlloc(req, seq(40, (n+tBS-1)/tBS+1), 0, n))
+	assert.NilError(t, r.sched.AfterAlloc(req, seq(40, (n+tBS-1)/tBS+1), 1, 0, n))
 	recv, errs := r.step(t, &Step{})
 	assert.Equal(t, recv[req], 1)
 	assert.Equal(t, len(errs), 0)
@@ -86,7 +86,7 @@ func TestHitSourcesSplitByTier(t *testing.T) {
 	// vLLM having the first block itself (local hit): counts sum to the load.
 	n = r.match(t, "D", withTail(tokens), Extras{}, tBS)
 	assert.Equal(t, n, 3*tChunk-tBS)
-	assert.NilError(t, r.sched.AfterAlloc("D", seq(40, 7), tBS, n))
+	assert.NilError(t, r.sched.AfterAlloc("D", seq(40, 7), 1, tBS, n))
 	assert.DeepEqual(t, r.sched.HitSources("D", n), map[HitSource]int{SourceHost: tChunk - tBS, SourceDisk: 2 * tChunk})
 	r.step(t, &Step{})
 	r.sched.Finished("D")

@@ -39,7 +39,7 @@ func TestDecodeSavesChunksAtBoundaries(t *testing.T) {
 	for _, b := range blocks {
 		r.caches[0].fill(int(b), 7)
 	}
-	assert.NilError(t, r.sched.AfterAlloc("A", blocks[:5], 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc("A", blocks[:5], 1, 0, 0))
 	sv := decodeStep(t, r, StepRequest{Req: "A", Blocks: blocks[:5], Scheduled: len(prompt)})
 	assert.Equal(t, len(sv), 1)
 	assert.Equal(t, sv[0].First, uint32(0))
@@ -67,7 +67,7 @@ func TestDecodeSavesChunksAtBoundaries(t *testing.T) {
 	assert.Equal(t, r.sched.Requests(), 0)
 	assert.Equal(t, r.match(t, "A", all[:30], Extras{}, 0), 3*tChunk)
 	dst := seq(30, 10)
-	assert.NilError(t, r.sched.AfterAlloc("A", dst[:8], -1, 3*tChunk))
+	assert.NilError(t, r.sched.AfterAlloc("A", dst[:8], 1, -1, 3*tChunk))
 	recv, errs := r.step(t, &Step{})
 	assert.Equal(t, recv["A"], 1)
 	assert.Equal(t, len(errs), 0)
@@ -99,7 +99,7 @@ func TestDecodeSavesChunksOfAShortPrompt(t *testing.T) {
 	all := conversation(3*tChunk, 500)
 	assert.Equal(t, r.match(t, "A", all[:5], Extras{}, 0), 0)
 	blocks := seq(10, 6)
-	assert.NilError(t, r.sched.AfterAlloc("A", blocks[:2], 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc("A", blocks[:2], 1, 0, 0))
 	assert.Equal(t, len(decodeStep(t, r, StepRequest{Req: "A", Blocks: blocks[:2], Scheduled: 5})), 0)
 	sv := decodeStep(t, r, StepRequest{Req: "A", NewBlocks: blocks[2:5], Computed: 17, Scheduled: 1, Tokens: all[:16]})
 	want, err := ChunkHashes(r.sched.ns, all[:16], tChunk, Extras{})
@@ -110,6 +110,6 @@ func TestDecodeSavesChunksOfAShortPrompt(t *testing.T) {
 	assert.DeepEqual(t, sv[0].Blocks, blocks[:4])
 	assert.Equal(t, r.sched.Finished("A"), true)
 	assert.Equal(t, r.match(t, "B", all[:20], Extras{}, 0), 2*tChunk)
-	assert.NilError(t, r.sched.AfterAlloc("B", seq(40, 5), -1, 0))
+	assert.NilError(t, r.sched.AfterAlloc("B", seq(40, 5), 1, -1, 0))
 	assert.Equal(t, r.sched.Finished("B"), false)
 }

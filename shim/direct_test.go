@@ -65,7 +65,7 @@ func TestDirectAndRingLookupsAgree(t *testing.T) {
 		log = append(log, fmt.Sprintf("saved, L1 used %v", metric(t, r.srv, "kvshim_l1_used_bytes")))
 		// A full hit, loaded.
 		n := ask("full", tokens, 0)
-		assert.NilError(t, r.sched.AfterAlloc("full", seq(20, 7), -1, n))
+		assert.NilError(t, r.sched.AfterAlloc("full", seq(20, 7), 1, -1, n))
 		recv, errs := r.step(t, &Step{})
 		log = append(log, fmt.Sprintf("full loaded %d errs %d", recv["full"], len(errs)))
 		r.sched.Finished("full")
@@ -73,13 +73,13 @@ func TestDirectAndRingLookupsAgree(t *testing.T) {
 		other := append([]uint32(nil), tokens...)
 		other[2*tChunk+1]++
 		n = ask("prefix", other, 0)
-		assert.NilError(t, r.sched.AfterAlloc("prefix", seq(30, 7), -1, 0)) // vLLM loads nothing
+		assert.NilError(t, r.sched.AfterAlloc("prefix", seq(30, 7), 1, -1, 0)) // vLLM loads nothing
 		r.step(t, &Step{})
 		r.sched.Finished("prefix")
 		log = append(log, fmt.Sprintf("prefix %d declined, holds %v", n, metric(t, r.srv, "kvshim_l1_holds")))
 		// vLLM's own prefix cache has the first chunk.
 		n = ask("local", tokens, tChunk)
-		assert.NilError(t, r.sched.AfterAlloc("local", seq(40, 7), tChunk, n-tChunk))
+		assert.NilError(t, r.sched.AfterAlloc("local", seq(40, 7), 1, tChunk, n-tChunk))
 		recv, _ = r.step(t, &Step{})
 		r.sched.Finished("local")
 		log = append(log, fmt.Sprintf("local loaded %d", recv["local"]))
@@ -97,7 +97,7 @@ func TestDirectAndRingLookupsAgree(t *testing.T) {
 		}
 		req, n := firstHitAfterRestart(t, r, tokens)
 		log = append(log, fmt.Sprintf("after restart %d holds %v", n, metric(t, r.srv, "kvshim_l1_holds")))
-		assert.NilError(t, r.sched.AfterAlloc(req, seq(50, 7), -1, n))
+		assert.NilError(t, r.sched.AfterAlloc(req, seq(50, 7), 1, -1, n))
 		recv, errs = r.step(t, &Step{})
 		r.sched.Finished(req)
 		log = append(log, fmt.Sprintf("restart loaded %d errs %d", recv[req], len(errs)))

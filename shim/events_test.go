@@ -81,7 +81,7 @@ func TestEventsNothingForSkippedSave(t *testing.T) {
 			r.caches[0].fill(int(b), 5)
 		}
 		assert.Equal(t, r.match(t, req, tokens, Extras{}, 0), 0)
-		assert.NilError(t, r.sched.AfterAlloc(req, blocks, 0, 0))
+		assert.NilError(t, r.sched.AfterAlloc(req, blocks, 1, 0, 0))
 		step.Requests = append(step.Requests, StepRequest{Req: req, Blocks: blocks, Scheduled: 2 * tChunk})
 	}
 	r.step(t, step)

@@ -106,7 +106,7 @@ func saveChunks(t testing.TB, r *rig, req string, tokens []uint32, chunks int) (
 		r.caches[0].fill(int(b), 5)
 	}
 	assert.Equal(t, r.match(t, req, tokens, Extras{}, 0), 0)
-	assert.NilError(t, r.sched.AfterAlloc(req, blocks, 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc(req, blocks, 1, 0, 0))
 	saved := r.workers[0].Stats().SavedChunks
 	r.step(t, &Step{Requests: []StepRequest{{Req: req, Blocks: blocks, Scheduled: chunks * tChunk}}})
 	r.sched.Finished(req)
@@ -156,7 +156,7 @@ func TestFakeCUDAServerRestart(t *testing.T) {
 	n := r.match(t, "C", tokens, Extras{}, 0)
 	assert.Equal(t, n, 2*tChunk)
 	dst := seq(40, 4)
-	assert.NilError(t, r.sched.AfterAlloc("C", dst, -1, n))
+	assert.NilError(t, r.sched.AfterAlloc("C", dst, 1, -1, n))
 	recv, errs := r.step(t, &Step{})
 	assert.Equal(t, recv["C"], 1)
 	assert.Equal(t, len(errs), 0)
@@ -182,7 +182,7 @@ func TestFakeCUDASlowCopy(t *testing.T) {
 	load := func(req string) (copiesAtReport uint64, errs []int64) {
 		n := r.match(t, req, tokens, Extras{}, 0)
 		assert.Equal(t, n, 2*tChunk)
-		assert.NilError(t, r.sched.AfterAlloc(req, seq(20, 4), -1, n))
+		assert.NilError(t, r.sched.AfterAlloc(req, seq(20, 4), 1, -1, n))
 		d.Reset(delay)
 		recv, errs := r.step(t, &Step{})
 		assert.Equal(t, recv[req], 1)
@@ -232,7 +232,7 @@ func TestFakeCUDASaveWaitsForStreamEvent(t *testing.T) {
 	}
 
 	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
-	assert.NilError(t, r.sched.AfterAlloc("A", blocks, 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc("A", blocks, 1, 0, 0))
 	b, err := r.sched.BuildMeta(&Step{Requests: []StepRequest{{Req: "A", Blocks: blocks, Scheduled: 2 * tChunk}}})
 	assert.NilError(t, err)
 	m, err := DecodeStepMeta(b, w.Layout().ChunkBlocks(), w.Layout().NumBlocks())
@@ -248,7 +248,7 @@ func TestFakeCUDASaveWaitsForStreamEvent(t *testing.T) {
 	n := r.match(t, "B", tokens, Extras{}, 0)
 	assert.Equal(t, n, 2*tChunk)
 	dst := seq(40, 4)
-	assert.NilError(t, r.sched.AfterAlloc("B", dst, -1, n))
+	assert.NilError(t, r.sched.AfterAlloc("B", dst, 1, -1, n))
 	_, errs := r.step(t, &Step{})
 	assert.Equal(t, len(errs), 0)
 	bb := kBytes / 4

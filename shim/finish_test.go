@@ -36,7 +36,7 @@ func TestFinishedSavesTheGeneratedChunks(t *testing.T) {
 	prompt := conversation(2*tChunk+3, 100) // 2 full chunks + 3
 	assert.Equal(t, r.match(t, "A", prompt, Extras{}, 0), 0)
 	blocks := seq(10, 8) // room for 32 tokens
-	assert.NilError(t, r.sched.AfterAlloc("A", blocks, 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc("A", blocks, 1, 0, 0))
 	for _, b := range blocks {
 		r.caches[0].fill(int(b), 7)
 	}
@@ -71,7 +71,7 @@ func TestFinishedSavesTheGeneratedChunks(t *testing.T) {
 	turn2 := append(append([]uint32{}, all...), conversation(5, 2000)...)
 	assert.Equal(t, r.match(t, "B", turn2, Extras{}, 0), 4*tChunk)
 	dst := seq(30, 8)
-	assert.NilError(t, r.sched.AfterAlloc("B", dst, -1, 4*tChunk))
+	assert.NilError(t, r.sched.AfterAlloc("B", dst, 1, -1, 4*tChunk))
 	recv, errs := r.step(t, &Step{})
 	assert.Equal(t, recv["B"], 1)
 	assert.Equal(t, len(errs), 0)
@@ -105,7 +105,7 @@ func TestFinishedSavesOnlyComputedUnsavedChunks(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			assert.Equal(t, r.match(t, tc.name, prompt, ex, 0), 0)
-			assert.NilError(t, r.sched.AfterAlloc(tc.name, blocks, 0, 0))
+			assert.NilError(t, r.sched.AfterAlloc(tc.name, blocks, 1, 0, 0))
 			// the prompt's chunk 0 goes with the prefill step
 			b, err := r.sched.BuildMeta(&Step{Requests: []StepRequest{{Req: tc.name, Blocks: blocks[:3], Scheduled: len(prompt)}}})
 			assert.NilError(t, err)

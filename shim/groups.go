@@ -170,12 +170,21 @@ func (s NamespaceSpec) GroupNamespaces() ([]GroupSpec, []NamespaceSpec, error) {
 // model's one Mamba group as much as a hybrid model's).
 func asBefore(gs []GroupSpec) bool { return len(gs) == 1 && gs[0].Kind == GroupFull }
 
-// splitGroups splits the block ids of the groups gs, passed as one array
-// of len(gs) equal parts (group 0 first, each padded with -1 to the
-// longest), into one list per group. Unless the groups are asBefore, id 0
-// (vLLM's null block) becomes -1: no block.
-func splitGroups(ids []int64, gs []GroupSpec) ([][]int64, error) {
-	n := len(gs)
+// splitGroups reads block ids in the one form they cross the C ABI in:
+// n equal parts of ids, one per KV-cache group in vLLM's order, each
+// padded with -1 to the longest (vLLM's ids are never negative). n is the
+// group count the caller states (0 reads as 1): it must be the
+// namespace's. It returns one table per group, the padding dropped; unless
+// the groups are asBefore, vLLM's null block (id 0) becomes -1: no block.
+// No ids are no blocks in any group, whatever the count.
+func splitGroups(ids []int64, n int, gs []GroupSpec) ([][]int64, error) {
+	if len(ids) == 0 {
+		return make([][]int64, len(gs)), nil
+	}
+	n = max(n, 1)
+	if n != len(gs) {
+		return nil, fmt.Errorf("%w: block ids of %d KV-cache groups, the namespace has %d", ErrBadMeta, n, len(gs))
+	}
 	if asBefore(gs) {
 		return [][]int64{ids}, nil
 	}
@@ -185,18 +194,17 @@ func splitGroups(ids []int64, gs []GroupSpec) ([][]int64, error) {
 	per := len(ids) / n
 	out := make([][]int64, n)
 	for g := range out {
-		part := make([]int64, per)
-		for i, id := range ids[g*per : (g+1)*per] {
+		part := ids[g*per : (g+1)*per]
+		for len(part) > 0 && part[len(part)-1] == -1 {
+			part = part[:len(part)-1]
+		}
+		out[g] = make([]int64, len(part))
+		for i, id := range part {
 			if id == 0 {
 				id = -1
 			}
-			part[i] = id
+			out[g][i] = id
 		}
-		// trailing padding is not part of the table
-		for len(part) > 0 && part[len(part)-1] < 0 {
-			part = part[:len(part)-1]
-		}
-		out[g] = part
 	}
 	return out, nil
 }

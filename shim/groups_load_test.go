@@ -23,7 +23,7 @@ func TestEmptyGroupLoadReadsNoLookup(t *testing.T) {
 	// (Skipped(16) = 16), vLLM gives it null blocks below.
 	assert.Equal(t, r.match(t, "B", tokens, Extras{}, 0), 2*tChunk)
 	b0, b1 := seq(30, 5), []int64{0, 0, 0, 0, 44}
-	assert.NilError(t, s.AfterAlloc("B", append(slices.Clone(b0), b1...), 0, 2*tChunk))
+	assert.NilError(t, s.AfterAlloc("B", append(slices.Clone(b0), b1...), 2, 0, 2*tChunk))
 	b, err := s.BuildMeta(&Step{})
 	assert.NilError(t, err)
 	m, err := DecodeStepMeta(b, tChunk/tBS, tBlocks)

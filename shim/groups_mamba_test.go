@@ -63,7 +63,7 @@ func TestMambaSaveSkipsChunksWithoutState(t *testing.T) {
 	// Blocks of 4, chunks of 8: the states at 8, 24 and 32 are there (block
 	// 1, 5, 7), the one at 16 (block 3) is not.
 	full, state := seq(10, 9), []int64{0, 21, 0, 0, 0, 25, 0, 27, 28}
-	b, err := s.BuildMeta(&Step{Requests: []StepRequest{{Req: "A", Blocks: full, GroupBlocks: [][]int64{state}, Scheduled: len(prompt)}}})
+	b, err := s.BuildMeta(&Step{Requests: []StepRequest{{Req: "A", Blocks: flatGroups(full, state), Groups: 2, Scheduled: len(prompt)}}})
 	assert.NilError(t, err)
 	m, err := DecodeStepMeta(b, tChunk/tBS, tBlocks)
 	assert.NilError(t, err)
@@ -102,13 +102,13 @@ func TestMambaHitEndsOnAStoredState(t *testing.T) {
 			c.fill(int(b), 7)
 		}
 	}
-	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: a0, GroupBlocks: [][]int64{a1}, Scheduled: len(tokens)}}})
+	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: flatGroups(a0, a1), Groups: 2, Scheduled: len(tokens)}}})
 	assert.Equal(t, w.Stats().SavedChunks, uint64(3+2))
 
 	assert.Equal(t, r.match(t, "B", tokens, Extras{}, 0), 3*tChunk)
 	// vLLM's blocks for a hit of 24: nulls below the state block (Skipped(24) = 23).
 	b0, b1 := seq(30, 7), []int64{0, 0, 0, 0, 0, 45, 46}
-	assert.NilError(t, s.AfterAlloc("B", append(slices.Clone(b0), b1...), 0, 3*tChunk))
+	assert.NilError(t, s.AfterAlloc("B", append(slices.Clone(b0), b1...), 2, 0, 3*tChunk))
 	recving, errBlocks := r.step(t, &Step{})
 	assert.DeepEqual(t, recving, map[string]int{"B": 1})
 	assert.Equal(t, len(errBlocks), 0)
@@ -147,7 +147,7 @@ func TestLoneMambaGroupNullBlocksHoldNoState(t *testing.T) {
 
 	assert.Equal(t, r.match(t, "B", tokens, Extras{}, 0), 3*tChunk)
 	b := []int64{0, 0, 0, 0, 0, 45, 46} // vLLM's blocks for a hit of 24: nulls below the state block
-	assert.NilError(t, s.AfterAlloc("B", b, 0, 3*tChunk))
+	assert.NilError(t, s.AfterAlloc("B", b, 1, 0, 3*tChunk))
 	recving, errBlocks := r.step(t, &Step{})
 	assert.DeepEqual(t, recving, map[string]int{"B": 1})
 	assert.Equal(t, len(errBlocks), 0)

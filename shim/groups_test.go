@@ -82,17 +82,59 @@ func TestObjectFirstBlock(t *testing.T) {
 
 func TestSplitGroups(t *testing.T) {
 	full, mamba := GroupSpec{Kind: GroupFull}, GroupSpec{Kind: GroupMamba}
-	one, err := splitGroups([]int64{0, 1, 2}, []GroupSpec{full})
+	for _, tc := range []struct {
+		name   string
+		ids    []int64
+		n      int
+		groups []GroupSpec
+		want   [][]int64
+		err    string
+	}{
+		{"one attention group: as it is", []int64{0, 1, 2}, 1, []GroupSpec{full}, [][]int64{{0, 1, 2}}, ""},
+		{"a count of 0 reads as 1", []int64{0, 1, 2}, 0, []GroupSpec{full}, [][]int64{{0, 1, 2}}, ""},
+		{"one Mamba group: null blocks are no state", []int64{0, 1, 0, 2}, 1, []GroupSpec{mamba}, [][]int64{{-1, 1, -1, 2}}, ""},
+		{"padding dropped, a trailing null block kept", []int64{5, 6, 7, 0, 9, 0, 8, -1, -1}, 3, []GroupSpec{full, mamba, full},
+			[][]int64{{5, 6, 7}, {-1, 9, -1}, {8}}, ""},
+		{"no ids: no blocks in any group", nil, 0, []GroupSpec{full, mamba}, [][]int64{nil, nil}, ""},
+		{"ids not in equal parts", []int64{1, 2, 3}, 2, []GroupSpec{full, full}, nil, "3 block ids for 2 groups"},
+		{"a count that is not the namespace's", []int64{1, 2}, 1, []GroupSpec{full, mamba}, nil, "block ids of 1 KV-cache groups, the namespace has 2"},
+	} {
+		got, err := splitGroups(tc.ids, tc.n, tc.groups)
+		if tc.err != "" {
+			assert.Check(t, is.ErrorIs(err, ErrBadMeta), tc.name)
+			assert.Check(t, is.ErrorContains(err, tc.err), tc.name)
+			continue
+		}
+		assert.NilError(t, err, tc.name)
+		assert.DeepEqual(t, got, tc.want)
+	}
+}
+
+// A malformed step is refused whole: the loads and saves it would have
+// carried stay pending for the next one.
+func TestBuildMetaRefusesBadBlockIDsAndKeepsThePending(t *testing.T) {
+	spec := NamespaceSpec{Model: "m", DType: "bfloat16", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk,
+		LayoutFingerprint: `{"groups": [{"kind": "full"}, {"kind": "sliding_window", "window": 3}]}`}
+	s, err := NewScheduler(SchedulerConfig{Socket: filepath.Join(t.TempDir(), "none.sock"), Namespace: spec, BlockSize: tBS,
+		Timeout: 200 * time.Millisecond, Instance: uuid.New()})
 	assert.NilError(t, err)
-	assert.DeepEqual(t, one, [][]int64{{0, 1, 2}}) // one attention group: as it is
-	lone, err := splitGroups([]int64{0, 1, 0, 2}, []GroupSpec{mamba})
+	defer s.Close()
+	prompt := conversation(2*tChunk+1, 100)
+	_, _, err = s.Match("A", prompt, Extras{}, 0)
 	assert.NilError(t, err)
-	assert.DeepEqual(t, lone, [][]int64{{-1, 1, -1, 2}}) // one Mamba group: null blocks are no state
-	two, err := splitGroups([]int64{5, 6, 7, 0, 0, 9, 8, -1, -1}, []GroupSpec{full, mamba, full})
-	assert.NilError(t, err)
-	assert.DeepEqual(t, two, [][]int64{{5, 6, 7}, {-1, -1, 9}, {8}})
-	_, err = splitGroups([]int64{1, 2, 3}, []GroupSpec{full, full})
+	full, window := []int64{10, 11, 12, 13, 14}, []int64{20, 21, 22, 23, 24}
+	assert.NilError(t, s.AfterAlloc("A", flatGroups(full, window), 2, 0, 0))
+	err = s.AfterAlloc("A", full, 1, 0, 0)
+	assert.Check(t, is.ErrorContains(err, "block ids of 1 KV-cache groups, the namespace has 2"))
+	bad := []StepRequest{{Req: "A", Blocks: flatGroups(full, window)[1:], Groups: 2, Scheduled: len(prompt)}}
+	_, err = s.BuildMeta(&Step{Requests: bad})
 	assert.Check(t, is.ErrorIs(err, ErrBadMeta))
+	assert.Check(t, is.ErrorContains(err, `request "A"`))
+	raw, err := s.BuildMeta(&Step{Requests: []StepRequest{{Req: "A", Blocks: flatGroups(full, window), Groups: 2, Scheduled: len(prompt)}}})
+	assert.NilError(t, err)
+	m, err := DecodeStepMeta(raw, tChunk/tBS, tBlocks)
+	assert.NilError(t, err)
+	assert.Equal(t, len(m.Saves), 2) // both groups' chunk, as if the bad step had not come
 }
 
 // A windowed group's save leaves the blocks outside the window out, and a
@@ -112,7 +154,7 @@ func TestWindowedSaveFencesItsBlocks(t *testing.T) {
 	assert.Equal(t, n, 0)
 	assert.Check(t, !pending)
 	full, window := []int64{10, 11, 12, 13, 14}, []int64{20, 21, 22, 23, 24}
-	assert.NilError(t, s.AfterAlloc("A", append(append([]int64{}, full...), window...), 0, 0))
+	assert.NilError(t, s.AfterAlloc("A", append(append([]int64{}, full...), window...), 2, 0, 0))
 	meta := func(st *Step) *StepMeta {
 		b, err := s.BuildMeta(st)
 		assert.NilError(t, err)
@@ -120,7 +162,7 @@ func TestWindowedSaveFencesItsBlocks(t *testing.T) {
 		assert.NilError(t, err)
 		return m
 	}
-	m := meta(&Step{Requests: []StepRequest{{Req: "A", Blocks: full, GroupBlocks: [][]int64{window}, Scheduled: len(prompt)}}})
+	m := meta(&Step{Requests: []StepRequest{{Req: "A", Blocks: flatGroups(full, window), Groups: 2, Scheduled: len(prompt)}}})
 	assert.Equal(t, len(m.Saves), 2)
 	assert.Equal(t, m.Saves[0].Group, uint32(0))
 	assert.DeepEqual(t, m.Saves[0].Blocks, []int64{10, 11, 12, 13})
@@ -132,11 +174,11 @@ func TestWindowedSaveFencesItsBlocks(t *testing.T) {
 
 	// vLLM freed 20..23 (A's window moved on) and hands them out: 20 was
 	// never read by a save, 23 still may be.
-	m = meta(&Step{Requests: []StepRequest{{Req: "B", Blocks: []int64{30}, GroupBlocks: [][]int64{{20}}, Scheduled: 1}}})
+	m = meta(&Step{Requests: []StepRequest{{Req: "B", Blocks: []int64{30, 20}, Groups: 2, Scheduled: 1}}})
 	assert.Equal(t, len(m.Preempted), 0)
-	m = meta(&Step{Requests: []StepRequest{{Req: "B", NewBlocks: []int64{31}, NewGroupBlocks: [][]int64{{23}}, Scheduled: 1}}})
+	m = meta(&Step{Requests: []StepRequest{{Req: "B", NewBlocks: []int64{31, 23}, Groups: 2, Scheduled: 1}}})
 	assert.DeepEqual(t, m.Preempted, []string{"A"})
-	m = meta(&Step{Requests: []StepRequest{{Req: "B", NewBlocks: []int64{32}, NewGroupBlocks: [][]int64{{23}}, Scheduled: 1}}})
+	m = meta(&Step{Requests: []StepRequest{{Req: "B", NewBlocks: []int64{32, 23}, Groups: 2, Scheduled: 1}}})
 	assert.Equal(t, len(m.Preempted), 0) // waited once
 }
 
@@ -156,7 +198,7 @@ func TestGroupsSaveAndRestoreByTheirProtocol(t *testing.T) {
 	// Skipped(16) = 14, block 3 on.
 	assert.Equal(t, r.match(t, "B", tokens, Extras{}, 0), 2*tChunk)
 	b0, b1 := seq(30, 5), []int64{0, 0, 0, 43, 44}
-	assert.NilError(t, s.AfterAlloc("B", append(slices.Clone(b0), b1...), 0, 2*tChunk))
+	assert.NilError(t, s.AfterAlloc("B", append(slices.Clone(b0), b1...), 2, 0, 2*tChunk))
 	recving, errBlocks := r.step(t, &Step{})
 	assert.DeepEqual(t, recving, map[string]int{"B": 1})
 	assert.Equal(t, len(errBlocks), 0)
@@ -173,7 +215,7 @@ func TestGroupsSaveAndRestoreByTheirProtocol(t *testing.T) {
 	// so its blocks are load errors and nothing is copied.
 	assert.Equal(t, r.match(t, "C", tokens, Extras{}, 0), 2*tChunk)
 	c0, c1 := seq(50, 5), []int64{0, 0, 0, 53, 54}
-	assert.NilError(t, s.AfterAlloc("C", append(slices.Clone(c0), c1...), 0, 2*tChunk))
+	assert.NilError(t, s.AfterAlloc("C", append(slices.Clone(c0), c1...), 2, 0, 2*tChunk))
 	b, err := s.BuildMeta(&Step{})
 	assert.NilError(t, err)
 	m, err := DecodeStepMeta(b, tChunk/tBS, tBlocks)
@@ -214,11 +256,28 @@ func saveTwoGroups(t *testing.T, r *rig, c *rankCache) (tokens []uint32, a0, a1 
 	tokens = conversation(2*tChunk+1, 100)
 	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
 	a0, a1 = seq(10, 5), seq(20, 5)
-	assert.NilError(t, r.sched.AfterAlloc("A", append(slices.Clone(a0), a1...), 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc("A", append(slices.Clone(a0), a1...), 2, 0, 0))
 	for _, b := range append(slices.Clone(a0), a1...) {
 		c.fill(int(b), 7)
 	}
-	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: a0, GroupBlocks: [][]int64{a1}, Scheduled: len(tokens)}}})
+	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: flatGroups(a0, a1), Groups: 2, Scheduled: len(tokens)}}})
 	assert.Equal(t, r.workers[0].Stats().SavedChunks, uint64(4))
 	return tokens, a0, a1
+}
+
+// flatGroups is block tables as they cross the C ABI (splitGroups): one
+// after the other, each padded with -1 to the longest.
+func flatGroups(tables ...[]int64) []int64 {
+	n := 0
+	for _, t := range tables {
+		n = max(n, len(t))
+	}
+	var out []int64
+	for _, t := range tables {
+		out = append(out, t...)
+		for range n - len(t) {
+			out = append(out, -1)
+		}
+	}
+	return out
 }

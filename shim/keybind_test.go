@@ -21,7 +21,7 @@ func savePrompt(t *testing.T, r *rig, req string, tokens []uint32, blocks []int6
 		}
 	}
 	assert.Equal(t, r.match(t, req, tokens, Extras{}, 0), 0)
-	assert.NilError(t, r.sched.AfterAlloc(req, blocks, 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc(req, blocks, 1, 0, 0))
 	r.step(t, &Step{Requests: []StepRequest{{Req: req, Blocks: blocks, Scheduled: len(tokens)}}})
 	r.sched.Finished(req)
 	r.step(t, &Step{})
@@ -88,7 +88,7 @@ func TestConnectorObjectOfAnotherKeyIsALoadError(t *testing.T) {
 					cache.fill(int(b), 999+uint64(rank))
 				}
 			}
-			assert.NilError(t, r.sched.AfterAlloc("load", dst, -1, n))
+			assert.NilError(t, r.sched.AfterAlloc("load", dst, 1, -1, n))
 			recv, errBlocks := r.step(t, &Step{})
 			r.sched.Finished("load")
 			assert.Equal(t, recv["load"], 2)
@@ -129,7 +129,7 @@ func TestLoadSpecCarriesChunkHashes(t *testing.T) {
 	hs := savePrompt(t, r, "save", tokens[:2*tChunk+1], seq(0, 5), 1)
 	n := r.match(t, "load", tokens, Extras{}, tChunk)
 	assert.Equal(t, n, tChunk)
-	assert.NilError(t, r.sched.AfterAlloc("load", seq(10, 4), -1, n))
+	assert.NilError(t, r.sched.AfterAlloc("load", seq(10, 4), 1, -1, n))
 	b, err := r.sched.BuildMeta(&Step{})
 	assert.NilError(t, err)
 	w := r.workers[0]
@@ -161,7 +161,7 @@ func TestLoadWithoutChunkHashesLoadsNothing(t *testing.T) {
 	tokens := tokensOf(13, 5)
 	savePrompt(t, r, "save", tokens, seq(0, 6), 1)
 	n := r.match(t, "load", tokens, Extras{}, 0)
-	assert.NilError(t, r.sched.AfterAlloc("load", seq(20, 6), -1, n))
+	assert.NilError(t, r.sched.AfterAlloc("load", seq(20, 6), 1, -1, n))
 	b, err := r.sched.BuildMeta(&Step{})
 	assert.NilError(t, err)
 	w := r.workers[0]

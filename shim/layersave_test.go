@@ -21,7 +21,7 @@ func lsRig(t *testing.T, mul uint32) (*rig, *StepMeta, []uint32, []int64) {
 		c.fill(int(b), 1)
 	}
 	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
-	assert.NilError(t, r.sched.AfterAlloc("A", blocks, 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc("A", blocks, 1, 0, 0))
 	b, err := r.sched.BuildMeta(&Step{Requests: []StepRequest{{Req: "A", Blocks: blocks, Scheduled: 2 * tChunk}}})
 	assert.NilError(t, err)
 	m, err := DecodeStepMeta(b, w.Layout().ChunkBlocks(), w.Layout().NumBlocks())
@@ -41,7 +41,7 @@ func restoreAs(t *testing.T, r *rig, req string, tokens []uint32) []int64 {
 	}
 	assert.Equal(t, n, 2*tChunk)
 	dst := seq(40, 4)
-	assert.NilError(t, r.sched.AfterAlloc(req, dst, -1, n))
+	assert.NilError(t, r.sched.AfterAlloc(req, dst, 1, -1, n))
 	_, errs := r.step(t, &Step{})
 	assert.Equal(t, len(errs), 0)
 	return dst

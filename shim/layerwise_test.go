@@ -22,7 +22,7 @@ func lwRig(t *testing.T) (*rig, *StepMeta, []int64, []int64) {
 	n := r.match(t, "B", tokens, Extras{}, 0)
 	assert.Equal(t, n, 3*tChunk-1)
 	dst := seq(30, len(src))
-	assert.NilError(t, r.sched.AfterAlloc("B", dst, -1, n))
+	assert.NilError(t, r.sched.AfterAlloc("B", dst, 1, -1, n))
 	b, err := r.sched.BuildMeta(&Step{Requests: []StepRequest{{Req: "B", Blocks: dst, Computed: n, Scheduled: 1}}})
 	assert.NilError(t, err)
 	w := r.workers[0]

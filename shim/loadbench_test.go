@@ -110,7 +110,7 @@ func BenchmarkLoadPipeline(b *testing.B) {
 		if n := match(req, tokens); n != 0 {
 			b.Fatalf("hit %d before the save", n)
 		}
-		if err := sched.AfterAlloc(req, src, 0, 0); err != nil {
+		if err := sched.AfterAlloc(req, src, 1, 0, 0); err != nil {
 			b.Fatal(err)
 		}
 		saved := w.Stats().SavedChunks
@@ -171,7 +171,7 @@ func BenchmarkLoadPipeline(b *testing.B) {
 					if n := match(req, prompts[verify]); n != chunks*chunkTokens {
 						b.Fatalf("hit %d tokens", n)
 					}
-					if err := sched.AfterAlloc(req, dst, -1, chunks*chunkTokens); err != nil {
+					if err := sched.AfterAlloc(req, dst, 1, -1, chunks*chunkTokens); err != nil {
 						b.Fatal(err)
 					}
 					meta, err := sched.BuildMeta(&Step{})

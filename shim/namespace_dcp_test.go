@@ -88,7 +88,7 @@ func TestConnectorSharedMLAReadersReleaseTheirHolds(t *testing.T) {
 		}
 	}
 	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
-	assert.NilError(t, r.sched.AfterAlloc("A", src, 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc("A", src, 1, 0, 0))
 	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: src, Scheduled: len(tokens)}}})
 	r.sched.Finished("A")
 	assert.Equal(t, r.workers[0].Stats().SavedChunks, uint64(3))
@@ -98,7 +98,7 @@ func TestConnectorSharedMLAReadersReleaseTheirHolds(t *testing.T) {
 	n := r.match(t, "B", q, Extras{}, 0)
 	assert.Equal(t, n, 3*tChunk)
 	dst := seq(30, 3*tChunk/tBS)
-	assert.NilError(t, r.sched.AfterAlloc("B", dst, -1, n))
+	assert.NilError(t, r.sched.AfterAlloc("B", dst, 1, -1, n))
 	recv, errs := r.step(t, &Step{})
 	assert.Equal(t, recv["B"], 2)
 	assert.Equal(t, len(errs), 0)
@@ -129,7 +129,7 @@ func TestConnectorDCPSaveRestore(t *testing.T) {
 		}
 	}
 	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
-	assert.NilError(t, r.sched.AfterAlloc("A", src, 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc("A", src, 1, 0, 0))
 	r.step(t, &Step{Requests: []StepRequest{{Req: "A", Blocks: src, Scheduled: len(tokens)}}})
 	r.sched.Finished("A")
 	for _, w := range r.workers {
@@ -139,7 +139,7 @@ func TestConnectorDCPSaveRestore(t *testing.T) {
 	n := r.match(t, "B", q, Extras{}, 0)
 	assert.Equal(t, n, 3*tChunk)
 	dst := seq(40, 3*cb)
-	assert.NilError(t, r.sched.AfterAlloc("B", dst, -1, n))
+	assert.NilError(t, r.sched.AfterAlloc("B", dst, 1, -1, n))
 	recv, errs := r.step(t, &Step{})
 	assert.Equal(t, recv["B"], 2)
 	assert.Equal(t, len(errs), 0)

@@ -147,7 +147,7 @@ func startLoad(t *testing.T, r *rig, req string, tokens []uint32, dst []int64) *
 	for _, b := range dst {
 		r.caches[0].fill(int(b), 999)
 	}
-	assert.NilError(t, r.sched.AfterAlloc(req, dst, -1, n))
+	assert.NilError(t, r.sched.AfterAlloc(req, dst, 1, -1, n))
 	b, err := r.sched.BuildMeta(&Step{})
 	assert.NilError(t, err)
 	w := r.workers[0]
@@ -347,7 +347,7 @@ func TestConnectorSaveFreesBlocksBeforeCommit(t *testing.T) {
 	}
 	t.Cleanup(func() { beforeCommit = nil })
 	assert.Equal(t, r.match(t, "save", tokens, Extras{}, 0), 0)
-	assert.NilError(t, r.sched.AfterAlloc("save", src, 0, 0))
+	assert.NilError(t, r.sched.AfterAlloc("save", src, 1, 0, 0))
 	b, err := r.sched.BuildMeta(&Step{Requests: []StepRequest{{Req: "save", Blocks: src, Scheduled: len(tokens)}}})
 	assert.NilError(t, err)
 	m, err := DecodeStepMeta(b, w.Layout().ChunkBlocks(), w.Layout().NumBlocks())

@@ -106,7 +106,7 @@ func BenchmarkFirstSave(b *testing.B) {
 					for i := range blk {
 						blk[i] = int64(i)
 					}
-					if err := s.AfterAlloc(req, blk, 0, 0); err != nil {
+					if err := s.AfterAlloc(req, blk, 1, 0, 0); err != nil {
 						b.Fatal(err)
 					}
 					raw, err := s.BuildMeta(&Step{Requests: []StepRequest{{Req: req, Blocks: blk, Scheduled: chunks * chunkTokens}}})

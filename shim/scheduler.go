@@ -35,8 +35,8 @@ type SchedulerConfig struct {
 // With several KV-cache groups (groups.go) every group has its own
 // namespace, lookup, holds, loads and saves; chunk hashes are computed
 // once (from group 0's namespace) and the object key of a group's chunk is
-// (the group's namespace, rank, hash). Block ids cross the C ABI as one
-// array of all groups (splitGroups).
+// (the group's namespace, rank, hash). Block ids cross the C ABI in one
+// form: one array of all groups with their count (splitGroups).
 type Scheduler struct {
 	cfg    SchedulerConfig
 	ns     kv.Namespace   // group 0's: roots the chunk hashes
@@ -475,8 +475,8 @@ func (s *Scheduler) reapOrphans() {
 
 // setBlocks records the request's block tables from one array of all
 // groups (splitGroups).
-func (s *Scheduler) setBlocks(r *schedReq, blocks []int64) error {
-	parts, err := splitGroups(blocks, s.groups)
+func (s *Scheduler) setBlocks(r *schedReq, blocks []int64, groups int) error {
+	parts, err := splitGroups(blocks, groups, s.groups)
 	if err != nil {
 		return err
 	}
@@ -487,15 +487,15 @@ func (s *Scheduler) setBlocks(r *schedReq, blocks []int64) error {
 }
 
 // AfterAlloc answers update_state_after_alloc: blocks are all the request's
-// block ids so far (vLLM's own prefix-cache hits first; with several
-// KV-cache groups, every group's in one array: splitGroups), numComputed
+// block ids so far (vLLM's own prefix-cache hits first; every KV-cache
+// group's in one array, groups of them: splitGroups), numComputed
 // the tokens vLLM has itself (negative: the value given to Match),
 // numExternal the tokens to load. It plans, per group, the load of the
 // chunks that cover [numComputed, numComputed+numExternal) and hold blocks
 // the group needs there (a windowed group: from its window's first block
 // on), skipping the blocks vLLM already has, and releases every other hold.
 // A second call (more blocks after the load) only records the blocks.
-func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExternal int) error {
+func (s *Scheduler) AfterAlloc(req string, blocks []int64, groups, numComputed, numExternal int) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	r := s.reqs[req]
@@ -505,7 +505,7 @@ func (s *Scheduler) AfterAlloc(req string, blocks []int64, numComputed, numExter
 	if numComputed < 0 {
 		numComputed = r.local
 	}
-	if err := s.setBlocks(r, blocks); err != nil {
+	if err := s.setBlocks(r, blocks, groups); err != nil {
 		return err
 	}
 	r.computed = numComputed
@@ -649,17 +649,16 @@ func (s *Scheduler) groupSave(r *schedReq, i int, full int, hashes []kv.Hash, bl
 }
 
 // StepRequest is one scheduled request of an engine step, as Python
-// flattens vLLM's SchedulerOutput. Blocks and NewBlocks are KV-cache group
-// 0's; with several groups, GroupBlocks and NewGroupBlocks hold groups 1,
-// 2, ... (vLLM's null block, id 0, in them means no block).
+// flattens vLLM's SchedulerOutput. Blocks and NewBlocks hold every
+// KV-cache group's ids, Groups of them, as AfterAlloc's do (splitGroups:
+// vLLM's null block, id 0, means no block).
 type StepRequest struct {
-	Req            string    `json:"req"`
-	Blocks         []int64   `json:"blocks"`           // new requests and resumed ones: all block ids
-	NewBlocks      []int64   `json:"new_blocks"`       // running requests: blocks added this step
-	GroupBlocks    [][]int64 `json:"group_blocks"`     // Blocks of groups 1, 2, ...
-	NewGroupBlocks [][]int64 `json:"new_group_blocks"` // NewBlocks of groups 1, 2, ...
-	Computed       int       `json:"computed"`         // num_computed_tokens before this step
-	Scheduled      int       `json:"scheduled"`        // tokens scheduled this step
+	Req       string  `json:"req"`
+	Blocks    []int64 `json:"blocks"`           // new requests and resumed ones: all block ids
+	NewBlocks []int64 `json:"new_blocks"`       // running requests: blocks added this step
+	Groups    int     `json:"groups,omitempty"` // the KV-cache groups Blocks and NewBlocks hold (0: 1)
+	Computed  int     `json:"computed"`         // num_computed_tokens before this step
+	Scheduled int     `json:"scheduled"`        // tokens scheduled this step
 	// Tokens (from token TokensFrom on, a chunk boundary at most the
 	// request's keyed chunks) are a running request's token ids up to the
 	// last chunk boundary its KV has reached: positions whose KV was
@@ -679,34 +678,6 @@ type Step struct {
 	Preempted []string      `json:"preempted"`
 }
 
-// groupIDs returns the ids of group i (0: the first list, i > 0: others[i-1]),
-// with vLLM's null block (0) as -1 unless the groups are asBefore.
-func (s *Scheduler) groupIDs(i int, first []int64, others [][]int64) []int64 {
-	if i == 0 {
-		if asBefore(s.groups) {
-			return first
-		}
-		return nullToNone(first)
-	}
-	if i-1 < len(others) {
-		return nullToNone(others[i-1])
-	}
-	return nil
-}
-
-func nullToNone(ids []int64) []int64 {
-	if !slices.Contains(ids, 0) {
-		return ids
-	}
-	out := slices.Clone(ids)
-	for j, id := range out {
-		if id == 0 {
-			out[j] = -1
-		}
-	}
-	return out
-}
-
 // BuildMeta answers build_connector_meta: the loads planned since the last
 // step, the full prompt chunks this step completes (to save, per KV-cache
 // group), the delay-freed requests and the preempted ones (and the
@@ -715,6 +686,19 @@ func nullToNone(ids []int64) []int64 {
 func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	// Every request's block ids read first: a malformed step changes nothing.
+	tables := make([][2][][]int64, len(step.Requests))
+	for i, sr := range step.Requests {
+		var err error
+		if sr.Blocks != nil {
+			if tables[i][0], err = splitGroups(sr.Blocks, sr.Groups, s.groups); err != nil {
+				return nil, fmt.Errorf("request %q: %w", sr.Req, err)
+			}
+		}
+		if tables[i][1], err = splitGroups(sr.NewBlocks, sr.Groups, s.groups); err != nil {
+			return nil, fmt.Errorf("request %q: %w", sr.Req, err)
+		}
+	}
 	m := &StepMeta{Loads: s.loads, Saves: s.saves, Finished: s.finished, Preempted: step.Preempted}
 	s.loads, s.saves, s.finished = nil, nil, nil
 	s.reapOrphans()
@@ -732,17 +716,17 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 	s.fenceStep(m, step)
 	bs := s.cfg.BlockSize
 	cb := s.chunk / bs
-	for _, sr := range step.Requests {
+	for k, sr := range step.Requests {
 		r := s.reqs[sr.Req]
 		if r == nil {
 			continue
 		}
 		for i := range r.g {
 			g := &r.g[i]
-			if blocks := s.groupIDs(i, sr.Blocks, sr.GroupBlocks); blocks != nil || i == 0 && sr.Blocks != nil {
-				g.blocks = append(g.blocks[:0], blocks...)
+			if all := tables[k][0]; all != nil {
+				g.blocks = append(g.blocks[:0], all[i]...)
 			}
-			g.blocks = append(g.blocks, s.groupIDs(i, sr.NewBlocks, sr.NewGroupBlocks)...)
+			g.blocks = append(g.blocks, tables[k][1][i]...)
 		}
 		r.computed = sr.Computed + sr.Scheduled
 		// Prompt chunks only: their keys are known from the lookup.
@@ -813,12 +797,6 @@ func (s *Scheduler) fenceStep(m *StepMeta, step *Step) {
 	for _, sr := range step.Requests {
 		check(sr.Blocks)
 		check(sr.NewBlocks)
-		for _, ids := range sr.GroupBlocks {
-			check(ids)
-		}
-		for _, ids := range sr.NewGroupBlocks {
-			check(ids)
-		}
 	}
 	for _, ld := range m.Loads {
 		check(ld.Blocks)
@@ -840,13 +818,14 @@ func (s *Scheduler) Finished(req string) (delay bool) {
 // (how many of its tokens have KV in its blocks: vLLM's num_computed_tokens
 // less the tokens still in flight; the last sampled token has none yet, and
 // rejected draft tokens are not counted) and Blocks (its block ids, token
-// order; with several KV-cache groups every group's, as splitGroups reads
+// order; every KV-cache group's, Groups of them, as splitGroups reads
 // them).
 type FinishState struct {
 	Tokens   []uint32
 	First    int
 	Computed int
 	Blocks   []int64
+	Groups   int
 }
 
 // FinishedSaving answers request_finished: it releases what the request
@@ -905,7 +884,7 @@ func (s *Scheduler) finalSave(r *schedReq, fin *FinishState) ([]SaveSpec, error)
 	if end < r.prompt {
 		return nil, fmt.Errorf("%w: finish of %q: %d tokens, fewer than its %d-token prompt", ErrBadMeta, r.id, end, r.prompt)
 	}
-	blocks, err := splitGroups(fin.Blocks, s.groups)
+	blocks, err := splitGroups(fin.Blocks, fin.Groups, s.groups)
 	if err != nil {
 		return nil, err
 	}

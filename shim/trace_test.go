@@ -271,7 +271,7 @@ func TestTraceL2SavedAndCorruptL2Chunk(t *testing.T) {
 
 	req, n := firstHitAfterRestart(t, r, tokens)
 	assert.Equal(t, n, tChunk)
-	assert.NilError(t, r.sched.AfterAlloc(req, seq(20, 6), -1, n))
+	assert.NilError(t, r.sched.AfterAlloc(req, seq(20, 6), 1, -1, n))
 	r.step(t, &Step{})
 	r.sched.Finished(req)
 	assert.NilError(t, r.workers[0].CloseTrace())

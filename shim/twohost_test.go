@@ -85,7 +85,7 @@ func (c *chaosClient) restore(t *testing.T, req string, tokens []uint32, src, ds
 		c.sched.Finished(req)
 		return 0
 	}
-	assert.NilError(t, c.sched.AfterAlloc(req, dst, -1, n))
+	assert.NilError(t, c.sched.AfterAlloc(req, dst, 1, -1, n))
 	c.step(t, &Step{})
 	for _, b := range src { // the bytes to compare with
 		c.cache.fill(int(b), seed)

@@ -29,7 +29,7 @@ func loadAll(t *testing.T, r *rig, req string, tokens []uint32, dst []int64) []i
 	for _, b := range dst {
 		r.caches[0].fill(int(b), 999)
 	}
-	assert.NilError(t, r.sched.AfterAlloc(req, dst, -1, n))
+	assert.NilError(t, r.sched.AfterAlloc(req, dst, 1, -1, n))
 	recv, errBlocks := r.step(t, &Step{})
 	assert.Equal(t, recv[req], 1)
 	r.sched.Finished(req)
@@ -141,7 +141,7 @@ func TestL2CorruptChunkIsNeverRestored(t *testing.T) {
 	}
 	req, n := firstHitAfterRestart(t, r, tokens)
 	assert.Equal(t, n, tChunk, "the prefix goes past the corrupt chunk")
-	assert.NilError(t, r.sched.AfterAlloc(req, dst, -1, n))
+	assert.NilError(t, r.sched.AfterAlloc(req, dst, 1, -1, n))
 	recv, errBlocks := r.step(t, &Step{})
 	assert.Equal(t, recv[req], 1)
 	assert.Equal(t, len(errBlocks), 0)

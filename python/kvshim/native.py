@@ -51,11 +51,12 @@ _SIGNATURES: dict[str, list[type]] = {
     # The two below are called through ctypes.PyDLL with a py_object (_py_function), never as these CDLL functions.
     "kvshim_tokens_from_list": [ctypes.c_void_p, _u32p, ctypes.c_size_t, _sizep],
     "kvshim_sched_match_list": [_c_handle, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64, _i64p],
-    "kvshim_sched_after_alloc": [_c_handle, ctypes.c_char_p, _i64p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64],
+    "kvshim_sched_after_alloc": [_c_handle, ctypes.c_char_p, _i64p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int64,
+                                 ctypes.c_int64],
     "kvshim_sched_build_meta": [_c_handle, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_sched_finished": [_c_handle, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)],
     "kvshim_sched_finished_tokens": [_c_handle, ctypes.c_char_p, _u32p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64,
-                                     _i64p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int)],
+                                     _i64p, ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int)],
     # vLLM's controls (kvshim.h, "Scheduler role: vLLM's controls")
     "kvshim_sched_reset": [_c_handle, _u64p],
     "kvshim_sched_hit_sources": [_c_handle, ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t, _sizep],
@@ -356,13 +357,13 @@ class Direction(enum.IntEnum):
 class StepRequest(TypedDict, total=False):
     """One scheduled request of a step (kvshim_sched_build_meta's step_json):
     req, and either blocks (all its block ids: new or resumed) or new_blocks
-    (the blocks added this step), computed and scheduled tokens."""
+    (the blocks added this step), both in kvshim.h's one form of block ids
+    (groups equal parts, each padded with -1), computed and scheduled tokens."""
 
     req: str
     blocks: list[int]
     new_blocks: list[int]
-    group_blocks: list[list[int]]  # groups 1, 2, ...: as blocks (hybrid models)
-    new_group_blocks: list[list[int]]  # groups 1, 2, ...: as new_blocks
+    groups: int  # the KV-cache groups blocks / new_blocks hold (absent: 1)
     tokens: list[int]  # a decoding request's token ids from tokens_from to a chunk boundary (saved as it runs)
     tokens_from: int
     computed: int
@@ -473,13 +474,16 @@ class Scheduler(_Role):
         self.handle.check(fn(self.handle.value, req_id.encode(), tokens, raw_extras, num_computed, ctypes.byref(out)))
         return None if out.value < 0 else out.value
 
-    def after_alloc(self, req_id: str, blocks: IntArray, num_external: int, num_computed: int | None = None) -> None:
+    def after_alloc(self, req_id: str, blocks: IntArray, num_external: int, num_computed: int | None = None,
+                    groups: int = 1) -> None:
         """Plans the load of num_external tokens into blocks (all the
-        request's block ids in token order). num_computed None: the local
+        request's block ids in token order, `groups` KV-cache groups of
+        them: kvshim.h's Block ids). num_computed None: the local
         prefix-cache hit given to match."""
         ptr, n, _owner = _c_array(blocks, "q", ctypes.c_int64)
         self.handle.check(library().kvshim_sched_after_alloc(
-            self.handle.value, req_id.encode(), ptr, n, -1 if num_computed is None else num_computed, num_external))
+            self.handle.value, req_id.encode(), ptr, n, groups, -1 if num_computed is None else num_computed,
+            num_external))
 
     def build_meta(self, step: Step) -> bytes:
         """The workers' metadata for one step."""
@@ -493,7 +497,7 @@ class Scheduler(_Role):
         return bool(delay.value)
 
     def finished_tokens(self, req_id: str, tokens: IntArray, first: int, num_computed: int,
-                        blocks: IntArray) -> FinishedTokens:
+                        blocks: IntArray, groups: int = 1) -> FinishedTokens:
         """finished() for a request that finished normally, also saving every
         full chunk it computed: tokens are its ids from token `first` on,
         num_computed the tokens whose KV its blocks hold."""
@@ -501,7 +505,7 @@ class Scheduler(_Role):
         blk_ptr, n_blk, _blocks_owner = _c_array(blocks, "q", ctypes.c_int64)
         delay = ctypes.c_int()
         rc = library().kvshim_sched_finished_tokens(
-            self.handle.value, req_id.encode(), tok_ptr, n_tok, first, num_computed, blk_ptr, n_blk,
+            self.handle.value, req_id.encode(), tok_ptr, n_tok, first, num_computed, blk_ptr, n_blk, groups,
             ctypes.byref(delay))
         try:
             self.handle.check(rc)

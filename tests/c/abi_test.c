@@ -128,7 +128,7 @@ static void test_bad_handles(void) {
   CHECK(strstr(last_error(0), "-7") != NULL, "message names the handle: %s", last_error(0));
   int64_t ids[1] = {3};
   int delay = 7;
-  CHECK(kvshim_sched_finished_tokens(-7, "req", tok, 4, 0, 3, ids, 1, &delay) == KVSHIM_EBADH,
+  CHECK(kvshim_sched_finished_tokens(-7, "req", tok, 4, 0, 3, ids, 1, 1, &delay) == KVSHIM_EBADH,
         "request_finished with tokens on unknown handle");
   size_t n = 0;
   CHECK(kvshim_take_output(-7, buf, sizeof buf, &n) == KVSHIM_EBADH, "take_output on unknown handle");
@@ -399,7 +399,10 @@ static void test_preempt_wait_timeout(uint16_t (*kv)[NB][BS][H][C]) {
     if (hit < 0) usleep(2000);
   }
   CHECK(hit == 0, "a new prompt misses: %lld", (long long)hit);
-  CHECK(kvshim_sched_after_alloc(sched, "r", blocks, 4, -1, 0) == KVSHIM_OK, "%s", last_error(sched));
+  CHECK(kvshim_sched_after_alloc(sched, "r", blocks, 4, 2, -1, 0) == KVSHIM_EINVAL, "two groups on a one-group namespace");
+  CHECK(strstr(last_error(sched), "block ids of 2 KV-cache groups, the namespace has 1") != NULL, "message: %s",
+        last_error(sched));
+  CHECK(kvshim_sched_after_alloc(sched, "r", blocks, 4, 1, -1, 0) == KVSHIM_OK, "%s", last_error(sched));
   size_t n = 0;
   CHECK(kvshim_sched_build_meta(sched, "{\"requests\":[{\"req\":\"r\",\"blocks\":[0,1,2,3],\"computed\":0,\"scheduled\":16}]}",
                                 meta, sizeof meta, &n) == KVSHIM_OK, "%s", last_error(sched));

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvshim import events as kv_events
 from kvshim import native
 from kvshim.vllm.config import connector_config, logger, required_layout
-from kvshim.vllm.scheduler import KVShimScheduler, _flat_groups
+from kvshim.vllm.scheduler import KVShimScheduler
 from kvshim.vllm.stats import KVShimStats
 from kvshim.vllm.worker import KVShimWorker
 
@@ -122,14 +122,14 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        return self.scheduler.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         # SupportsHMA: every KV-cache group's blocks (vLLM 0.33 calls this
         # instead of request_finished, scheduler.py _connector_finished).
-        return self.scheduler.request_finished(request, _flat_groups(block_ids))
+        return self.scheduler.request_finished(request, block_ids)
 
     # ------------------------------------------------------------------- worker
 

@@ -77,18 +77,18 @@ def _bad_token(tokens: list[Any], cause: Exception) -> Exception:
     return ValueError(f"token ids are not uint32: {cause}")
 
 
-def _flat_groups(block_ids: Any) -> list[int]:
-    """Per-group block ids (vLLM's tuple of lists) as Go reads them
-    (shim.splitGroups): one group as it is; several one after the other,
-    each padded with -1 to the longest."""
+def _flat_groups(block_ids: Any) -> tuple[list[int], int]:
+    """vLLM's per-group block ids (a tuple of lists) in kvshim.h's one form:
+    the groups one after the other, each padded with -1 to the longest, and
+    their count."""
     if len(block_ids) == 1:
-        return list(block_ids[0])
+        return list(block_ids[0]), 1
     n = max(len(ids) for ids in block_ids)
     out: list[int] = []
     for ids in block_ids:
         out.extend(ids)
         out.extend([-1] * (n - len(ids)))
-    return out
+    return out, len(block_ids)
 
 
 class KVShimScheduler:
@@ -216,32 +216,27 @@ class KVShimScheduler:
             self._hits["hit_tokens"] += num_external_tokens
             self._hits["hit_requests"] += 1
         # num_computed left out: Go uses the local prefix-cache hit it was given at the match.
-        self.native.after_alloc(request.request_id, _flat_groups(blocks.get_block_ids()), num_external_tokens)
+        ids, groups = _flat_groups(blocks.get_block_ids())
+        self.native.after_alloc(request.request_id, ids, num_external_tokens, groups=groups)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVShimMetadata:
         sched = scheduler_output.num_scheduled_tokens
         reqs: list[native.StepRequest] = []
         for r in scheduler_output.scheduled_new_reqs:
-            entry: native.StepRequest = {"req": r.req_id, "blocks": list(r.block_ids[0]), "computed": r.num_computed_tokens,
-                                         "scheduled": sched.get(r.req_id, 0)}
-            if len(r.block_ids) > 1:
-                entry["group_blocks"] = _more_groups(r.block_ids)
-            reqs.append(entry)
+            ids, groups = _flat_groups(r.block_ids)
+            reqs.append({"req": r.req_id, "blocks": ids, "groups": groups, "computed": r.num_computed_tokens,
+                         "scheduled": sched.get(r.req_id, 0)})
         cached = scheduler_output.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
             new = cached.new_block_ids[i]
-            ids = list(new[0]) if new is not None else []
-            entry = {"req": rid, "computed": cached.num_computed_tokens[i], "scheduled": sched.get(rid, 0)}
-            more = _more_groups(new) if new is not None and len(new) > 1 else None
+            ids, groups = _flat_groups(new) if new is not None else ([], 1)
+            entry: native.StepRequest = {"req": rid, "computed": cached.num_computed_tokens[i],
+                                         "scheduled": sched.get(rid, 0), "groups": groups}
             if rid in resumed:
                 entry["blocks"] = ids
-                if more is not None:
-                    entry["group_blocks"] = more
             else:
                 entry["new_blocks"] = ids
-                if more is not None:
-                    entry["new_group_blocks"] = more
                 if rid in self._decoding:
                     self._decoded_chunks(rid, entry)
             reqs.append(entry)
@@ -283,13 +278,13 @@ class KVShimScheduler:
             # A request aborted before vLLM saw its load finish is a cancelled load (its trace record).
             self.native.received(sorted(connector_output.finished_recving))
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         delay = self._finish(request, block_ids)
         if delay:
             self._delay_freed.add(request.request_id)
         return delay, None
 
-    def _finish(self, request: Request, block_ids: list[int]) -> bool:
+    def _finish(self, request: Request, block_ids: tuple[list[int], ...]) -> bool:
         """Tells the native scheduler the request finished; whether vLLM
         must keep its blocks until finished_sending."""
         rid = request.request_id
@@ -309,7 +304,8 @@ class KVShimScheduler:
         # are already rolled back.
         first = len(prompt) // self._chunk * self._chunk
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
-        done = self.native.finished_tokens(rid, _u32(request.all_token_ids[first:]), first, computed, block_ids)
+        ids, groups = _flat_groups(block_ids)
+        done = self.native.finished_tokens(rid, _u32(request.all_token_ids[first:]), first, computed, ids, groups)
         if done.not_saved is not None:
             # The request is finished either way: tokens that do not fit it
             # skip the save, never an error in vLLM's scheduler.
@@ -336,12 +332,6 @@ _SAVED_AT_FINISH = frozenset(
     s for s in (getattr(RequestStatus, n, None) for n in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"))
     if s is not None
 )
-
-
-def _more_groups(block_ids: Any) -> list[list[int]]:
-    """Groups 1, 2, ... of per-group block ids, for Go's StepRequest."""
-    return [list(ids) for ids in block_ids[1:]]
-
 
 
 def _extras(request: Request) -> dict[str, Any] | None:
