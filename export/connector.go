@@ -102,7 +102,8 @@ func openWorker(in *instance, raw []byte) error {
 // workerState is a worker handle: the worker and the metadata bound for
 // the current step.
 type workerState struct {
-	w     *shim.Worker
-	mu    sync.Mutex
-	bound *shim.StepMeta
+	w        *shim.Worker
+	mu       sync.Mutex
+	bound    *shim.StepMeta
+	reported map[string]uint64 // counters at the last kvshim_take_step_stats
 }

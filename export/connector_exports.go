@@ -208,6 +208,25 @@ func kvshim_stats(h C.int64_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.
 	})
 }
 
+//export kvshim_take_step_stats
+func kvshim_take_step_stats(h C.int64_t, buf unsafe.Pointer, capacity C.size_t, outLen *C.size_t) C.int {
+	return call(h, func(in *instance, _ *instance) error {
+		var out map[string]any
+		switch st := in.state.(type) {
+		case *shim.Scheduler:
+			out = st.TakeStepStats()
+		case *workerState:
+			st.mu.Lock()
+			out, st.reported = st.w.StepStats(st.reported)
+			st.mu.Unlock()
+		default:
+			return fmt.Errorf("handle %d (%s) has no step stats: %w", in.id, roleOf(in.state), errInvalid)
+		}
+		b, _ := json.Marshal(out)
+		return output(in, b, buf, capacity, outLen)
+	})
+}
+
 // schedStatsDoc is kvshim_stats' document for a scheduler handle
 // (export/schema/stats.json): the server's STATS, or why there are none.
 func schedStatsDoc(requests int, srv *ipc.StatsResp, err error) map[string]any {

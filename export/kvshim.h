@@ -78,7 +78,8 @@ extern "C" {
  * kvshim_vllm_config, kvshim_vllm_tensors and kvshim_worker_start_loads_wait;
  * 6.0 states the group count of block ids (n_groups of
  * kvshim_sched_after_alloc and kvshim_sched_finished_tokens, step_json's
- * "groups") and drops step_json's "group_blocks" / "new_group_blocks". */
+ * "groups"), drops step_json's "group_blocks" / "new_group_blocks" and adds
+ * kvshim_take_step_stats. */
 #define KVSHIM_ABI_MAJOR 6
 #define KVSHIM_ABI_MINOR 0
 #define KVSHIM_ABI_VERSION (KVSHIM_ABI_MAJOR * 1000 + KVSHIM_ABI_MINOR)
@@ -148,6 +149,16 @@ int kvshim_take_output(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 /* Server and connector counters of h as one JSON object (variable-length
  * output, see kvshim_take_output). */
 int kvshim_stats(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
+
+/* vLLM's get_kv_connector_stats (ABI 6.0): h's counters since the previous
+ * call, by metric name, as one JSON object of numbers (variable-length
+ * output). A scheduler handle: hit_tokens (tokens vLLM was told to load)
+ * and hit_requests. A worker handle: every counter of kvshim_stats'
+ * "worker" but the Populate* ones, snake_case (saved_chunks, ...), and
+ * load_seconds / save_seconds, the job durations since the previous call
+ * (lists, present when not empty; they are the samples
+ * kvshim_worker_take_latencies would return). */
+int kvshim_take_step_stats(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* ---- Tool role ({"role": "tool", "server": SOCKET}): a plain session. ----
  *

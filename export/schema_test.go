@@ -102,6 +102,7 @@ func TestGoOutputMatchesSchema(t *testing.T) {
 			{Name: "kvshim_sessions", Value: 2}, {Name: "kvshim_l1_objects{state=resident}", Value: 7}}}, nil))},
 		{"stats, scheduler, no server", "stats.json", mustJSON(schedStatsDoc(0, nil, errors.New("connection refused")))},
 		{"stats, worker", "stats.json", mustJSON(workerStatsDoc(shim.WorkerStats{SavedChunks: 1, PopulatePending: 2}, 3))},
+		{"step stats, worker", "step_stats.json", mustJSON(shim.WorkerStats{SavedChunks: 1, PopulatePending: 2}.Counters())},
 	} {
 		if err := schema.Validate(tc.schema, tc.doc); err != nil {
 			t.Errorf("%s: %s: %v", tc.name, tc.doc, err)

@@ -71,6 +71,8 @@ type Scheduler struct {
 	loading        map[string]int
 	cancelledLoads uint64
 	ev             *evState // KV events (events.go); nil until asked for
+	// hits since the last TakeStepStats: what vLLM was told to load
+	hitTokens, hitRequests uint64
 }
 
 type lookupState uint8
@@ -498,6 +500,10 @@ func (s *Scheduler) setBlocks(r *schedReq, blocks []int64, groups int) error {
 func (s *Scheduler) AfterAlloc(req string, blocks []int64, groups, numComputed, numExternal int) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if numExternal > 0 {
+		s.hitTokens += uint64(numExternal)
+		s.hitRequests++
+	}
 	r := s.reqs[req]
 	if r == nil {
 		return nil // never looked up (no full chunk): nothing to do

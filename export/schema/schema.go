@@ -1,7 +1,8 @@
 // Package schema holds the JSON Schemas of the documents that cross the C
 // ABI (export/kvshim.h): the kvshim_open config (open.json), the tensor
 // descriptors of kvshim_worker_register (tensors.json) and the results of
-// kvshim_worker_poll (poll.json) and kvshim_stats (stats.json), and the
+// kvshim_worker_poll (poll.json), kvshim_stats (stats.json) and
+// kvshim_take_step_stats (step_stats.json), and the
 // vLLM connector's configuration (vllm_config.json: kvshim_vllm_config) and
 // the input of kvshim_vllm_tensors (vllm_tensors.json). They are the one
 // written form of those documents: Go's tests check that the Go structs
@@ -29,7 +30,7 @@ import (
 var files embed.FS
 
 // Names are the schemas, by file name.
-var Names = []string{"open.json", "tensors.json", "poll.json", "stats.json", "vllm_config.json", "vllm_tensors.json"}
+var Names = []string{"open.json", "tensors.json", "poll.json", "stats.json", "step_stats.json", "vllm_config.json", "vllm_tensors.json"}
 
 // ErrUnknown: no schema of that name.
 var ErrUnknown = errors.New("schema: unknown schema")

@@ -46,6 +46,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvshim_main": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
     "kvshim_take_output": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_stats": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],
+    "kvshim_take_step_stats": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, _sizep],  # ABI 6.0
     "kvshim_ping": [_c_handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, _sizep],
     "kvshim_sched_match": [_c_handle, ctypes.c_char_p, _u32p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_int64, _i64p],
     # The two below are called through ctypes.PyDLL with a py_object (_py_function), never as these CDLL functions.
@@ -434,6 +435,12 @@ class _Role:
 
     def _stats(self) -> dict[str, Any]:
         out: dict[str, Any] = json.loads(self.handle.output("kvshim_stats"))
+        return out
+
+    def take_step_stats(self) -> dict[str, Any]:
+        """vLLM's get_kv_connector_stats: the counters since the last call,
+        by metric name (kvshim_take_step_stats)."""
+        out: dict[str, Any] = json.loads(self.handle.output("kvshim_take_step_stats"))
         return out
 
 

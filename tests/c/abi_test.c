@@ -107,7 +107,7 @@ static void test_open_errors(void) {
   CHECK(h == 0, "out must not be written on failure");
 
   /* kvshim_vllm_config: the connector's settings are checked here too. */
-  char out[4096];
+  char out[4096] = {0};
   size_t n = 0;
   CHECK(kvshim_vllm_config("{\"extra\":{\"kvshim.l1_size_gb\":-1}}", out, sizeof out, &n) == KVSHIM_EINVAL,
         "l1_size_gb -1: %s", last_error(0));
@@ -144,6 +144,10 @@ static void test_handle_life(void) {
 
   CHECK(kvshim_worker_start_loads(h) == KVSHIM_EINVAL, "start_loads before bind");
   CHECK(strstr(last_error(h), "no metadata bound") != NULL, "message: %s", last_error(h));
+  char st[1024] = {0};
+  size_t st_n = 0;
+  CHECK(kvshim_take_step_stats(h, st, sizeof st, &st_n) == KVSHIM_OK, "%s", last_error(h));
+  CHECK(strstr(st, "\"saved_chunks\":0") != NULL && strstr(st, "populate") == NULL, "step stats: %.*s", (int)st_n, st);
   CHECK(kvshim_worker_start_loads_wait(h, 5) == KVSHIM_EINVAL, "start_loads_wait before bind");
   CHECK(kvshim_worker_start_loads_wait(h, -1) == KVSHIM_EINVAL, "negative wait");
   CHECK(strstr(last_error(h), "wait_ms -1") != NULL, "message names the argument: %s", last_error(h));

@@ -105,7 +105,6 @@ class KVShimScheduler:
         self._ids: dict[str, list[int] | npt.NDArray[np.uint32]] = {}
         # rid -> [request, tokens Go keyed (a chunk boundary), num_preemptions when keyed]
         self._decoding: dict[str, list[Any]] = {}
-        self._hits = {"hit_tokens": 0, "hit_requests": 0}  # since the last stats report
         self._match_errors = 0
         self._delay_freed: set[str] = set()  # finished, blocks kept until finished_sending
         self.events: kv_events.EventSource | None = None  # with --kv-events-config (kvshim/events.py)
@@ -212,9 +211,6 @@ class KVShimScheduler:
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if num_external_tokens > 0:
-            self._hits["hit_tokens"] += num_external_tokens
-            self._hits["hit_requests"] += 1
         # num_computed left out: Go uses the local prefix-cache hit it was given at the match.
         ids, groups = _flat_groups(blocks.get_block_ids())
         self.native.after_alloc(request.request_id, ids, num_external_tokens, groups=groups)
@@ -313,10 +309,10 @@ class KVShimScheduler:
         return done.delay
 
     def get_stats(self) -> KVShimStats | None:
-        """The scheduler's part of the stats: vLLM calls this after every
-        step's update_from_output and adds it to the workers' stats."""
-        hits, self._hits = self._hits, {"hit_tokens": 0, "hit_requests": 0}
-        st = KVShimStats(data=hits)
+        """The scheduler's part of the stats (hit_tokens, hit_requests):
+        vLLM calls this after every step's update_from_output and adds it
+        to the workers' stats."""
+        st = KVShimStats(data=self.native.take_step_stats())
         return None if st.is_empty() else st
 
     def stats(self) -> native.SchedulerStats:

@@ -47,7 +47,6 @@ class KVShimWorker:
         # reported by request (failed_recving) instead: vLLM recomputes it all.
         self._by_request = by_request  # Go: the namespace names the groups
         self._failed: set[str] = set()
-        self._reported: dict[str, int] = {}  # counters already in a stats report
         self.events: bool = kv_events.enabled(vllm_config)  # --kv-events-config: report saves
         if self.events:
             worker.take_save_reports()  # Go records from now on
@@ -150,17 +149,9 @@ class KVShimWorker:
         return failed
 
     def get_stats(self) -> KVShimStats | None:
-        """The counters since the last report, as metric names."""
-        # Populate* describe the start-up's L1 mapping (a gauge among them),
-        # not a step's work: not reported as vLLM's per-step counters.
-        now = {k: v for k, v in self.native.stats().counters.items() if not k.startswith("Populate")}
-        delta: dict[str, Any] = {_snake(k): v - self._reported.get(k, 0) for k, v in now.items()}
-        self._reported = now
-        lat = self.native.take_latencies()  # job durations for vLLM's /metrics (kvshim.prom)
-        for kind in ("load", "save"):
-            if lat.get(kind):
-                delta[f"{kind}_seconds"] = lat[kind]
-        st = KVShimStats(data=delta)
+        """The counters since the last report, and the job durations for
+        vLLM's /metrics (kvshim.prom), by metric name."""
+        st = KVShimStats(data=self.native.take_step_stats())
         return None if st.is_empty() else st
 
     def stats(self) -> native.WorkerStats:
@@ -168,9 +159,4 @@ class KVShimWorker:
 
     def shutdown(self) -> None:
         self.native.close()
-
-
-def _snake(name: str) -> str:
-    """Go's field names (SavedChunks) as metric names (saved_chunks)."""
-    return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name))
 
