@@ -71,6 +71,9 @@
 //	SAVING         as FINAL          as FINAL              more saves         final saves,       forget (keyed again
 //	                                                                          delay = true       on resume)
 //
+// testdata/lifecycle holds these paths as data (TestLifecycle): vLLM's
+// calls in order against a real server and worker, and what each answers.
+//
 // A reset (Reset, reset_cache) moves the namespace to a new generation
 // (controls.go): every keyed request is forgotten, so the next Match keys it
 // again under the new root. An abort of a LOADING request before the
