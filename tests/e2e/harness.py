@@ -65,8 +65,11 @@ def kvshim_config(server: str = "embedded", **extra: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {"kvshim.server": server, "kvshim.l1_size_gb": 1, "kvshim.l1_prefault_gb": 0}
     for k, v in extra.items():
         cfg[k if "." in k else "kvshim." + k] = v
+    # recompute, as the README tells operators: vLLM's default ("fail")
+    # fails a request whose load failed (the server killed mid-load) with a
+    # 500 instead of computing it.
     return {"kv_connector": "KVShimConnector", "kv_connector_module_path": "kvshim.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": cfg}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": cfg}
 
 
 class Proc:
