@@ -136,6 +136,13 @@ func (r *rig) match(t testing.TB, req string, tokens []uint32, ex Extras, local 
 func (r *rig) step(t testing.TB, st *Step) (recving map[string]int, errBlocks []int64) {
 	b, err := r.sched.BuildMeta(st)
 	assert.NilError(t, err)
+	return r.copies(t, b)
+}
+
+// copies runs one step's metadata b on every worker and waits until the
+// copies it started are done; it returns what the workers reported (each
+// request received, with how many workers reported it).
+func (r *rig) copies(t testing.TB, b []byte) (recving map[string]int, errBlocks []int64) {
 	recving = map[string]int{}
 	for _, w := range r.workers {
 		m, err := DecodeStepMeta(b, w.Layout().ChunkBlocks(), w.Layout().NumBlocks())

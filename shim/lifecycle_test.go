@@ -3,8 +3,8 @@ package shim
 import (
 	"bytes"
 	"fmt"
+	"maps"
 	"slices"
-	"sort"
 	"strconv"
 	"strings"
 	"testing"
@@ -79,9 +79,9 @@ func TestLifecycle(t *testing.T) {
 				m, err := DecodeStepMeta(raw, tChunk/tBS, tBlocks)
 				assert.NilError(t, err)
 				printMeta(&out, m)
-				recving, errBlocks := r.runWorkers(t, raw)
-				if len(recving) > 0 {
-					fmt.Fprintf(&out, "recving: %s\n", strings.Join(recving, " "))
+				recv, errBlocks := r.copies(t, raw)
+				if len(recv) > 0 {
+					fmt.Fprintf(&out, "recving: %s\n", strings.Join(slices.Sorted(maps.Keys(recv)), " "))
 				}
 				if len(errBlocks) > 0 {
 					fmt.Fprintf(&out, "load errors: %v\n", errBlocks)
@@ -119,12 +119,7 @@ func TestLifecycle(t *testing.T) {
 				return out.String()
 			case "stats":
 				st := r.sched.TakeStepStats()
-				keys := make([]string, 0, len(st))
-				for k := range st {
-					keys = append(keys, k)
-				}
-				sort.Strings(keys)
-				for _, k := range keys {
+				for _, k := range slices.Sorted(maps.Keys(st)) {
 					fmt.Fprintf(&out, "%s %v\n", k, st[k])
 				}
 				fmt.Fprintf(&out, "holds %v\n", holds(t, r.srv))
@@ -216,24 +211,4 @@ func printMeta(out *strings.Builder, m *StepMeta) {
 	if len(m.Preempted) > 0 {
 		fmt.Fprintf(out, "preempted: %s\n", strings.Join(m.Preempted, " "))
 	}
-}
-
-// runWorkers runs one step's copies on every worker, as the rig's step
-// does, and returns what they reported, sorted.
-func (r *rig) runWorkers(t *testing.T, raw []byte) (recving []string, errBlocks []int64) {
-	for _, w := range r.workers {
-		m, err := DecodeStepMeta(raw, w.Layout().ChunkBlocks(), w.Layout().NumBlocks())
-		assert.NilError(t, err)
-		w.Finishing(m.Finished)
-		w.StartLoads(m)
-		w.StartSaves(m, 0)
-	}
-	for _, w := range r.workers {
-		w.wg.Wait()
-		_, rv, eb := w.Poll()
-		recving = append(recving, rv...)
-		errBlocks = append(errBlocks, eb...)
-	}
-	slices.Sort(recving)
-	return slices.Compact(recving), errBlocks
 }
