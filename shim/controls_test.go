@@ -56,6 +56,16 @@ func (r *rig) load(t *testing.T, req string, n int) {
 	assert.Equal(t, len(errs), 0)
 }
 
+// loadHit matches req over withTail(tokens), wants a hit of chunks full
+// chunks and loads it; returns the tokens loaded.
+func (r *rig) loadHit(t *testing.T, req string, tokens []uint32, chunks int) int {
+	t.Helper()
+	n := r.match(t, req, withTail(tokens), Extras{}, 0)
+	assert.Equal(t, n, chunks*tChunk)
+	r.load(t, req, n)
+	return n
+}
+
 // withTail is tokens and a partial chunk after them (so a hit of every
 // full chunk loads all of them).
 func withTail(tokens []uint32) []uint32 { return append(append([]uint32{}, tokens...), 1, 2, 3) }
@@ -68,9 +78,7 @@ func TestHitSourcesSplitByTier(t *testing.T) {
 	r.flushL2(t)
 
 	// From L1: every token is a host hit.
-	n := r.match(t, "B", withTail(tokens), Extras{}, 0)
-	assert.Equal(t, n, 3*tChunk)
-	r.load(t, "B", n)
+	n := r.loadHit(t, "B", tokens, 3)
 	assert.DeepEqual(t, r.sched.HitSources("B", n), map[HitSource]int{SourceHost: 3 * tChunk})
 	r.sched.Finished("B")
 

@@ -102,9 +102,7 @@ func TestRolesProducerAndConsumer(t *testing.T) {
 	r.sched.Finished("P2")
 
 	r.sched = consumer
-	n := r.match(t, "C1", withTail(tokens), Extras{}, 0)
-	assert.Equal(t, n, 3*tChunk)
-	r.load(t, "C1", n)
+	r.loadHit(t, "C1", tokens, 3)
 	r.sched.Finished("C1")
 }
 
@@ -200,9 +198,7 @@ func TestProducerLearnsAResetWithoutLookups(t *testing.T) {
 	assert.Equal(t, saved, 3, "saved under the new generation: new keys")
 	assert.Equal(t, producer.Generation(), gen)
 	r.sched = consumer
-	n := r.match(t, "C2", withTail(tokens), Extras{}, 0)
-	assert.Equal(t, n, 3*tChunk)
-	r.load(t, "C2", n)
+	r.loadHit(t, "C2", tokens, 3)
 	r.sched.Finished("C2")
 }
 
@@ -227,9 +223,7 @@ func TestRolesThroughASharedL2(t *testing.T) {
 	_, saved := saveChunks(t, prefill, "P", tokens, 3)
 	assert.Equal(t, saved, 3)
 	prefill.flushL2(t)
-	n := decode.match(t, "D", withTail(tokens), Extras{}, 0)
-	assert.Equal(t, n, 3*tChunk)
-	decode.load(t, "D", n)
+	n := decode.loadHit(t, "D", tokens, 3)
 	assert.DeepEqual(t, decode.sched.HitSources("D", n), map[HitSource]int{SourceDisk: 3 * tChunk})
 	decode.sched.Finished("D")
 	assert.Equal(t, decode.workers[0].Stats().SavedChunks, uint64(0))

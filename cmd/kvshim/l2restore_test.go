@@ -180,17 +180,7 @@ func ServeRestore(t *testing.T, l2json, adapter string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	worker := a.dial(t, ipc.RoleWorker)
-	sizes := []uint64{restoreObj, restoreObj, restoreObj}
-	ar, err := worker.Alloc(ctx, &ipc.AllocReq{Tag: kv.Tag{0x42}, Namespace: restoreNS, Hashes: hs, Sizes: sizes})
-	assert.NilError(t, err)
-	for i, l := range ar.Locs {
-		assert.Equal(t, ar.Status[i], ipc.StatusOK)
-		buf, err := worker.Segments().ResolveWait(l, 5*time.Second)
-		assert.NilError(t, err)
-		copy(buf, restoreObject(hs[i]))
-	}
-	_, err = worker.Commit(ctx, &ipc.CommitReq{Tag: kv.Tag{0x42}, Namespace: restoreNS, Hashes: hs})
-	assert.NilError(t, err)
+	saveObjects(ctx, t, worker, kv.Tag{0x42}, hs)
 	a.waitMetric(t, `kvshim_l2_store_saved_objects_total{adapter="`+adapter+`"}`, 3)
 	worker.Close()
 	a.stop(t)
@@ -201,17 +191,7 @@ func ServeRestore(t *testing.T, l2json, adapter string) {
 	// Filled from the plugin: a networked-kind L2 as far as hit sources go.
 	assert.DeepEqual(t, *lr, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 3,
 		Sources: []ipc.SourceRun{{Tier: ipc.TierRemote, Chunks: 3}}})
-	owner := kv.Tag(sched.Hello().Instance)
-	rr, err := worker.Retrieve(ctx, &ipc.RetrieveReq{Owner: owner, LookupID: 9, End: ^uint32(0)})
-	assert.NilError(t, err)
-	assert.Equal(t, len(rr.Locs), 3)
-	for i, l := range rr.Locs {
-		assert.Equal(t, rr.Status[i], ipc.StatusOK)
-		got, err := worker.Resolve(l)
-		assert.NilError(t, err)
-		assert.Assert(t, string(got) == string(restoreObject(hs[i])), "chunk %d: restored bytes differ", i)
-	}
-	assert.NilError(t, worker.Release(ctx, &ipc.ReleaseReq{Owner: owner, LookupID: 9}))
+	retrieveEqual(ctx, t, sched, worker, 9, hs)
 	bsrv.waitMetric(t, `kvshim_l2_prefetch_chunks_total{adapter="`+adapter+`",result="ok"}`, 3)
 	bsrv.stop(t)
 }
@@ -248,43 +228,59 @@ func TestServePluginCrashKeepsL1(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	worker, sched := srv.dial(t, ipc.RoleWorker), srv.dial(t, ipc.RoleScheduler)
-	save := func(hs []kv.Hash) {
-		ar, err := worker.Alloc(ctx, &ipc.AllocReq{Tag: kv.Tag{0x43}, Namespace: restoreNS, Hashes: hs, Sizes: []uint64{restoreObj, restoreObj, restoreObj}[:len(hs)]})
-		assert.NilError(t, err)
-		for i, l := range ar.Locs {
-			assert.Equal(t, ar.Status[i], ipc.StatusOK)
-			buf, err := worker.Segments().ResolveWait(l, 5*time.Second)
-			assert.NilError(t, err)
-			copy(buf, restoreObject(hs[i]))
-		}
-		_, err = worker.Commit(ctx, &ipc.CommitReq{Tag: kv.Tag{0x43}, Namespace: restoreNS, Hashes: hs})
-		assert.NilError(t, err)
-	}
 	hs := restoreHashes("crash", 3)
 	hs[1][0] = 0xde // the faulty plugin segfaults on it
-	save(hs)
+	saveObjects(ctx, t, worker, kv.Tag{0x43}, hs)
 	srv.waitMetricFn(t, `kvshim_l2_store_errors_total{adapter="plugin"}`, func(f float64) bool { return f >= 1 })
 
 	lr := lookupFinal(ctx, t, sched, 5, hs)
 	// Served from L1: the plugin's crash touched none of it.
 	assert.DeepEqual(t, *lr, ipc.LookupResultResp{Status: ipc.StatusOK, Chunks: 3,
 		Sources: []ipc.SourceRun{{Tier: ipc.TierL1, Chunks: 3}}})
-	owner := kv.Tag(sched.Hello().Instance)
-	rr, err := worker.Retrieve(ctx, &ipc.RetrieveReq{Owner: owner, LookupID: 5, End: ^uint32(0)})
+	retrieveEqual(ctx, t, sched, worker, 5, hs)
+
+	// Saves after the crash reach a new host (the faulty plugin accepts them).
+	time.Sleep(1100 * time.Millisecond) // the restart interval
+	saveObjects(ctx, t, worker, kv.Tag{0x43}, restoreHashes("after", 2))
+	srv.waitMetricFn(t, `kvshim_l2_store_saved_objects_total{adapter="plugin"}`, func(f float64) bool { return f >= 2 })
+	srv.stop(t)
+}
+
+// saveObjects stores restoreObject(h) for each of hs through worker, as a
+// worker's save does: alloc, write into L1, commit.
+func saveObjects(ctx context.Context, t *testing.T, worker *ipc.Client, tag kv.Tag, hs []kv.Hash) {
+	t.Helper()
+	sizes := make([]uint64, len(hs))
+	for i := range sizes {
+		sizes[i] = restoreObj
+	}
+	ar, err := worker.Alloc(ctx, &ipc.AllocReq{Tag: tag, Namespace: restoreNS, Hashes: hs, Sizes: sizes})
 	assert.NilError(t, err)
+	for i, l := range ar.Locs {
+		assert.Equal(t, ar.Status[i], ipc.StatusOK)
+		buf, err := worker.Segments().ResolveWait(l, 5*time.Second)
+		assert.NilError(t, err)
+		copy(buf, restoreObject(hs[i]))
+	}
+	_, err = worker.Commit(ctx, &ipc.CommitReq{Tag: tag, Namespace: restoreNS, Hashes: hs})
+	assert.NilError(t, err)
+}
+
+// retrieveEqual retrieves every chunk of sched's final lookup id through
+// worker, checks each holds restoreObject(h), and releases the lookup.
+func retrieveEqual(ctx context.Context, t *testing.T, sched, worker *ipc.Client, id uint64, hs []kv.Hash) {
+	t.Helper()
+	owner := kv.Tag(sched.Hello().Instance)
+	rr, err := worker.Retrieve(ctx, &ipc.RetrieveReq{Owner: owner, LookupID: id, End: ^uint32(0)})
+	assert.NilError(t, err)
+	assert.Equal(t, len(rr.Locs), len(hs))
 	for i, l := range rr.Locs {
 		assert.Equal(t, rr.Status[i], ipc.StatusOK)
 		got, err := worker.Resolve(l)
 		assert.NilError(t, err)
-		assert.Assert(t, string(got) == string(restoreObject(hs[i])), "chunk %d: L1 bytes differ after the plugin's crash", i)
+		assert.Assert(t, string(got) == string(restoreObject(hs[i])), "chunk %d: retrieved bytes differ", i)
 	}
-	assert.NilError(t, worker.Release(ctx, &ipc.ReleaseReq{Owner: owner, LookupID: 5}))
-
-	// Saves after the crash reach a new host (the faulty plugin accepts them).
-	time.Sleep(1100 * time.Millisecond) // the restart interval
-	save(restoreHashes("after", 2))
-	srv.waitMetricFn(t, `kvshim_l2_store_saved_objects_total{adapter="plugin"}`, func(f float64) bool { return f >= 2 })
-	srv.stop(t)
+	assert.NilError(t, worker.Release(ctx, &ipc.ReleaseReq{Owner: owner, LookupID: id}))
 }
 
 // lookupFinal registers lookup id for hs and polls its result until it is

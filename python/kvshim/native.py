@@ -330,18 +330,57 @@ if array.array("I").itemsize != 4 or array.array("q").itemsize != 8:  # pragma: 
     raise ImportError("kvshim needs array('I') of 4 bytes and array('q') of 8")
 
 
+def _as_is(values: Any, typecode: str) -> bool:
+    """Whether values can be passed as a `const T *` without a copy: an
+    array of typecode, or a 1-D C-contiguous numpy array of the same type."""
+    if isinstance(values, array.array):
+        return values.typecode == typecode
+    iface = getattr(values, "__array_interface__", None)
+    return (iface is not None and iface["typestr"] == _TYPESTR[typecode] and len(iface["shape"]) == 1
+            and iface.get("strides") is None)
+
+
+def token_ids(tokens: IntArray) -> IntArray:
+    """Token ids as one contiguous uint32 buffer: an array('I') or a 1-D
+    contiguous uint32 numpy array as it is; a list (vLLM's) written by the
+    library's C loop (tokens_from_list); any other sequence, array or tensor
+    through its tolist(). An id outside [0, 2^32) is a ValueError, anything
+    else that is no integer a TypeError, both naming the first bad id: never
+    a silent wrap (np.asarray(..., dtype=uint32) wraps -1 to 4294967295)."""
+    if _as_is(tokens, "I"):
+        return tokens
+    if isinstance(tokens, (str, bytes, bytearray)):
+        raise TypeError(f"token ids must be a sequence or array of integers, not {type(tokens).__name__}")
+    ids = tokens if isinstance(tokens, list) else tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)  # type: ignore[arg-type]
+    out = array.array("I", [0]) * len(ids)
+    if tokens_from_list(ids, out.buffer_info()[0], len(ids)):
+        return out
+    try:
+        return array.array("I", ids)  # what the C loop leaves: ints of other types (numpy's, say)
+    except (OverflowError, TypeError):
+        for i, t in enumerate(ids):  # the first id array('I') refuses, for the error
+            index = getattr(t, "__index__", None)
+            if index is None:
+                raise TypeError(f"token id {t!r} at position {i} is not an integer") from None
+            if not 0 <= index() <= 0xFFFFFFFF:
+                raise ValueError(f"token id {t} at position {i} is outside [0, 2**32)") from None
+        raise
+
+
 def _c_array(values: IntArray, typecode: str, ctype: type[ctypes._SimpleCData[int]]) -> tuple[Any, int, object]:
-    """values as (pointer, length, owner) for a `const T *, size_t` pair.
-    The pointer holds no reference to the memory: the caller keeps owner in
-    a local variable until the call has returned. Raises OverflowError or
-    TypeError for a value the C type cannot hold."""
+    """values as (pointer, length, owner) for a `const T *, size_t` pair
+    (token ids, "I", through token_ids). The pointer holds no reference to
+    the memory: the caller keeps owner in a local variable until the call
+    has returned. Raises OverflowError or TypeError for a value the C type
+    cannot hold."""
     pointer = ctypes.POINTER(ctype)
+    if typecode == "I":
+        values = token_ids(values)
     if isinstance(values, array.array) and values.typecode == typecode:
         address, n = values.buffer_info()
         return ctypes.cast(address, pointer), n, values
-    iface = getattr(values, "__array_interface__", None)
-    if (iface is not None and iface["typestr"] == _TYPESTR[typecode] and len(iface["shape"]) == 1
-            and iface.get("strides") is None):  # C-contiguous
+    if _as_is(values, typecode):
+        iface = values.__array_interface__  # type: ignore[union-attr]
         return ctypes.cast(iface["data"][0], pointer), iface["shape"][0], values
     packed = array.array(typecode, values)  # type: ignore[arg-type]  # any iterable of ints
     address, n = packed.buffer_info()

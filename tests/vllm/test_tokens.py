@@ -1,10 +1,10 @@
 """The connector's Python hot path.
 
-Token ids reach Go as one contiguous uint32 buffer: a Python list (what
-vLLM's Request holds) is read by the library's C loop (array('I') where it
-cannot), an array or tensor is used as
-it is or range-checked, and an id that is no uint32 is a clear error, never
-a silent wrap (np.asarray(int64 array, dtype=uint32) wraps -1 to
+Token ids reach Go as one contiguous uint32 buffer (native.token_ids): a
+Python list (what vLLM's Request holds) is read by the library's C loop
+(array('I') where it cannot), a uint32 array is used as it is, any other
+array or tensor is converted, and an id that is no uint32 is a clear error,
+never a silent wrap (np.asarray(int64 array, dtype=uint32) wraps -1 to
 4294967295). In the connector such a request is a miss, not an exception out
 of vLLM's scheduler.
 
@@ -24,25 +24,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from vllm.v1.request import RequestStatus
 
 from harness import (
     CHUNK,
     prompt,
     store,
 )
-from kvshim.native import _c_array
-from kvshim.vllm import _u32
+from kvshim.native import _c_array, token_ids
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def u32(tokens):
+    """native.token_ids as a numpy array, to check its dtype and memory."""
+    out = token_ids(tokens)
+    return out if isinstance(out, np.ndarray) else np.frombuffer(out, dtype=np.uint32)  # type: ignore[call-overload]
 
 
 def test_list_is_packed_as_uint32():
     toks = [0, 1, 2**32 - 1, 151_935, 7]
     for src in (toks, tuple(toks), range(5)):
-        a = _u32(src)
+        a = u32(src)
         assert a.dtype == np.uint32 and a.flags.c_contiguous
         assert a.tolist() == list(src)
-    assert _u32([]).size == 0
+    assert u32([]).size == 0
 
 
 def test_list_is_read_by_the_library():
@@ -67,24 +73,22 @@ def test_list_is_read_by_the_library():
         out = np.empty(len(src), dtype=np.uint32)
         assert native.tokens_from_list(src, out.ctypes.data, out.size)
         assert out.tolist() == list(array.array("I", src))
-        assert _u32(src).tolist() == out.tolist()
+        assert u32(src).tolist() == out.tolist()
     out = np.zeros(4, dtype=np.uint32)
     for bad in ([1, -1], [1, -(2**30)], [1, 2**32], [1, 2**32 + 2**31], [1, 2**64], [1, 1.5], [1, "2"], [1, np.int64(2)], [1, 2, 3, 4, 5]):
         assert not native.tokens_from_list(bad, out.ctypes.data, out.size)
     assert out[2:].tolist() == [0, 0]  # a list longer than the buffer: nothing written past it
     assert not native.tokens_from_list((1, 2), out.ctypes.data, out.size)  # type: ignore[arg-type]  # no list
     assert native.tokens_from_list([], out.ctypes.data, 0)
-    assert _u32([1, np.int64(2)]).tolist() == [1, 2]  # array('I') takes what the C loop leaves
+    assert u32([1, np.int64(2)]).tolist() == [1, 2]  # array('I') takes what the C loop leaves
 
 
 def test_uint32_buffers_are_not_copied():
     a = np.arange(10, dtype=np.uint32)
-    assert _u32(a) is a
+    assert token_ids(a) is a
     ar = array.array("I", range(10))
-    got = _u32(ar)
-    assert np.shares_memory(got, np.frombuffer(ar, dtype=np.uint32)) and got.tolist() == list(range(10))
-    mv = memoryview(ar)
-    assert np.shares_memory(_u32(mv), np.frombuffer(ar, dtype=np.uint32))
+    assert token_ids(ar) is ar
+    assert token_ids(a[::2]) is not a and u32(a[::2]).tolist() == [0, 2, 4, 6, 8]  # strided: copied
 
 
 @pytest.mark.parametrize(
@@ -102,7 +106,7 @@ def test_uint32_buffers_are_not_copied():
     ids=lambda s: f"{type(s).__name__}-{getattr(s, 'dtype', getattr(s, 'typecode', ''))}",
 )
 def test_integer_arrays_in_range_convert(src):
-    a = _u32(src)
+    a = u32(src)
     assert a.dtype == np.uint32 and a.flags.c_contiguous
     assert a.tolist() == [int(x) for x in src]
 
@@ -124,18 +128,18 @@ def test_integer_arrays_in_range_convert(src):
 )
 def test_out_of_range_id_is_a_clear_error(src, bad, pos):
     with pytest.raises(ValueError, match=rf"token id {bad} at position {pos} is outside \[0, 2\*\*32\)"):
-        _u32(src)
+        u32(src)
 
 
 def test_non_integers_are_refused():
     with pytest.raises(TypeError, match=r"token id 1\.5 at position 1 is not an integer"):
-        _u32([1, 1.5])
-    with pytest.raises(TypeError, match="integers, got an array of float32"):
-        _u32(np.array([1.0], dtype=np.float32))
+        u32([1, 1.5])
+    with pytest.raises(TypeError, match=r"token id 1\.0 at position 0 is not an integer"):
+        u32(np.array([1.0], dtype=np.float32))
     with pytest.raises(TypeError, match="not bytes"):
-        _u32(b"\x01\x02")
-    with pytest.raises(ValueError, match="one-dimensional"):
-        _u32(np.zeros((2, 2), dtype=np.uint32))
+        u32(b"\x01\x02")
+    with pytest.raises(TypeError, match=r"token id \[0, 0\] at position 0 is not an integer"):  # not 1-D
+        u32(np.zeros((2, 2), dtype=np.uint32))
 
 
 def test_block_ids():
@@ -182,6 +186,12 @@ def test_request_with_an_id_past_uint32_is_a_miss(kv, caplog):
         assert conn.get_num_new_matched_tokens(bad, 0) == (0, False)
     assert f"token id {2**32 + p[5]} at position 5 is outside" in caplog.text
     conn.request_finished(bad, [])
+    # One that finished normally with the bad id past its last full chunk
+    # (the tokens the save at request_finished reads): no error either.
+    tail = h.make_request([*p[:-1], 2**32], max_tokens=1)
+    assert conn.get_num_new_matched_tokens(tail, 0) == (0, False)
+    tail.status = RequestStatus.FINISHED_STOPPED
+    assert conn.request_finished(tail, []) == (False, None)
     assert h.kvshim.scheduler.stats().requests == 0
 
 

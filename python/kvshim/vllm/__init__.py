@@ -6,11 +6,11 @@ and the stats. Importing it loads nothing native."""
 
 from kvshim.vllm.config import LOGGER_NAME, connector_config, read_config
 from kvshim.vllm.connector import KVShimConnector
-from kvshim.vllm.scheduler import KVShimScheduler, _extras, _u32
+from kvshim.vllm.scheduler import KVShimScheduler, _extras
 from kvshim.vllm.stats import KVShimMetadata, KVShimStats
 from kvshim.vllm.worker import KVShimWorker
 
 __all__ = [
     "LOGGER_NAME", "KVShimConnector", "KVShimMetadata", "KVShimScheduler", "KVShimStats", "KVShimWorker",
-    "_extras", "_u32", "connector_config", "read_config",
+    "_extras", "connector_config", "read_config",
 ]

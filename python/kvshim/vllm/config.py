@@ -47,10 +47,9 @@ def read_config(extra: dict[str, Any]) -> dict[str, Any]:
     return dict(native.vllm_config({"extra": extra, "kv_cache_layouts": list(KVCacheLayout.__members__)})["settings"])
 
 
-def _vllm_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> dict[str, Any]:
-    """vLLM's objects as plain data (shim.VLLMSpec): Go decides from them what
-    makes KV bytes compatible, the KV-cache groups and what it refuses."""
-    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+def kv_groups(kv_cache_config: KVCacheConfig | None) -> list[dict[str, Any]]:
+    """vLLM's KV-cache groups as plain data (shim.VLLMGroup), for
+    kvshim_vllm_config and kvshim_vllm_tensors alike."""
     groups = []
     for grp in kv_cache_config.kv_cache_groups if kv_cache_config is not None else ():
         sp = grp.kv_cache_spec
@@ -67,6 +66,13 @@ def _vllm_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
             "num_speculative_blocks": int(getattr(sp, "num_speculative_blocks", 0) or 0),
             "tokens_per_state": int(getattr(sp, "tokens_per_state", 0) or 0), "dcp_sharded": getattr(sp, "dcp_sharded", None),
         })
+    return groups
+
+
+def _vllm_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> dict[str, Any]:
+    """vLLM's objects as plain data (shim.VLLMSpec): Go decides from them what
+    makes KV bytes compatible, the KV-cache groups and what it refuses."""
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     spec = {
         "model": mc.model, "revision": mc.revision or "", "cache_dtype": str(cc.cache_dtype), "block_size": cc.block_size,
         # Resolved by the engine core before the scheduler and the workers'
@@ -76,7 +82,7 @@ def _vllm_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
         "speculative": vllm_config.speculative_config is not None, "mla": bool(mc.use_mla),
         "world_size": pc.world_size, "tp_size": pc.tensor_parallel_size,
         "dcp_size": int(getattr(pc, "decode_context_parallel_size", 1) or 1),
-        "pcp_size": int(getattr(pc, "prefill_context_parallel_size", 1) or 1), "groups": groups,
+        "pcp_size": int(getattr(pc, "prefill_context_parallel_size", 1) or 1), "groups": kv_groups(kv_cache_config),
     }
     if pc.pipeline_parallel_size > 1:
         # The scheduler sees only stage 0's layers: every role names the

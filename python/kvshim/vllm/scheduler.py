@@ -3,11 +3,7 @@ engine): vLLM's requests as the native scheduler's arguments."""
 
 from __future__ import annotations
 
-import array
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
-import numpy.typing as npt
 
 try:  # vLLM 0.33 (0.32 has no per-tier hit sources: the hook is then never called)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -26,55 +22,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-
-_U32_MAX = 0xFFFFFFFF
-
-
-def _u32(tokens: Any) -> npt.NDArray[np.uint32]:
-    """Token ids as a contiguous uint32 array: what Go reads (a pointer and
-    a length, no copy on its side). A list (vLLM's token ids) is read by
-    the library in one C loop (native.tokens_from_list), any other sequence
-    packed by array('I') (``make bench-match`` measures both against numpy:
-    docs/benchmarks.md); a uint32 array, memoryview or tensor is used as it
-    is, any other integer array range-checked. An id outside [0, 2^32) is a
-    ValueError, a non-integer a TypeError, both naming the first bad id:
-    never a silent wrap."""
-    if isinstance(tokens, (str, bytes, bytearray)):
-        raise TypeError(f"token ids must be a sequence or array of integers, not {type(tokens).__name__}")
-    if type(tokens) is list:
-        out = np.empty(len(tokens), dtype=np.uint32)
-        if native.tokens_from_list(tokens, out.ctypes.data, out.size):
-            return out
-    if not isinstance(tokens, (np.ndarray, array.array, memoryview)) and not hasattr(tokens, "__array__"):
-        try:
-            packed = array.array("I", tokens)
-        except (OverflowError, TypeError) as e:
-            raise _bad_token(list(tokens), e) from None
-        return np.frombuffer(packed, dtype=np.uint32)
-    a = np.asarray(tokens)
-    if a.ndim != 1:
-        raise ValueError(f"token ids must be one-dimensional, got shape {a.shape}")
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"token ids must be integers, got an array of {a.dtype}")
-    wider = a.dtype != np.uint32 and a.size and (a.dtype.kind == "i" or a.dtype.itemsize > 4)
-    if wider and (int(a.min()) < 0 or int(a.max()) > _U32_MAX):
-        (i, *_) = np.flatnonzero((a < 0) | (a > _U32_MAX))
-        raise ValueError(f"token id {int(a[i])} at position {i} is outside [0, 2**32)")
-    return np.ascontiguousarray(a, dtype=np.uint32)
-
-
-def _bad_token(tokens: list[Any], cause: Exception) -> Exception:
-    """The error for the first id that array('I') refused (the slow path,
-    only once packing failed)."""
-    for i, t in enumerate(tokens):
-        try:
-            v = int(t.__index__())
-        except (AttributeError, TypeError):
-            return TypeError(f"token id {t!r} at position {i} is not an integer")
-        if not 0 <= v <= _U32_MAX:
-            return ValueError(f"token id {v} at position {i} is outside [0, 2**32)")
-    return ValueError(f"token ids are not uint32: {cause}")
 
 
 def _flat_groups(block_ids: Any) -> tuple[list[int], int]:
@@ -101,8 +48,7 @@ class KVShimScheduler:
         # Layer-wise loads are synchronous: vLLM schedules the request in the
         # step that loads it, and the forward pass waits layer by layer.
         self._async = not layerwise
-        # request -> the ids it is looked up over: vLLM's list, or their uint32 array (_match)
-        self._ids: dict[str, list[int] | npt.NDArray[np.uint32]] = {}
+        self._ids: dict[str, list[int]] = {}  # request -> the ids it is looked up over
         # rid -> [request, tokens Go keyed (a chunk boundary), num_preemptions when keyed]
         self._decoding: dict[str, list[Any]] = {}
         self._match_errors = 0
@@ -123,42 +69,32 @@ class KVShimScheduler:
             # request is looked up over all its tokens, prompt and generated:
             # the chunks saved during its decode are loads, not recompute.
             embeds = getattr(request, "prompt_embeds", None) is not None
-            ids = request.prompt_token_ids if embeds else self._lookup_ids(request)
-            if type(ids) is not list or ids is not request.prompt_token_ids:
-                # Only vLLM's prompt list goes to the library as it is: it
-                # never changes. all_token_ids (a preempted request's) is a
-                # view of a list that grows as the request decodes: its ids
-                # now, converted once.
-                try:
-                    ids = _u32(ids if ids is not None else ())
-                except (ValueError, TypeError) as e:  # an id that is no uint32
-                    return self._miss(rid, e)
+            seq = request.prompt_token_ids if embeds else self._lookup_ids(request)
+            # Only vLLM's prompt list goes to the library as it is: it never
+            # changes. all_token_ids (a preempted request's) is a view of a
+            # list that grows as the request decodes: its ids now.
+            ids = seq if type(seq) is list and seq is request.prompt_token_ids else list(seq or ())
             self._ids[rid] = ids
             if not embeds:
                 self._decoding[rid] = [request, len(ids) // self._chunk * self._chunk, request.num_preemptions]
         try:
             n = self._match(rid, ids, _extras(request), num_computed_tokens)
-        except (KVShimError, ValueError, TypeError) as e:  # ValueError, TypeError: _match's conversion
+        except (KVShimError, ValueError, TypeError) as e:  # ValueError, TypeError: an id that is no uint32
             return self._miss(rid, e)
         if n is None:
             return None, False  # pending: vLLM asks again next step
         return n, n > 0 and self._async
 
-    def _match(self, rid: str, ids: list[int] | npt.NDArray[np.uint32], extras: dict[str, Any] | None,
-               num_computed: int) -> int | None:
-        """native.match over the request's ids: vLLM's prompt list goes to
-        the library as it is (match_list, which reads it only while Go has
-        not keyed the request); a list the library cannot read is converted
-        by _u32 and the array kept for the calls that follow."""
-        if isinstance(ids, list):
-            try:
-                return self.native.match_list(rid, ids, extras, num_computed)
-            except (NotSupportedError, InvalidArgumentError):
-                # Converted by Python: an id that is no uint32 gets its
-                # ValueError or TypeError naming it; else this library or
-                # process cannot read lists, and the array is used from now on.
-                ids = self._ids[rid] = _u32(ids)
-        return self.native.match(rid, ids, extras, num_computed)
+    def _match(self, rid: str, ids: list[int], extras: dict[str, Any] | None, num_computed: int) -> int | None:
+        """native.match over the request's ids: the list goes to the library
+        as it is (match_list, which reads it only while Go has not keyed the
+        request); one the library cannot read is converted by Python."""
+        try:
+            return self.native.match_list(rid, ids, extras, num_computed)
+        except (NotSupportedError, InvalidArgumentError):
+            # An id that is no uint32 (native.token_ids names it), or a
+            # library or process that cannot read Python lists.
+            return self.native.match(rid, ids, extras, num_computed)
 
     def _request_options(self, request: Request) -> None:
         """The request's kvshim.* kv_transfer_params (docs/vllm-controls.md),
@@ -196,15 +132,16 @@ class KVShimScheduler:
 
     @staticmethod
     def _lookup_ids(request: Request) -> Any:
-        """The token ids a request is looked up over: its prompt, or all its
-        tokens once it was preempted (it recomputes its answer too)."""
+        """Its prompt, or all its tokens once preempted (it recomputes its answer too)."""
         return request.all_token_ids if request.num_preemptions else request.prompt_token_ids
 
     def _miss(self, rid: str, why: Exception) -> tuple[int, bool]:
         """A request kvshim cannot key (a token id outside uint32, a LoRA
         path past the length limit, a malformed input) is computed by vLLM: a
-        miss, never a dead scheduler. Logged at most a few times, then
-        sparsely."""
+        miss, never a dead scheduler; nor saved at its end. Logged at most a
+        few times, then sparsely."""
+        if isinstance(why, (ValueError, TypeError)):  # InvalidArgumentError too: unkeyable, not a dead server
+            self._ids.pop(rid, None)
         self._match_errors += 1
         if self._match_errors <= 10 or self._match_errors % 1000 == 0:
             logger.warning("kvshim: request %s is a miss (%d so far): %s", rid, self._match_errors, why)
@@ -253,7 +190,7 @@ class KVShimScheduler:
             return
         end = done // self._chunk * self._chunk
         try:
-            tokens = _u32(request.all_token_ids[keyed:end]).tolist()
+            tokens = native.token_ids(request.all_token_ids[keyed:end]).tolist()  # type: ignore[union-attr]
         except (ValueError, TypeError):  # an id that is no uint32: not saved
             return
         if len(tokens) == end - keyed:
@@ -290,18 +227,14 @@ class KVShimScheduler:
             # Never looked up, aborted (or failed), or a prompt of embeddings
             # (its token ids are placeholders): nothing new is saved.
             return self.native.finished(rid)
-        # Every full chunk the request computed, prompt and generated alike,
-        # is saved (the next turn of a conversation hits its answer too).
-        # Go needs the token ids only from the prompt's last full chunk on
-        # (it keyed the ones before at the lookup). Tokens whose KV is in
-        # the blocks: num_computed_tokens less the tokens of steps still in
-        # flight (async scheduling; vLLM caches its own blocks on the same
-        # basis); the last sampled token has none yet, rejected draft tokens
-        # are already rolled back.
+        # Every full chunk it computed, prompt and answer, is saved (the next
+        # turn of a conversation hits its answer too); Go keyed the prompt's
+        # full chunks at the lookup. Computed: num_computed_tokens less the
+        # tokens of steps in flight (async scheduling), as vLLM caches its own.
         first = len(prompt) // self._chunk * self._chunk
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         ids, groups = _flat_groups(block_ids)
-        done = self.native.finished_tokens(rid, _u32(request.all_token_ids[first:]), first, computed, ids, groups)
+        done = self.native.finished_tokens(rid, request.all_token_ids[first:], first, computed, ids, groups)
         if done.not_saved is not None:
             # The request is finished either way: tokens that do not fit it
             # skip the save, never an error in vLLM's scheduler.
@@ -322,25 +255,18 @@ class KVShimScheduler:
         self.native.close()
 
 
-# How a request must have finished for its computed chunks to be saved at
-# request_finished: normally (an aborted or failed request saves nothing new).
-_SAVED_AT_FINISH = frozenset(
-    s for s in (getattr(RequestStatus, n, None) for n in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"))
-    if s is not None
-)
+# A request saves its computed chunks at request_finished only if it finished
+# normally (an aborted or failed one saves nothing new).
+_SAVED_AT_FINISH = frozenset(s for s in RequestStatus if s.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED",
+                                                                    "FINISHED_REPETITION"))
 
 
 def _extras(request: Request) -> dict[str, Any] | None:
-    """The request's inputs that change its KV besides the tokens, as
-    shim.DecodeExtras reads them (None: none). Every input keeps its structure (never a joined
-    string: "a:b" + "c" and "a" + "b:c" must stay two adapters); Go hashes
-    each field length-prefixed.
-
-    The LoRA is {"name", "path"}: vLLM's own prefix-cache identity of an
-    adapter (kv_cache_utils._gen_lora_extra_hash_keys keys ("lora", name,
-    path)). lora_int_id is left out as vLLM leaves it out: it is a slot in this
-    process's LoRA manager, not the weights, and differs across restarts and
-    engines for the same adapter (see shim.LoRA)."""
+    """The request's inputs that change its KV besides the tokens, each with
+    its structure, as shim.DecodeExtras reads them (None: none). The LoRA is
+    {name, path}, vLLM's own prefix-cache identity of an adapter
+    (kv_cache_utils._gen_lora_extra_hash_keys); lora_int_id, a slot in this
+    process's LoRA manager, differs across engines (shim.LoRA)."""
     ex: dict[str, Any] = {}
     if getattr(request, "cache_salt", None):
         ex["cache_salt"] = request.cache_salt

@@ -12,16 +12,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 @dataclass
 class KVShimStats(KVConnectorStats):
-    """kvshim's counters since the last report, in the form vLLM collects
-    them: each worker's get_kv_connector_stats (chunks and bytes loaded and
-    saved, failed loads and saves, saves skipped as already stored or for
-    lack of space) and the scheduler's (hit_tokens: tokens kvshim was asked
-    to load, hit_requests: requests with such a hit) are summed by
-    aggregate(): across the workers (vLLM's KVOutputAggregator, so with TP
-    each rank's chunks and bytes add up), with the scheduler's (in
-    Scheduler.update_from_output) and over vLLM's logging interval. reduce()
-    is what vLLM's LoggingStatLogger prints, "KV Transfer metrics: k=v, ...":
-    the SUMMARY keys always, in that order, then any other counter."""
+    """kvshim's counters since the last report (kvshim_take_step_stats): the
+    workers' and the scheduler's are summed by aggregate() across ranks
+    (vLLM's KVOutputAggregator), with the scheduler's and over vLLM's
+    logging interval. reduce() is what vLLM's LoggingStatLogger prints ("KV
+    Transfer metrics: k=v, ..."): the SUMMARY keys, then any other counter."""
 
     SUMMARY: ClassVar[tuple[str, ...]] = (
         "hit_tokens", "hit_requests", "loaded_chunks", "loaded_bytes", "failed_loads",

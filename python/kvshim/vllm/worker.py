@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvshim import events as kv_events
 from kvshim import native
-from kvshim.vllm.config import logger
+from kvshim.vllm.config import kv_groups, logger
 from kvshim.vllm.stats import KVShimMetadata, KVShimStats
 
 if TYPE_CHECKING:
@@ -40,12 +40,11 @@ class KVShimWorker:
         self._bound: KVShimMetadata | None = None
         self._cpu_caches = False  # every KV tensor on the CPU: no stream event (_stream_event)
         self._load_errors: set[int] = set()
-        # Several KV-cache groups: block ids are unique only within a group,
-        # and vLLM raises on invalid_block_ids (Scheduler._handle_invalid_blocks);
-        # a lone windowed or Mamba group cannot recompute from a failed block
-        # (the window before it, or the state, is gone). A failed load is
-        # reported by request (failed_recving) instead: vLLM recomputes it all.
-        self._by_request = by_request  # Go: the namespace names the groups
+        # Go decides it (several KV-cache groups, whose block ids are unique
+        # only within a group, or a windowed or Mamba one that cannot recompute
+        # from a failed block): a failed load is reported by request
+        # (failed_recving), and vLLM recomputes it all.
+        self._by_request = by_request
         self._failed: set[str] = set()
         self.events: bool = kv_events.enabled(vllm_config)  # --kv-events-config: report saves
         if self.events:
@@ -54,10 +53,8 @@ class KVShimWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Go decides each layer's group, which layers sharing a tensor are
         # registered, the backend, kernel-block and Mamba state views.
-        groups = [{"classes": [c.__name__ for c in type(grp.kv_cache_spec).__mro__], "layers": list(grp.layer_names),
-                   "block_size": getattr(grp.kv_cache_spec, "block_size", 0) or 0}
-                  for grp in (self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else ())]
-        descs = native.vllm_tensors({"block_size": self._vllm_config.cache_config.block_size, "groups": groups,
+        descs = native.vllm_tensors({"block_size": self._vllm_config.cache_config.block_size,
+                                     "groups": kv_groups(self._kv_cache_config),
                                      "tensors": [_raw(name, t) for name, t in kv_caches.items()]})
         self.native.register(descs)
         self._cpu_caches = all(t.device.type == "cpu" for t in kv_caches.values())
@@ -117,13 +114,9 @@ class KVShimWorker:
         forward pass, for the save stream to wait on; None when the KV cache
         is on the CPU (the forward pass is done). Known at registration: in
         vLLM's CPU worker torch.cuda.is_available() took ~0.45 ms a step."""
-        if self._cpu_caches:
-            return None
-        try:
-            import torch
-        except ImportError:
-            return None
-        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        import torch
+
+        if self._cpu_caches or not torch.cuda.is_available() or not torch.cuda.is_initialized():
             return None
         ev = torch.cuda.Event()
         ev.record()

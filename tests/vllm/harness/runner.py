@@ -4,7 +4,7 @@ WorkerStepDriver (the one worker-step loop) and its runners."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -144,6 +144,7 @@ class WorkerStepDriver(Generic[R]):
     connector: KVConnectorBase_V1
     kv_caches: dict[str, torch.Tensor]
     sampled_token: int = 7
+    block_size: int
 
     def _start(self, vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor] | None,
                connector: KVConnectorBase_V1) -> None:
@@ -195,6 +196,15 @@ class WorkerStepDriver(Generic[R]):
         if len(r.tokens) < end:
             r.tokens.extend([self.sampled_token] * (end - len(r.tokens)))
             r.hashes = KVModel.prefix_hashes(r.tokens)
+
+    def _spans(self, work: list[tuple[str, int, int]]) -> Iterator[tuple[R, int, int, torch.Tensor, torch.Tensor]]:
+        """Each request's span of work as (request, start, end, block index
+        and slot of each position), its tokens extended up to end."""
+        for rid, start, n in work:
+            r = self.reqs[rid]
+            self._extend(r, start + n)
+            pos = torch.arange(start, start + n)
+            yield r, start, start + n, pos // self.block_size, pos % self.block_size
 
     def _track(self, so: SchedulerOutput) -> list[tuple[str, int, int]]:
         """Update block tables; return (req, first token, n tokens) to compute."""
@@ -343,14 +353,8 @@ class ModelRunner(WorkerStepDriver[_RunnerReq]):
             self.prefix_checks[rid] = (num_computed, self.check_blocks(r.tokens, r.blocks[:n]))
 
     def _forward(self, work: list[tuple[str, int, int]]) -> None:
-        bs = self.block_size
-        for rid, start, n in work:
-            r = self.reqs[rid]
-            end = start + n
-            self._extend(r, end)
-            pos = torch.arange(start, end)
-            blocks = torch.tensor(r.blocks, dtype=torch.long)[pos // bs]
-            slots = pos % bs
+        for r, start, end, index, slots in self._spans(work):
+            blocks = torch.tensor(r.blocks, dtype=torch.long)[index]
             for i, name in enumerate(self.layer_names):
                 kv = self._content(self.model.kv(r.hashes[start:end], i))
                 self.kv_caches[name].view(torch.int16)[blocks, :, slots] = kv
@@ -449,15 +453,9 @@ class HybridModelRunner(HybridStepDriver):
         self.prefix_checks[rid] = (n, wrong)
 
     def _forward(self, work: list[tuple[str, int, int]]) -> None:
-        bs = self.block_size
-        for rid, start, n in work:
-            r = self.reqs[rid]
-            end = start + n
-            self._extend(r, end)
-            pos = torch.arange(start, end)
-            slots = pos % bs
+        for r, start, end, index, slots in self._spans(work):
             for g, names in enumerate(self.groups):
-                blocks = torch.tensor(r.blocks[g], dtype=torch.long)[pos // bs]
+                blocks = torch.tensor(r.blocks[g], dtype=torch.long)[index]
                 assert bool((blocks != 0).all()), f"group {g}: tokens {start}..{end} scheduled into the null block"
                 for name in names:
                     kv = ModelRunner._content(self.model.kv(r.hashes[start:end], self.index[name]))
