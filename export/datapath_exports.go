@@ -6,12 +6,8 @@ package main
 import "C"
 
 import (
-	"errors"
 	"fmt"
-	"os"
 	"time"
-
-	"github.com/kvshim/kvshim/shim"
 )
 
 // Layer-wise loads (kvshim.layerwise; shim/layerwise.go): the connector
@@ -39,7 +35,7 @@ func kvshim_worker_wait_layer(h C.int64_t, layer *C.char, timeoutMS C.int64_t) C
 		if timeoutMS < 0 {
 			return fmt.Errorf("timeout_ms %d is negative: %w", timeoutMS, errInvalid)
 		}
-		return deadline(ws.w.WaitLayer(C.GoString(layer), time.Duration(timeoutMS)*time.Millisecond))
+		return ws.w.WaitLayer(C.GoString(layer), time.Duration(timeoutMS)*time.Millisecond) // shim.ErrLayerTimeout: ETIMEDOUT
 	})
 }
 
@@ -49,16 +45,8 @@ func kvshim_worker_wait_layers(h C.int64_t, timeoutMS C.int64_t) C.int {
 		if timeoutMS < 0 {
 			return fmt.Errorf("timeout_ms %d is negative: %w", timeoutMS, errInvalid)
 		}
-		return deadline(ws.w.WaitLayers(time.Duration(timeoutMS) * time.Millisecond))
+		return ws.w.WaitLayers(time.Duration(timeoutMS) * time.Millisecond)
 	})
-}
-
-// deadline maps a layer wait's timeout to KVSHIM_ETIMEDOUT.
-func deadline(err error) error {
-	if errors.Is(err, shim.ErrLayerTimeout) {
-		return fmt.Errorf("%v: %w", err, os.ErrDeadlineExceeded)
-	}
-	return err
 }
 
 // Layer-wise saves (shim/layersave.go): the connector calls save_layer in

@@ -109,7 +109,7 @@ func engineCopy(in *instance, ws *workerState, direction int, objects unsafe.Poi
 	start := time.Now()
 	for i := 0; i < len(blockIDs)/cb; i++ {
 		if spans, err = l.AppendPlan(spans, blockIDs[i*cb:(i+1)*cb], base+uint64(i)*stride, dir); err != nil {
-			return 0, fmt.Errorf("chunk %d: %v: %w", i, err, errInvalid)
+			return 0, fmt.Errorf("chunk %d: %w: %w", i, err, errInvalid) // both sentinels kept
 		}
 	}
 	job, err := eng.Submit(spans, kv.Direction(dir))

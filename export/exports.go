@@ -99,7 +99,7 @@ func kvshim_open(config *C.char, out *C.int64_t) C.int {
 		raw := []byte(C.GoString(config))
 		var cfg openConfig
 		if err := json.Unmarshal(raw, &cfg); err != nil {
-			return fmt.Errorf("kvshim_open: config is not JSON: %v: %w", err, errInvalid)
+			return fmt.Errorf("kvshim_open: config is not JSON: %w: %w", err, errInvalid)
 		}
 		open, ok := openers[cfg.Role]
 		if !ok {

@@ -17,7 +17,7 @@ func (m *manualFiller) Fill(_ tier.FillRequest, f tier.Fill) bool {
 	return true
 }
 
-// The seed's counter-example: L1 has chunk 0, L2 has 0-2, chunk 3 missing;
+// The partial-hit counter-example: L1 has chunk 0, L2 has 0-2, chunk 3 missing;
 // the L2 load of chunk 1 fails, chunk 2 succeeds → prefix is chunk 0 only.
 func TestFillPrefixCounterExample(t *testing.T) {
 	for _, temporary := range []bool{true, false} {

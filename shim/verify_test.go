@@ -89,7 +89,7 @@ func TestConnectorVerifyAlways(t *testing.T) {
 	}
 }
 
-// The seed's counterexample end to end, under the default policy with the
+// The partial-hit counter-example (server/tier's seedCounterExample) end to end, under the default policy with the
 // real fs adapter: a worker saves 3 chunks (headers only); the server's L2
 // store gives them payload CRCs on their way to disk; after a restart
 // (empty L1) chunk 1's payload in L2 is corrupt and chunk 2 intact. The

@@ -69,7 +69,7 @@
 //     copies after the last check), result ok | partial | failed.
 //
 // save: chunks, matched, skipped, failed uint32, bytes uint64, result,
-// reason string. The seed's three "done"s are three events:
+// reason string. A save is "done" three times, as three events:
 //   - event (worker): the forward pass's CUDA event is enqueued for this
 //     request's chunks (GPU data produced).
 //   - commit (worker): COMMIT answered: matched chunks now readable in L1,

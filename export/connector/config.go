@@ -23,6 +23,7 @@ import (
 
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/layout"
+	"github.com/kvshim/kvshim/objfmt"
 	"github.com/kvshim/kvshim/shim"
 )
 
@@ -141,7 +142,7 @@ func (c *Config) resolve() (r Resolved, err error) {
 	r.Instance = uuid.New()
 	if c.Instance != "" {
 		if r.Instance, err = uuid.Parse(c.Instance); err != nil {
-			return Resolved{}, fmt.Errorf("instance %q: %v: %w", c.Instance, err, ErrConfig)
+			return Resolved{}, fmt.Errorf("instance %q: %w: %w", c.Instance, err, ErrConfig)
 		}
 	}
 	if err := c.check(); err != nil {
@@ -179,6 +180,22 @@ func (c *Config) check() error {
 			return fmt.Errorf("%s %v is out of range: %w", f.name, f.val, ErrConfig)
 		}
 	}
+	// Keys only one role uses are checked for every role too: a bad value
+	// is an error wherever it is given, never ignored because this role
+	// does not read it.
+	if _, err := objfmt.ParseVerifyPolicy(c.Verify); err != nil {
+		return fmt.Errorf("%w: %w", err, ErrConfig) // names verify
+	}
+	if _, err := shim.ParseRole(c.KVRole); err != nil {
+		return fmt.Errorf("%w: %w", err, ErrConfig) // names kv_role
+	}
+	if _, err := c.Namespace.Spec(); err != nil {
+		return fmt.Errorf("namespace: %w", err)
+	}
+	sc := c.ServerConfig("")
+	if err := sc.Validate(); err != nil { // l1_size_gb, l1_prefault_gb, hold_ttl_s, l2_adapters
+		return fmt.Errorf("the embedded server's settings: %w: %w", err, ErrConfig)
+	}
 	return nil
 }
 
@@ -186,7 +203,7 @@ func decodeStrict(raw []byte, v any) error {
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
-		return fmt.Errorf("config: %v: %w", err, ErrConfig)
+		return fmt.Errorf("config: %w: %w", err, ErrConfig)
 	}
 	return nil
 }

@@ -72,6 +72,14 @@ func TestParseRefuses(t *testing.T) {
 		{`{"server":"/s.sock","metrics_port":70000}`, "metrics_port 70000 is out of range"},
 		{`{"server":"/s.sock","rank":-2}`, "rank -2 is out of range"},
 		{`{"server":"/s.sock","block_size":-16}`, "block_size -16 is out of range"},
+		// Keys another role reads are checked in every role (a worker's
+		// config with a scheduler's bad kv_role, a scheduler's with a bad
+		// verify, an external server's client with bad embedded settings).
+		{`{"server":"/s.sock","role":"worker","kv_role":"kv_sometimes"}`, `kv_role "kv_sometimes": want`},
+		{`{"server":"/s.sock","role":"scheduler","verify":"bogus"}`, `verify "bogus": want`},
+		{`{"server":"/s.sock","role":"worker","l2_adapters":["{\"type\":\"no-such\"}"]}`, "no-such"},
+		{`{"server":"/s.sock","role":"tool","namespace":{"object_format":99}}`, "namespace: object_format 99"},
+		{`{"server":"/s.sock","l1_size_gb":1e9}`, "--l1-size-gb must be > 0"},
 	} {
 		_, _, err := Parse([]byte(tc.raw))
 		if !errors.Is(err, ErrConfig) {
@@ -114,7 +122,7 @@ func TestServerConfig(t *testing.T) {
 	if sc.Socket != "/x.sock" || sc.L1SizeGB != def.L1SizeGB || sc.L1PrefaultGB != def.L1PrefaultGB || sc.HoldTTL != def.HoldTTL {
 		t.Errorf("absent keys keep the server's defaults: %+v", sc)
 	}
-	c, _, err = Parse([]byte(`{"server":"/s.sock","l1_size_gb":2,"l1_prefault_gb":0,"hold_ttl_s":1.5,"metrics_port":9,"l2_adapters":["{}"]}`))
+	c, _, err = Parse([]byte(`{"server":"/s.sock","l1_size_gb":2,"l1_prefault_gb":0,"hold_ttl_s":1.5,"metrics_port":9,"l2_adapters":["{\"type\":\"fs\",\"base_path\":\"/x\"}"]}`))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -95,7 +95,7 @@ func ParseSettings(extra []byte, layouts []string) (Settings, error) {
 		dec := json.NewDecoder(bytes.NewReader(extra))
 		dec.UseNumber()
 		if err := dec.Decode(&m); err != nil {
-			return s, fmt.Errorf("kv_connector_extra_config: want a JSON object: %v: %w", err, ErrConfig)
+			return s, fmt.Errorf("kv_connector_extra_config: want a JSON object: %w: %w", err, ErrConfig)
 		}
 	}
 	flat := map[string]any{}
@@ -261,7 +261,7 @@ func adapters(key string, v any) ([]json.RawMessage, error) {
 		dec := json.NewDecoder(strings.NewReader(s))
 		dec.UseNumber()
 		if err := dec.Decode(&v); err != nil {
-			return nil, fmt.Errorf("%s: not a JSON list of adapters: %v: %w", key, err, ErrConfig)
+			return nil, fmt.Errorf("%s: not a JSON list of adapters: %w: %w", key, err, ErrConfig)
 		}
 	}
 	if _, ok := v.(map[string]any); ok {

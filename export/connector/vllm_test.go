@@ -81,7 +81,7 @@ func vllmIn(role string, extra string, groups ...shim.VLLMGroup) VLLMIn {
 }
 
 func TestResolveVLLMRoles(t *testing.T) {
-	extra := `{"kvshim.l1_size_gb": 2, "kvshim.l2_adapters": [{"type": "fs", "base_path": "/x"}, "{\"type\":\"fs\"}"],
+	extra := `{"kvshim.l1_size_gb": 2, "kvshim.l2_adapters": [{"type": "fs", "base_path": "/x"}, "{\"type\":\"fs\",\"name\":\"b\"}"],
 		"kvshim.verify": "always", "kvshim.trace_dir": "/tmp/t", "kvshim.model": "m@1"}`
 	sched, err := ResolveVLLM(vllmIn("scheduler", extra))
 	if err != nil {
@@ -96,7 +96,7 @@ func TestResolveVLLMRoles(t *testing.T) {
 	}
 	s, w := sched.Open, worker.Open
 	if s.BlockSize != 16 || s.L1SizeGB != 2 || s.HoldTTLS != 1800 || s.KVRole != "kv_both" || s.TraceDir != "/tmp/t" ||
-		strings.Join(s.L2Adapters, " ") != `{"base_path":"/x","type":"fs"} {"type":"fs"}` {
+		strings.Join(s.L2Adapters, " ") != `{"base_path":"/x","type":"fs"} {"type":"fs","name":"b"}` {
 		t.Errorf("scheduler open config %+v", s)
 	}
 	if w.Rank != 1 || w.Verify != "always" || w.L1SizeGB != 0 || w.L2Adapters != nil || w.BlockSize != 0 {

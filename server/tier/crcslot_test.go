@@ -131,7 +131,7 @@ func storeRaw(t *testing.T, e *env, be *fs.Backend, rank uint32, h kv.Hash, obj 
 	assert.Assert(t, st.Results()[0].OK(), "%v", st.Results()[0].Err)
 }
 
-// The seed's counterexample under the default policy, with the real fs
+// The partial-hit counter-example (see seedCounterExample) under the default policy, with the real fs
 // adapter: chunks 0-3 saved by workers that seal headers only; in L2,
 // chunk 1's payload is corrupt (its CRC, set by the core, still the
 // original's) and chunk 2 is intact. The fill never serves chunk 1, and the

@@ -14,8 +14,8 @@ import (
 	"github.com/kvshim/kvshim/server/tier"
 )
 
-// seedCounterExample prepares the seed's case: 1,024 tokens = 4 chunks,
-// L2 has chunks 0-2 (chunk 3 never stored), and a restarted core whose L1
+// seedCounterExample prepares the partial-hit counter-example: 1,024
+// tokens = 4 chunks, L2 has chunks 0-2 (chunk 3 never stored), and a restarted core whose L1
 // holds chunk 0 again. hook runs between the L2 lookup and the loads.
 func seedCounterExample(t *testing.T, cfg string, hook func(keys []kv.Key), tweak ...func(*server.Config)) (*env, []kv.Hash) {
 	t.Helper()
@@ -34,7 +34,7 @@ func seedCounterExample(t *testing.T, cfg string, hook func(keys []kv.Key), twea
 	return b, hs
 }
 
-// The seed's counter-example with a real fault: chunk 1's file is
+// The partial-hit counter-example with a real fault: chunk 1's file is
 // corrupted after L2 found it and before it is loaded. Chunk 2 loads, yet
 // the answer is 1 chunk (256 tokens), never 512; the corrupt file is
 // deleted and never served.

@@ -54,7 +54,7 @@ func fuzzCells(data []byte, ranks, chunks, adapters int) ([]cell, [][]l2.Result)
 func FuzzPlanAndRelease(f *testing.F) {
 	f.Add([]byte{1, 2, 3, 4, 5, 6, 7, 8, 9}, uint8(2), uint8(3), uint8(2), uint16(20), uint8(1), uint8(0))
 	f.Add([]byte{0, 0, 0, 0}, uint8(1), uint8(4), uint8(1), uint16(2), uint8(3), uint8(1))
-	f.Add([]byte("the seed's counter-example, more or less"), uint8(1), uint8(4), uint8(3), uint16(100), uint8(0), uint8(2))
+	f.Add([]byte("the partial-hit counter-example, more or less"), uint8(1), uint8(4), uint8(3), uint16(100), uint8(0), uint8(2))
 	f.Fuzz(func(t *testing.T, data []byte, ranks, chunks, adapters uint8, budgetPages uint16, hintK, cut uint8) {
 		R, C, A := int(ranks%4)+1, int(chunks%8)+1, int(adapters%3)+1
 		cells, results := fuzzCells(data, R, C, A)

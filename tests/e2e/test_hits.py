@@ -43,7 +43,7 @@ def _out(r: dict[str, Any]) -> tuple[list[int], list[float]]:
 
 
 def test_kvshim_says_in_vllms_log_that_it_is_active(servers: tuple[VllmServer, VllmServer]) -> None:
-    # Defect 1 of issue 22: the line went to a logger vLLM never configured.
+    # It once went to a logger vLLM never configures (kvshim.vllm, not vllm.kvshim).
     _, shim = servers
     log = shim.log_text()
     assert re.search(r"kvshim \S+ active: role=scheduler server=embedded", log), shim.tail()

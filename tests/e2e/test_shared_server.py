@@ -23,8 +23,8 @@ from harness import KvshimServer, Processes, VllmServer, kvshim_config, prompt_i
 
 CHUNK = 256
 # How soon after `kvshim serve` is back a repeated prefix must hit again: the
-# connector redials at most once a second (shim/link.go); issue 22 measured
-# ~4 s on an idle machine. 60 s leaves room for a machine shared by others.
+# connector redials at most once a second (shim/link.go); measured ~4 s
+# on an idle machine (docs/e2e.md). 60 s leaves room for a machine shared by others.
 HITS_AGAIN_WITHIN_S = 60.0
 
 
