@@ -60,9 +60,10 @@
 //	                                  │
 //	        Finished / preempted ─────┴──► (not keyed): holds released; delay while SAVING
 //
-//	state \ event  Match             AfterAlloc            BuildMeta          Finished           preempted (step)
+//	state \ event  Match             AfterAlloc            BuildMeta          Finished(Tokens)   preempted (step)
 //	not keyed      key, LOOKUP:      nothing               nothing            nothing            nothing
 //	               PENDING or NONE
+//	NONE           0 (final)         nothing: no holds     saves (SAVING)     forget             forget
 //	PENDING        poll; None        frees holds           -                  FREE, forget       FREE, forget
 //	FINAL(h)       cached answer     plan load (LOADING)   saves (SAVING)     FREE, forget       FREE, forget
 //	               (h chunks)        or free holds
@@ -70,6 +71,12 @@
 //	               load failed                                                keeps the blocks)  its copies; forget
 //	SAVING         as FINAL          as FINAL              more saves         final saves,       forget (keyed again
 //	                                                                          delay = true       on resume)
+//
+// Finished and FinishedTokens are one event: FinishedTokens (a request
+// that ended normally) also saves the full chunks it computed that no
+// BuildMeta saved (its answer's, the last prompt chunk's). A save happens
+// in any state unless the request's role or options forbid it
+// (kv_consumer, kvshim.skip_save).
 //
 // testdata/lifecycle holds these paths as data (TestLifecycle): vLLM's
 // calls in order against a real server and worker, and what each answers.

@@ -1,9 +1,10 @@
-"""One TP rank's model runner in its own process (started with
-multiprocessing "spawn" by test_tp.py): it loads libkvshim.so itself, builds
-its own VllmConfig for its rank, registers its own CPU KV tensors (standing in
-for GPU memory) with a WORKER-role KVShimConnector made by vLLM's factory, and
-executes the SchedulerOutputs the scheduler process sends it (pickled, as
-vLLM's multiproc executor sends them to its workers)."""
+"""TP ranks' model runners in a process of their own (started with
+multiprocessing "spawn" by harness.Proc; serve is its command loop): the
+process loads libkvshim.so itself, each rank builds its own VllmConfig,
+registers its own CPU KV tensors (standing in for GPU memory) with a
+WORKER-role KVShimConnector made by vLLM's factory, and executes the
+SchedulerOutputs the scheduler process sends (pickled, as vLLM's multiproc
+executor sends them to its workers)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 
 def rank_command(runner: Any, cmd: str, args: Any) -> Any:
-    """One rank's command (both loops): check_blocks, blocks, scribble,
+    """One rank's command: check_blocks, blocks, scribble,
     skip_save_in, drop_group_saves_in, stats, attr."""
     if cmd == "check_blocks":
         return runner.check_blocks(*args)
@@ -41,39 +42,8 @@ def rank_command(runner: Any, cmd: str, args: Any) -> Any:
     raise ValueError(f"unknown command {cmd!r}")
 
 
-def main(conn: Any, model_dir: str, engine_id: str, rank: int, tp: int, num_blocks: int, cfg_kw: dict[str, Any]) -> None:
-    try:
-        from harness import NUM_KV_HEADS, ModelRunner, kvshim_config, make_kv_cache_config
-
-        cfg = kvshim_config(model_dir, tensor_parallel_size=tp, rank=rank, engine_id=engine_id, **cfg_kw)
-        assert cfg.parallel_config.rank == rank
-        kvc = make_kv_cache_config(num_blocks=num_blocks, num_kv_heads=NUM_KV_HEADS // tp)
-        runner = ModelRunner(cfg, kvc, rank=rank)
-        conn.send(("ready", os.getpid()))
-    except BaseException as e:
-        conn.send(("error", f"{e!r}\n{traceback.format_exc()}"))
-        return
-    while True:
-        try:
-            cmd, args = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "execute":
-                res: Any = runner.execute(*args)
-            elif cmd == "close":
-                runner.close()
-                conn.send(("ok", None))
-                conn.close()
-                os._exit(0)  # skip torch/vLLM interpreter teardown (seconds)
-            else:
-                res = rank_command(runner, cmd, args)
-            conn.send(("ok", res))
-        except BaseException as e:
-            conn.send(("error", f"{e!r}\n{traceback.format_exc()}"))
-
-
-# ---- several ranks in one process (test_tp_large.py) --------------------------
+# ---- the ranks of a process (serve: test_tp.py runs one a process,
+# test_tp_large.py several) ----------------------------------------------------
 #
 # TP=8 as eight spawned processes would import torch and vLLM eight times
 # (about 8 s of CPU each): too much for a 2-core machine. A process here

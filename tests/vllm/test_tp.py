@@ -1,6 +1,6 @@
 """TP=2: one scheduler process (this one: vLLM's real Scheduler, the
 SCHEDULER-role KVShimConnector and its embedded server) and two worker
-processes (multiprocessing "spawn", kvshim_tp_worker.py), each loading
+processes (multiprocessing "spawn", kvshim_tp_worker.serve), each loading
 libkvshim.so itself and registering its own CPU KV tensors (standing in for
 GPU memory; FlashAttention shape with 1 of the model's 2 KV heads) under its
 rank (vllm_config.parallel_config.rank). Scheduler outputs go to both ranks
@@ -22,7 +22,9 @@ import pytest
 from harness import (
     CHUNK,
     NUM_KV_HEADS,
-    SchedulerHarness,
+    Proc,
+    Ranks,
+    WorldHarness,
     kvshim_config,
     loads_of,
     make_kv_cache_config,
@@ -38,72 +40,40 @@ NUM_BLOCKS = 128
 CFG_KW: dict[str, Any] = {"enable_prefix_caching": False, "max_num_batched_tokens": 2 * CHUNK}
 
 
-class RemoteRunner:
-    """The scheduler's handle on one rank's process: execute(scheduler
-    output) -> KVConnectorOutput, like the executor's RPC to a worker."""
+class _Rank:
+    """One rank of a Ranks, as these tests address it: rank, call(cmd, ...)."""
 
-    def __init__(self, ctx, model_dir, engine_id, rank):
-        import kvshim_tp_worker
+    def __init__(self, ranks: Ranks, rank: int) -> None:
+        self.ranks, self.rank = ranks, rank
 
-        self.rank = rank
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=kvshim_tp_worker.main,
-            args=(child, str(model_dir), engine_id, rank, TP, NUM_BLOCKS, CFG_KW),
-            name=f"kvshim-tp-rank{rank}",
-            daemon=True,
-        )
-        self.proc.start()
-        child.close()
-
-    def _recv(self, timeout):
-        if not self.conn.poll(timeout):
-            raise AssertionError(f"rank {self.rank}: no answer in {timeout}s")
-        status, res = self.conn.recv()
-        if status not in ("ok", "ready"):
-            raise AssertionError(f"rank {self.rank}: {res}")
-        return res
-
-    def wait_ready(self, timeout=180):
-        return self._recv(timeout)
-
-    def call(self, cmd, *args, timeout=30):
-        self.conn.send((cmd, args))
-        return self._recv(timeout)
-
-    def execute(self, scheduler_output):
-        return self.call("execute", scheduler_output)
-
-    def close(self):
-        if self.proc.is_alive():
-            with contextlib.suppress(Exception):  # the rank is gone already: join it below
-                self.call("close", timeout=15)
-        self.proc.join(timeout=15)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=5)
+    def call(self, cmd: str, *args: Any) -> Any:
+        return self.ranks.call(self.rank, cmd, *args)
 
 
 @pytest.fixture
 def tp(tiny_model_dir):
     engine_id = f"tp-{uuid.uuid4().hex[:12]}"
     ctx = multiprocessing.get_context("spawn")
-    runners = [RemoteRunner(ctx, tiny_model_dir, engine_id, rank) for rank in range(TP)]
+    procs = [Proc(ctx, rank) for rank in range(TP)]  # each rank in a process of its own
     h = None
     try:
-        for r in runners:
-            r.wait_ready()
+        for p in procs:
+            p.recv(timeout=180)
+        ranks = Ranks(procs, TP)
+        ranks.setup(tiny_model_dir, engine_id, {"tp": TP}, NUM_BLOCKS, CFG_KW)
         cfg = kvshim_config(tiny_model_dir, tensor_parallel_size=TP, rank=0, engine_id=engine_id, **CFG_KW)
         assert cfg.parallel_config.world_size == TP
         kvc = make_kv_cache_config(num_blocks=NUM_BLOCKS, num_kv_heads=NUM_KV_HEADS // TP)
-        h = SchedulerHarness(cfg, kvc, runners=runners)
-        yield h, runners
+        h = WorldHarness(cfg, kvc, ranks)
+        yield h, [_Rank(ranks, rk) for rk in range(TP)]
     finally:
+        for p in procs:  # the ranks' connectors first, then the scheduler's (its embedded server)
+            with contextlib.suppress(Exception):
+                p.call("teardown")
         if h is not None:
-            h.close()  # runners first, then the scheduler (embedded server)
-        else:
-            for r in runners:
-                r.close()
+            h.close()
+        for p in procs:
+            p.close()
 
 
 def _store(h, runners, tokens, skip_rank1_save_in_step=None):
