@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -249,13 +250,57 @@ func printAdapters(r *statReader, line func(topic, f string, a ...any)) {
 		if len(lat) > 0 {
 			line("", "%s latency: %s", a, strings.Join(lat, "; "))
 		}
+		// Work under way, when there is some.
+		queued, _ := r.sum("kvshim_l2_queue_depth", by)
+		inflight, _ := r.sum("kvshim_l2_inflight_tasks", by)
+		held, _ := r.sum("kvshim_l2_held_keys", by)
+		if queued+inflight+held > 0 {
+			line("", "%s now: %.0f tiles queued, %.0f batches in flight, %.0f keys held", a, queued, inflight, held)
+		}
 		// The rest of the adapter's families are read here and shown above.
 		r.sum("kvshim_l2_keys_total", by)
 		r.sum("kvshim_l2_bytes_total", by)
+		r.sum("kvshim_l2_tasks_total", by)
+		r.sum("kvshim_l2_lane_workers", by)
 		r.sum("kvshim_l2_task_seconds", by)
 		r.sum("kvshim_l2_task_seconds_sum", by)
 		r.sum("kvshim_l2_task_seconds_count", by)
+		// Its backend's own numbers (kvshim_l2_<type>_...: fs evictions,
+		// Redis OOM answers, plugin host restarts), as they are.
+		if own := adapterOwn(r, a); len(own) > 0 {
+			line("", "%s: %s", a, strings.Join(own, ", "))
+		}
 	}
+}
+
+// adapterOwn reads the kvshim_l2_* numbers of adapter a not read yet, as
+// "name value" without the kvshim_l2_ prefix and the adapter label.
+func adapterOwn(r *statReader, a string) []string {
+	var out []string
+	for _, n := range r.s.order {
+		base, ls := splitStatName(n)
+		rest, ok := strings.CutPrefix(base, "kvshim_l2_")
+		if r.used[n] || !ok {
+			continue
+		}
+		mine := false
+		var other []string
+		for _, l := range ls {
+			if l[0] == "adapter" {
+				mine = l[1] == a
+				continue
+			}
+			other = append(other, l[0]+"="+l[1])
+		}
+		if !mine {
+			continue
+		}
+		if len(other) > 0 {
+			rest += "{" + strings.Join(other, ",") + "}"
+		}
+		out = append(out, rest+" "+strconv.FormatFloat(r.get(n), 'f', -1, 64))
+	}
+	return out
 }
 
 // dur is seconds as a duration rounded to 3 significant digits.

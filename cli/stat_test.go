@@ -205,13 +205,14 @@ func TestStatJSONPlainKeys(t *testing.T) {
 
 // TestStatL2Adapters: a server with an fs L2 adapter named "disk" asked
 // for a chunk it lacks (the prefetch looks it up in L2, finds nothing); `kvshim
-// stat` shows the adapter by name with its errors and latency, and the
+// stat` shows the adapter by name with its errors and latency and its
+// backend's own numbers (max_bytes: the fs capacity counters), and the
 // adapter's numbers are not left under "latency" / "other".
 func TestStatL2Adapters(t *testing.T) {
 	sock := socketPath(t)
 	dir := t.TempDir()
 	_, _, stop := startServe(t, "--socket", sock, "--l1-size-gb", "0.01",
-		"--l2-adapter", `{"type": "fs", "base_path": "`+dir+`", "name": "disk"}`)
+		"--l2-adapter", `{"type": "fs", "base_path": "`+dir+`", "name": "disk", "max_bytes": 1048576}`)
 	defer stop(syscall.SIGTERM)
 	c, err := ipc.Dial(sock, ipc.Hello{Role: ipc.RoleScheduler}, 5*time.Second)
 	assert.NilError(t, err)
@@ -230,10 +231,13 @@ func TestStatL2Adapters(t *testing.T) {
 	assert.Check(t, is.Contains(out, "\nL2 adapter  disk: saved 0 objects (0 B), 0 write errors; loaded 0 chunks (0 B), 0 missed, 0 failed, 0 rejected\n"))
 	assert.Check(t, is.Regexp(`\n            disk errors: [a-z]+ 0(, [a-z]+ 0)+\n`, out))
 	assert.Check(t, is.Regexp(`\n            disk latency: lookup p50 \S+, p99 \S+, mean \S+ \(1 tasks\)\n`, out))
+	assert.Check(t, is.Regexp(`\n            disk: fs_max_bytes 1048576, .*fs_evicted_objects_total 0, .*fs_full_stores_total 0`, out))
 	assert.Check(t, !strings.Contains(out, "adapter="), "adapter numbers left unformatted:\n%s", out)
 
 	code, js, errOut := runCmd("stat", "--socket", sock, "--json")
 	assert.Equal(t, code, 0, errOut)
 	assert.Check(t, is.Contains(js, `{"name":"kvshim_l2_errors_total","labels":{"adapter":"disk","op":"lookup"},"value":0}`))
 	assert.Check(t, is.Contains(js, `{"name":"kvshim_l2_task_seconds_count","labels":{"adapter":"disk","op":"lookup"},"value":1}`))
+	assert.Check(t, is.Contains(js, `{"name":"kvshim_l2_fs_evicted_objects_total","labels":{"adapter":"disk"},"value":0}`))
+	assert.Check(t, is.Contains(js, `{"name":"kvshim_l2_tasks_total","labels":{"adapter":"disk","op":"lookup"},"value":1}`))
 }

@@ -157,14 +157,19 @@ func (core *Core) snapshot() []metric.Sample {
 	return out
 }
 
-// stats is the snapshot plus the L2 controllers' numbers (their
-// Prometheus collectors are registered separately).
+// stats is the snapshot plus the L2 controllers' and adapters' numbers
+// (their Prometheus collectors are registered separately): the adapters'
+// Samples, their backends' included (l2.Sampler), and their latency
+// histograms' summaries (adapterLatency).
 func (core *Core) stats() []metric.Sample {
 	out := core.snapshot()
 	if core.tier != nil {
 		out = append(out, core.tier.wr.Samples()...)
 		out = append(out, core.tier.pc.Samples()...)
-		out = append(out, core.adapterStats()...)
+		for _, a := range core.tier.adapters {
+			out = append(out, a.Samples()...)
+		}
+		out = append(out, core.adapterLatency()...)
 	}
 	return out
 }

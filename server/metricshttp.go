@@ -81,59 +81,51 @@ func (m *MetricsServer) Close() error {
 	return m.hs.Shutdown(ctx)
 }
 
-// adapterFamilies are the L2 adapters' own Prometheus families (package
-// l2, label adapter=<name>) that STATS carries too, so that `kvshim stat`
-// shows each adapter's errors and latency.
-var adapterFamilies = map[string]bool{
-	"kvshim_l2_keys_total":   true,
-	"kvshim_l2_errors_total": true,
-	"kvshim_l2_bytes_total":  true,
-	"kvshim_l2_task_seconds": true,
-}
-
-// statQuantiles are the latency quantiles STATS estimates from an
-// adapter's histogram buckets.
-var statQuantiles = []float64{0.5, 0.99}
-
-// adapterStats returns the adapters' families as STATS numbers: counters
-// as they are, the latency histogram as _count, _sum and
-// {quantile=0.5|0.99} estimates (linear within the bucket). Labels are
-// "k=v" joined by ",", in the registry's (sorted) order.
-func (core *Core) adapterStats() []metric.Sample {
+// adapterLatency is the one STATS path that reads the registry rather than
+// Samples: an adapter's latency histogram (kvshim_l2_task_seconds) is a
+// live prometheus.Histogram, the exception server/internal/metric's doc
+// names, so its buckets exist only as what the registry gathers. STATS
+// carries it as _count, _sum and {quantile=0.5|0.99} estimates (linear
+// within the bucket), so that `kvshim stat` shows each adapter's latency.
+// The adapters' counters and gauges come from Adapter.Samples, as they
+// reach /metrics. Labels are "k=v" joined by ",", in the registry's
+// (sorted) order: adapter, op.
+func (core *Core) adapterLatency() []metric.Sample {
+	const family = "kvshim_l2_task_seconds"
 	fams, err := core.metrics.reg.Gather()
 	if err != nil && len(fams) == 0 {
 		return nil
 	}
 	var out []metric.Sample
 	for _, f := range fams {
-		if !adapterFamilies[f.GetName()] {
+		if f.GetName() != family {
 			continue
 		}
 		for _, m := range f.GetMetric() {
+			h := m.GetHistogram()
+			if h == nil {
+				continue
+			}
 			var l []string
 			for _, p := range m.GetLabel() {
 				l = append(l, p.GetName()+"="+p.GetValue())
 			}
 			labels := strings.Join(l, ",")
-			if c := m.GetCounter(); c != nil {
-				out = append(out, metric.Sample{Name: f.GetName(), Labels: labels, Value: c.GetValue(), Counter: true})
-				continue
-			}
-			h := m.GetHistogram()
-			if h == nil {
-				continue
-			}
 			out = append(out,
-				metric.Sample{Name: f.GetName() + "_count", Labels: labels, Value: float64(h.GetSampleCount()), Counter: true},
-				metric.Sample{Name: f.GetName() + "_sum", Labels: labels, Value: h.GetSampleSum(), Counter: true})
+				metric.Sample{Name: family + "_count", Labels: labels, Value: float64(h.GetSampleCount()), Counter: true},
+				metric.Sample{Name: family + "_sum", Labels: labels, Value: h.GetSampleSum(), Counter: true})
 			for _, q := range statQuantiles {
-				out = append(out, metric.Sample{Name: f.GetName(), Labels: labels + ",quantile=" + strconv.FormatFloat(q, 'g', -1, 64),
+				out = append(out, metric.Sample{Name: family, Labels: labels + ",quantile=" + strconv.FormatFloat(q, 'g', -1, 64),
 					Value: bucketQuantile(q, h)})
 			}
 		}
 	}
 	return out
 }
+
+// statQuantiles are the latency quantiles STATS estimates from an
+// adapter's histogram buckets.
+var statQuantiles = []float64{0.5, 0.99}
 
 // bucketQuantile estimates quantile q of a histogram from its cumulative
 // buckets (as Prometheus' histogram_quantile does); 0 when it is empty.

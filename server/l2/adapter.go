@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvshim/kvshim/kv"
+	"github.com/kvshim/kvshim/server/internal/metric"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -40,7 +41,7 @@ func NewAdapter(b Backend, cfg *Config, reg prometheus.Registerer, logger *slog.
 	if err := cfg.Lanes.Validate(); err != nil {
 		return nil, err
 	}
-	m, err := newMetrics(cfg.Name, reg, cfg.Lanes)
+	m, err := newMetrics(cfg.Name, reg, cfg.Lanes, b)
 	if err != nil {
 		return nil, fmt.Errorf("l2: metrics for %q: %w", cfg.Name, err)
 	}
@@ -64,6 +65,22 @@ func (a *Adapter) Type() string { return a.typ }
 
 // Lanes is the lane configuration.
 func (a *Adapter) Lanes() LaneConfig { return a.lanes.cfg }
+
+// Samples are the adapter's numbers now, its backend's (Sampler) included:
+// what its collector exports, with adapter=<name> first in each sample's
+// labels, as STATS names them ("kvshim_l2_keys_total{adapter=disk,op=store,result=ok}").
+// The latency histograms are not among them (server/internal/metric).
+func (a *Adapter) Samples() []metric.Sample {
+	out := a.m.samples()
+	for i := range out {
+		l := "adapter=" + a.name
+		if out[i].Labels != "" {
+			l += "," + out[i].Labels
+		}
+		out[i].Labels = l
+	}
+	return out
+}
 
 // Backend is the wrapped backend.
 func (a *Adapter) Backend() Backend { return a.backend }

@@ -4,6 +4,7 @@ import (
 	"context"
 
 	"github.com/kvshim/kvshim/kv"
+	"github.com/kvshim/kvshim/server/internal/metric"
 )
 
 // Backend is one storage system. The adapter calls it from lane workers,
@@ -55,4 +56,18 @@ type Tiler interface {
 // segment move with no copy.
 type SegmentRegistrar interface {
 	RegisterL1Segment(fd int, mem []byte) error
+}
+
+// Sampler is implemented by backends with numbers of their own (the fs
+// adapter's evictions, Redis's OOM answers, the plugin host's restarts).
+// The adapter exports them with its own numbers, in the server's one style
+// (server/internal/metric): on /metrics with the const label
+// adapter=<Config.Name>, and in STATS (Adapter.Samples). Samples is called
+// on every scrape and STATS, from any goroutine: it reads atomics, takes no
+// lock the backend's operations hold for long, and returns the same names
+// and label names every time (the collector's descriptors come from its
+// first call, at NewAdapter). Names are kvshim_l2_<type>_..., counters end
+// in _total, and Help says what is counted.
+type Sampler interface {
+	Samples() []metric.Sample
 }

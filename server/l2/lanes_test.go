@@ -4,11 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/kvshim/kvshim/kv"
+	"github.com/kvshim/kvshim/server/internal/metric"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"gotest.tools/v3/assert"
@@ -277,4 +280,55 @@ func TestLaneConfigValidate(t *testing.T) {
 			assert.Assert(t, is.ErrorContains(err, tc.bad))
 		})
 	}
+}
+
+// sampledBackend is a gateBackend with a number of its own (Sampler).
+type sampledBackend struct {
+	*gateBackend
+	n atomic.Int64
+}
+
+func (s *sampledBackend) Samples() []metric.Sample {
+	return []metric.Sample{{Name: "kvshim_l2_t_things_total", Help: "Things the test backend did.", Counter: true,
+		Labels: "kind=x", Value: float64(s.n.Load())}}
+}
+
+// A backend's Samples are exported with the adapter's: on the registry
+// with the const label adapter=<name>, in Adapter.Samples (STATS) with
+// adapter=<name> first, both read at the time of asking; two adapters'
+// in one registry coexist.
+func TestBackendSamples(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	var bs [2]*sampledBackend
+	var as [2]*Adapter
+	for i, name := range []string{"s1", "s2"} {
+		bs[i] = &sampledBackend{gateBackend: newGate()}
+		close(bs[i].gate)
+		a, err := NewAdapter(bs[i], &Config{Type: "t", Name: name, Lanes: LaneConfig{Shared: 1}}, reg, nil)
+		assert.NilError(t, err)
+		t.Cleanup(func() { assert.NilError(t, a.Close()) })
+		as[i] = a
+	}
+	bs[1].n.Store(3)
+	want := func(s1, s2 float64) string {
+		return fmt.Sprintf(`
+# HELP kvshim_l2_t_things_total Things the test backend did.
+# TYPE kvshim_l2_t_things_total counter
+kvshim_l2_t_things_total{adapter="s1",kind="x"} %g
+kvshim_l2_t_things_total{adapter="s2",kind="x"} %g
+`, s1, s2)
+	}
+	assert.NilError(t, testutil.GatherAndCompare(reg, strings.NewReader(want(0, 3)), "kvshim_l2_t_things_total"))
+	bs[0].n.Add(2)
+	assert.NilError(t, testutil.GatherAndCompare(reg, strings.NewReader(want(2, 3)), "kvshim_l2_t_things_total"))
+
+	got := map[string]float64{}
+	for _, s := range as[0].Samples() {
+		got[s.StatName()] = s.Value
+	}
+	assert.Equal(t, got["kvshim_l2_t_things_total{adapter=s1,kind=x}"], 2.0)
+	assert.Equal(t, got["kvshim_l2_tasks_total{adapter=s1,op=store}"], 0.0)
+	_, ok := got["kvshim_l2_held_keys{adapter=s1}"]
+	assert.Assert(t, ok, "%v", got)
+	assert.Equal(t, len(got), len(as[0].Samples()), "one name twice")
 }

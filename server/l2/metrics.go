@@ -15,6 +15,7 @@ import (
 // adapter=<Config.Name>, and op=<lane> where it applies.
 type metrics struct {
 	set      metric.Set
+	backend  func() []metric.Sample  // the backend's own numbers (Sampler); nil: none
 	tasks    [numOps]atomic.Int64    // kvshim_l2_tasks_total{op}
 	keys     [numOps][3]atomic.Int64 // kvshim_l2_keys_total{op,result}, by Status
 	bytes    [numOps]atomic.Int64    // kvshim_l2_bytes_total{op}
@@ -34,7 +35,7 @@ type metrics struct {
 // latencyBuckets span 50 µs .. ~26 s.
 var latencyBuckets = prometheus.ExponentialBuckets(50e-6, 2, 20)
 
-func newMetrics(name string, reg prometheus.Registerer, lanes LaneConfig) (*metrics, error) {
+func newMetrics(name string, reg prometheus.Registerer, lanes LaneConfig, b Backend) (*metrics, error) {
 	cl := prometheus.Labels{"adapter": name}
 	m := &metrics{
 		set: metric.Set{Const: cl},
@@ -62,8 +63,11 @@ func newMetrics(name string, reg prometheus.Registerer, lanes LaneConfig) (*metr
 		m.workers[op].Store(int64(lanes.Workers(op)))
 	}
 	m.set.Add("kvshim_l2_held_keys", "Keys with at least one lookup hold.", gauge, &m.holds)
+	if s, ok := b.(Sampler); ok {
+		m.backend = s.Samples
+	}
 	if reg != nil {
-		if err := m.set.Register(reg); err != nil {
+		if err := reg.Register(&metric.Collector{Samples: m.samples, Const: cl}); err != nil {
 			return nil, err
 		}
 		for _, c := range []prometheus.Collector{m.latency, m.queueWait} {
@@ -73,6 +77,16 @@ func newMetrics(name string, reg prometheus.Registerer, lanes LaneConfig) (*metr
 		}
 	}
 	return m, nil
+}
+
+// samples are the adapter's numbers and its backend's, now (without the
+// const label adapter=<name>).
+func (m *metrics) samples() []metric.Sample {
+	out := m.set.Samples()
+	if m.backend != nil {
+		out = append(out, m.backend()...)
+	}
+	return out
 }
 
 func (m *metrics) key(op Op, r Result) {

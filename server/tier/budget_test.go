@@ -66,6 +66,28 @@ func (e *env) lookupL2(t *testing.T, hs []kv.Hash) uint32 {
 	return n
 }
 
+// scraped is the value /metrics shows for name{adapter=adapter} (the
+// core's registry, gathered now); ok is false when it has no such series.
+func scraped(t *testing.T, e *env, name, adapter string) (v float64, ok bool) {
+	t.Helper()
+	fams, err := e.st.Registry().Gather()
+	assert.NilError(t, err)
+	for _, f := range fams {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			if len(m.GetLabel()) == 1 && m.GetLabel()[0].GetName() == "adapter" && m.GetLabel()[0].GetValue() == adapter {
+				if c := m.GetCounter(); c != nil {
+					return c.GetValue(), true
+				}
+				return m.GetGauge().GetValue(), true
+			}
+		}
+	}
+	return 0, false
+}
+
 // TestFSBudgetUnderStream: 164 objects saved into an fs L2 with room for
 // 24. After every save the object files are within max_bytes, exactly.
 // While the saves run, what the directory holds, the temporary files of
@@ -130,6 +152,18 @@ func TestFSBudgetUnderStream(t *testing.T) {
 	assert.Equal(t, s.Saved[0], int64(4*41))
 	assert.Equal(t, s.Errors[0], int64(0))
 	assert.Assert(t, be.EvictStats().Evicted >= 4*41-room)
+	// The evictions are in STATS and on /metrics: the backend's numbers
+	// are the adapter's samples (l2.Sampler). Nothing evicts now (no save
+	// runs; the lookups below only read).
+	evicted := float64(be.EvictStats().Evicted)
+	assert.Equal(t, e.stat(t, "kvshim_l2_fs_evicted_objects_total{adapter=fs}"), evicted)
+	assert.Equal(t, e.stat(t, "kvshim_l2_fs_evicted_bytes_total{adapter=fs}"), evicted*objFile)
+	assert.Equal(t, e.stat(t, "kvshim_l2_fs_max_bytes{adapter=fs}"), float64(maxBytes))
+	v, ok := scraped(t, e, "kvshim_l2_fs_evicted_objects_total", "fs")
+	assert.Assert(t, ok, "no kvshim_l2_fs_evicted_objects_total{adapter=\"fs\"} on /metrics")
+	assert.Equal(t, v, evicted)
+	v, ok = scraped(t, e, "kvshim_l2_fs_used_bytes", "fs")
+	assert.Assert(t, ok && v > 0 && v <= maxBytes, "kvshim_l2_fs_used_bytes %v %v", v, ok)
 	for _, p := range prefixes[37:] {
 		assert.Equal(t, e.lookupL2(t, p), uint32(4))
 	}
@@ -163,6 +197,17 @@ func TestRedisFullUnderStream(t *testing.T) {
 	assert.Assert(t, s.Saved[0] >= 4 && s.Errors[0] >= 100, "saved %d, failed %d", s.Saved[0], s.Errors[0])
 	assert.Equal(t, e.stat(t, "kvshim_l2_store_errors_total{adapter=redis}"), float64(s.Errors[0]))
 	assert.Equal(t, rb.Stats().OOM+rb.Stats().OOMSkipped, s.Errors[0])
+	// The OOM answers are in STATS and on /metrics (l2.Sampler).
+	oom, skipped := float64(rb.Stats().OOM), float64(rb.Stats().OOMSkipped)
+	assert.Assert(t, oom >= 1)
+	assert.Equal(t, e.stat(t, "kvshim_l2_redis_oom_total{adapter=redis}"), oom)
+	assert.Equal(t, e.stat(t, "kvshim_l2_redis_oom_skipped_total{adapter=redis}"), skipped)
+	v, ok := scraped(t, e, "kvshim_l2_redis_oom_total", "redis")
+	assert.Assert(t, ok, "no kvshim_l2_redis_oom_total{adapter=\"redis\"} on /metrics")
+	assert.Equal(t, v, oom)
+	v, ok = scraped(t, e, "kvshim_l2_redis_oom_skipped_total", "redis")
+	assert.Assert(t, ok)
+	assert.Equal(t, v, skipped)
 	assert.Equal(t, e.stat(t, "kvshim_l1_pinned"), 0.0)
 	e.close(t)
 

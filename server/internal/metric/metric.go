@@ -4,10 +4,14 @@
 // into Prometheus const metrics. The same Samples answer STATS (ipc
 // OpStats, `kvshim stat`), so the two can never disagree. Latency
 // histograms are the one exception: they stay live prometheus.Histograms
-// (a histogram is not a number to read at scrape time).
+// (a histogram is not a number to read at scrape time), and STATS reads
+// the L2 adapters' one (kvshim_l2_task_seconds) back from the registry as
+// count, sum and quantile estimates (server's adapterLatency).
 //
 // Used by package server (the core's snapshot), server/tier (the L2
-// controllers' atomics) and server/l2 (each adapter's counters).
+// controllers' atomics) and server/l2 (each adapter's counters, its
+// backend's own through l2.Sampler: the fs evictions, Redis OOM answers,
+// plugin host restarts).
 package metric
 
 import (

@@ -127,8 +127,9 @@
 // Set scan_interval_s lower when several servers write at once. Evicting
 // needs write permission on the shard directories (dir_mode 0770 for a
 // group); without it a candidate is skipped. EvictStats reports the
-// estimate, scans, evictions, skipped candidates and refused stores;
-// Rescan forces a scan and pass.
+// estimate, scans, evictions, skipped candidates and refused stores, and
+// Samples exports them (kvshim_l2_fs_*, on /metrics and in STATS); Rescan
+// forces a scan and pass.
 //
 // Permissions. KV files are as private as the server's socket: by default
 // directories are 0700 and files 0600, for every directory the adapter

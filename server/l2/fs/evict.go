@@ -24,6 +24,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvshim/kvshim/kv"
+	"github.com/kvshim/kvshim/server/internal/metric"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -668,6 +669,32 @@ func (b *Backend) EvictStats() EvictStats {
 		return EvictStats{}
 	}
 	return b.ev.stats()
+}
+
+// Samples are the capacity numbers of EvictStats as the adapter exports
+// them (l2.Sampler: /metrics and STATS, label adapter=<name>); none
+// without max_bytes.
+func (b *Backend) Samples() []metric.Sample {
+	if b.ev == nil {
+		return nil
+	}
+	st := b.ev.stats()
+	c := func(name, help string, v int64) metric.Sample {
+		return metric.Sample{Name: name, Help: help, Counter: true, Value: float64(v)}
+	}
+	return []metric.Sample{
+		{Name: "kvshim_l2_fs_max_bytes", Help: "max_bytes: the cap on the bytes of object files under base_path.", Value: float64(st.Max)},
+		{Name: "kvshim_l2_fs_used_bytes", Help: "This server's estimate of the bytes of object files under base_path: its last scan plus its own writes and removals since.",
+			Value: float64(st.Used)},
+		c("kvshim_l2_fs_scans_total", "Scans of base_path (the walk that rebuilds the usage estimate and the eviction order).", st.Scans),
+		c("kvshim_l2_fs_evicted_objects_total", "Objects this server evicted to stay under max_bytes (least recently used first).", st.Evicted),
+		c("kvshim_l2_fs_evicted_bytes_total", "Bytes of the object files this server evicted.", st.EvictedBytes),
+		c("kvshim_l2_fs_evict_skipped_total", "Eviction candidates kept: held by a lookup, replaced or used since the scan, or not movable (no write permission on the directory).",
+			st.Skipped),
+		c("kvshim_l2_fs_full_stores_total", "Stores refused with ErrFull: the object is larger than max_bytes, or nothing more could be evicted.", st.Full),
+		c("kvshim_l2_fs_touch_errors_total", "Hits whose file mtime (the recency eviction orders by) could not be set, e.g. another uid's file in a shared base_path.",
+			st.TouchErrors),
+	}
 }
 
 // OnDrop makes f hear of every object this server's eviction removes

@@ -45,6 +45,18 @@ func openAtDir(t *testing.T, dir, extra string) (*l2.Adapter, *fs.Backend) {
 	return a, b
 }
 
+// samples are a's unlabelled numbers, by name, as STATS and /metrics show
+// them (Adapter.Samples: the backend's l2.Sampler included), read once.
+func samples(a *l2.Adapter) map[string]float64 {
+	m := map[string]float64{}
+	for _, s := range a.Samples() {
+		if s.Labels == "adapter="+a.Name() {
+			m[s.Name] = s.Value
+		}
+	}
+	return m
+}
+
 // walkUsage is what the directory holds: the bytes and number of object
 // files, and the bytes of temporary files (writes in flight, evictions
 // under way).
@@ -165,6 +177,19 @@ func TestMaxBytesKeepsRecentlyUsed(t *testing.T) {
 	assert.Assert(t, st.Evicted >= 80+1-room, "%+v", st)
 	assert.Equal(t, st.Full, int64(0))
 	assert.Equal(t, st.TouchErrors, int64(0))
+	// The same numbers are the adapter's samples (nothing evicts between
+	// the two reads: no store runs and the next periodic scan is a minute
+	// away).
+	m := samples(a)
+	assert.Equal(t, m["kvshim_l2_fs_evicted_objects_total"], float64(st.Evicted))
+	assert.Equal(t, m["kvshim_l2_fs_evicted_bytes_total"], float64(st.Evicted*objFile))
+	assert.Equal(t, m["kvshim_l2_fs_max_bytes"], float64(room*objFile))
+	assert.Equal(t, m["kvshim_l2_fs_used_bytes"], float64(st.Used))
+	assert.Equal(t, m["kvshim_l2_fs_scans_total"], float64(st.Scans))
+	assert.Equal(t, m["kvshim_l2_fs_evict_skipped_total"], float64(st.Skipped))
+	assert.Equal(t, m["kvshim_l2_fs_full_stores_total"], 0.0)
+	_, ok := m["kvshim_l2_fs_touch_errors_total"]
+	assert.Assert(t, ok && m["kvshim_l2_fs_touch_errors_total"] == 0, "%v", m)
 	assert.Assert(t, present(t, b, hot), "the object used after every batch was evicted")
 	assert.Assert(t, !present(t, b, l2test.Key(0)), "the oldest unused object was kept")
 	for _, k := range keyRange(76, 4) { // the last batch
@@ -177,6 +202,9 @@ func TestMaxBytesKeepsRecentlyUsed(t *testing.T) {
 	assert.Assert(t, st.Used >= objects, "estimate %d, files %d", st.Used, objects)
 	assert.NilError(t, b.Rescan(context.Background()))
 	assert.Equal(t, b.EvictStats().Used, objects)
+	after := samples(a)
+	assert.Equal(t, after["kvshim_l2_fs_used_bytes"], float64(objects))
+	assert.Assert(t, after["kvshim_l2_fs_scans_total"] > m["kvshim_l2_fs_scans_total"], "a rescan is not counted")
 }
 
 // A hit sets the object file's mtime (the recency eviction orders by),
@@ -262,9 +290,11 @@ func TestCapacitySurvivesRestart(t *testing.T) {
 func TestFullStoresFail(t *testing.T) {
 	a, b := openAtDir(t, t.TempDir(), fmt.Sprintf(`,"max_bytes":%d`, 4*objFile))
 	ctx := context.Background()
+	assert.Equal(t, samples(a)["kvshim_l2_fs_full_stores_total"], 0.0)
 	res := l2test.Wait(t, a.Store(ctx, []kv.Key{l2test.Key(99)}, [][]byte{l2test.Payload(99, 4*objFile)}))
 	assert.Equal(t, res[0].Status, l2.StatusFailed)
 	assert.Assert(t, errors.Is(res[0].Err, fs.ErrFull), "%v", res[0].Err)
+	assert.Equal(t, samples(a)["kvshim_l2_fs_full_stores_total"], 1.0)
 
 	held := keyRange(0, 4)
 	storeAll(t, a, held, 0)
@@ -289,6 +319,9 @@ func TestFullStoresFail(t *testing.T) {
 	}
 	assert.Equal(t, kept, 3)
 	assert.Assert(t, b.EvictStats().Full >= 2)
+	m := samples(a)
+	assert.Equal(t, m["kvshim_l2_fs_full_stores_total"], float64(b.EvictStats().Full))
+	assert.Assert(t, m["kvshim_l2_fs_evicted_objects_total"] >= 1, "%v", m)
 }
 
 // Two servers share one directory with one max_bytes, each with its own

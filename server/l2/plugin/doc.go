@@ -38,7 +38,8 @@
 //     backend's; its window pages stay reserved until the host answers, and
 //     a host that has not answered hang_grace_ms (default 5000) after the
 //     deadline is killed (SIGKILL, logged), which frees them. Stats counts
-//     restarts and such kills.
+//     restarts and such kills; Samples exports them
+//     (kvshim_l2_plugin_restarts_total, kvshim_l2_plugin_hang_kills_total).
 //
 // The price is one memcpy per object each way (the window) and a pipe round
 // trip per batch tile; `make bench-l2` measures it against the fs adapter

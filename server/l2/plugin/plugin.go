@@ -15,6 +15,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kvshim/kvshim/server/internal/metric"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/internal/hostproc"
 )
@@ -319,6 +320,18 @@ type Stats struct {
 // Stats returns the counters.
 func (b *Backend) Stats() Stats {
 	return Stats{Restarts: b.sup.Restarts(), HangKills: b.hangKills.Load()}
+}
+
+// Samples are the counters of Stats as the adapter exports them
+// (l2.Sampler: /metrics and STATS, label adapter=<name>).
+func (b *Backend) Samples() []metric.Sample {
+	st := b.Stats()
+	return []metric.Sample{
+		{Name: "kvshim_l2_plugin_restarts_total", Counter: true, Value: float64(st.Restarts),
+			Help: "Plugin host processes started again after one died (a crash, or a kill for a hung call)."},
+		{Name: "kvshim_l2_plugin_hang_kills_total", Counter: true, Value: float64(st.HangKills),
+			Help: "Plugin hosts killed because a call had not returned hang_grace_ms after its deadline."},
+	}
 }
 
 // Pid is the running host's process id (0 when none).

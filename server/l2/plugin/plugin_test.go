@@ -45,6 +45,17 @@ func built(t testing.TB) plugintest.Built {
 	return b
 }
 
+// sampled is a's number name{adapter=<its name>}, as STATS and /metrics
+// show it (Adapter.Samples: the backend's own included); -1 when absent.
+func sampled(a *l2.Adapter, name string) float64 {
+	for _, s := range a.Samples() {
+		if s.StatName() == name+"{adapter="+a.Name()+"}" {
+			return s.Value
+		}
+	}
+	return -1
+}
+
 func exampleConfig(b plugintest.Built, dir, extra string) string {
 	return fmt.Sprintf(`{"type":"plugin","library":%q,"host":%q,"dir":%q,"num_workers":2,"per_op_workers":{"lookup":1}%s}`,
 		b.Example, b.Host, dir, extra)
@@ -204,6 +215,8 @@ func TestPluginCrash(t *testing.T) {
 	}
 	assert.Assert(t, be.Pid() != pid && be.Pid() != 0)
 	assert.Equal(t, be.Stats().Restarts, int64(1))
+	assert.Equal(t, sampled(a, "kvshim_l2_plugin_restarts_total"), 1.0)
+	assert.Equal(t, sampled(a, "kvshim_l2_plugin_hang_kills_total"), 0.0)
 	// A crash in store, as well.
 	for _, r := range l2test.Wait(t, a.Store(ctx, keys[1:2], bufs[1:2])) {
 		assert.Assert(t, errors.Is(r.Err, l2.ErrUnavailable), "%v", r.Err)
@@ -227,10 +240,12 @@ func TestPluginHang(t *testing.T) {
 	assert.Assert(t, errors.Is(r.Err, context.DeadlineExceeded), "%v", r.Err)
 	assert.Assert(t, took < 5*time.Second, "the deadline of 500 ms took %v", took)
 	deadline := time.Now().Add(10 * time.Second)
+	assert.Equal(t, sampled(a, "kvshim_l2_plugin_hang_kills_total"), 0.0)
 	for be.Stats().HangKills == 0 {
 		assert.Assert(t, time.Now().Before(deadline), "the hung host was not killed")
 		time.Sleep(20 * time.Millisecond)
 	}
+	assert.Equal(t, sampled(a, "kvshim_l2_plugin_hang_kills_total"), 1.0)
 	// The scribbled window was never copied out.
 	assert.Assert(t, bytes.Equal(bufs[0], pattern(5000)))
 	for {
@@ -241,6 +256,7 @@ func TestPluginHang(t *testing.T) {
 		assert.Assert(t, time.Now().Before(deadline), "no working host after the kill: %v", r.Err)
 		time.Sleep(100 * time.Millisecond)
 	}
+	assert.Equal(t, sampled(a, "kvshim_l2_plugin_restarts_total"), 1.0)
 }
 
 // The host maps the window and nothing of L1: an L1 segment registered

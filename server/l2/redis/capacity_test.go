@@ -140,6 +140,13 @@ func TestOOMIsAFailedStoreNotAStorm(t *testing.T) {
 	assert.Assert(t, st.OOM >= 1)
 	assert.Equal(t, st.OOM+st.OOMSkipped, int64(len(failed)))
 	assert.Assert(t, st.OOMSkipped > 0, "no store was held back after an OOM answer")
+	// The adapter exports the same counters (STATS, /metrics).
+	got := map[string]float64{}
+	for _, s := range a.Samples() {
+		got[s.StatName()] = s.Value
+	}
+	assert.Equal(t, got["kvshim_l2_redis_oom_total{adapter=redis}"], float64(st.OOM))
+	assert.Equal(t, got["kvshim_l2_redis_oom_skipped_total{adapter=redis}"], float64(st.OOMSkipped))
 	assert.Equal(t, h.count(), 1, "WARN lines: %v", h.warns)
 	assert.Assert(t, is.Contains(h.warns[0], "Redis is full"))
 

@@ -37,8 +37,10 @@
 // not retried, and the request still succeeds. For OOMBackoff (1 s) after
 // an OOM answer, stores fail with ErrOOM at once, without sending their
 // payloads to a Redis that would refuse them. Both are counted
-// (Backend.Stats: OOM, OOMSkipped) and logged as one WARN at the first
-// OOM, then at most one per 10 s with the counts since the last.
+// (Backend.Stats: OOM, OOMSkipped; exported as kvshim_l2_redis_oom_total
+// and kvshim_l2_redis_oom_skipped_total, Backend.Samples) and logged as one
+// WARN at the first OOM, then at most one per 10 s with the counts since
+// the last.
 //
 // Config keys: "addrs" (list of host:port, or one string), or LMCache's
 // "host" + "port"; "username", "password", "db", "key_prefix",

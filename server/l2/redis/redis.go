@@ -15,6 +15,7 @@ import (
 	goredis "github.com/redis/go-redis/v9"
 
 	"github.com/kvshim/kvshim/kv"
+	"github.com/kvshim/kvshim/server/internal/metric"
 	"github.com/kvshim/kvshim/server/l2"
 )
 
@@ -61,6 +62,18 @@ type Stats struct {
 // Stats returns the counters now.
 func (b *Backend) Stats() Stats {
 	return Stats{OOM: b.ooms.Load(), OOMSkipped: b.oomSkipped.Load()}
+}
+
+// Samples are the OOM counters as the adapter exports them (l2.Sampler:
+// /metrics and STATS, label adapter=<name>).
+func (b *Backend) Samples() []metric.Sample {
+	st := b.Stats()
+	return []metric.Sample{
+		{Name: "kvshim_l2_redis_oom_total", Counter: true, Value: float64(st.OOM),
+			Help: "Stores Redis refused with OOM (maxmemory reached and nothing it may evict): failed saves."},
+		{Name: "kvshim_l2_redis_oom_skipped_total", Counter: true, Value: float64(st.OOMSkipped),
+			Help: "Stores failed with ErrOOM without being sent, within 1 s of an OOM answer."},
+	}
 }
 
 // New is the l2 factory for type "redis".
