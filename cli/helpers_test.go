@@ -6,11 +6,9 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"gotest.tools/v3/assert"
 
-	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/server/l2/plugin/plugintest"
 )
 
@@ -26,12 +24,6 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	plugintest.Remove() // what the examples' plugin test built
 	os.Exit(code)
-}
-
-// waitFor polls until cond holds, failing the test after timeout.
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	testkit.Eventually(t, timeout, what, cond)
 }
 
 // socketPath is a fresh socket path short enough for sun_path (108 bytes;

@@ -48,7 +48,7 @@ func startServe(t *testing.T, args ...string) (ready []string, stdout *testkit.B
 		return net.Listen(network, net.JoinHostPort(host, "0"))
 	}
 	go func() { done <- serve(args, sig, serveHooks{listen: anyPort}, stdout, stderr) }()
-	waitFor(t, 10*time.Second, "the ready line", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the ready line", func() bool {
 		select {
 		case code := <-done:
 			t.Fatalf("serve exited with %d before it was ready: %s%s", code, stdout, stderr)

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
@@ -220,7 +221,7 @@ func TestStatL2Adapters(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	assert.NilError(t, c.Lookup(ctx, &ipc.LookupReq{LookupID: 1, Namespace: kv.Namespace{7}, WorldSize: 1, Hashes: []kv.Hash{{9}}}))
-	waitFor(t, 5*time.Second, "the lookup's answer", func() bool {
+	testkit.Eventually(t, 5*time.Second, "the lookup's answer", func() bool {
 		lr, err := c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: 1})
 		assert.NilError(t, err)
 		return lr.Status == ipc.StatusOK

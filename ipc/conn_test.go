@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/kv"
 	"golang.org/x/sys/unix"
 	"gotest.tools/v3/assert"
@@ -139,18 +140,14 @@ func startServerPath(t testing.TB, path string, cfg *ServerConfig) *testServer {
 
 func (ts *testServer) waitEnded(t testing.TB, n int) []error {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
+	var e []error
+	testkit.Eventually(t, 10*time.Second, fmt.Sprintf("%d sessions to end", n), func() bool {
 		ts.mu.Lock()
-		e := append([]error(nil), ts.ended...)
+		e = append([]error(nil), ts.ended...)
 		ts.mu.Unlock()
-		if len(e) >= n {
-			return e
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	t.Fatalf("fewer than %d sessions ended", n)
-	return nil
+		return len(e) >= n
+	})
+	return e
 }
 
 func dialTest(t testing.TB, path string) *Client {

@@ -3,6 +3,7 @@ package ipc
 import (
 	"bufio"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,6 +13,8 @@ import (
 	"time"
 
 	"gotest.tools/v3/assert"
+
+	"github.com/kvshim/kvshim/internal/testkit"
 )
 
 // WatchExit closes its channel for an exited process and stays open for a
@@ -90,16 +93,14 @@ func TestSessionsPerUIDLimit(t *testing.T) {
 	assert.Assert(t, errors.Is(err, ErrRefused), "%v", err)
 	assert.ErrorContains(t, err, "already has 2 sessions")
 	a.Close()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		c, err := Dial(ts.path, Hello{Role: RoleTool}, 2*time.Second)
-		if err == nil {
-			c.Close()
-			break
+	testkit.EventuallyShowing(t, 5*time.Second, "room after a session ended", func() bool {
+		var c *Client
+		if c, err = Dial(ts.path, Hello{Role: RoleTool}, 2*time.Second); err != nil {
+			return false
 		}
-		assert.Assert(t, time.Now().Before(deadline), "no room after a session ended: %v", err)
-		time.Sleep(20 * time.Millisecond)
-	}
+		c.Close()
+		return true
+	}, func() string { return fmt.Sprint(err) })
 }
 
 // Paths the kernel would refuse with "invalid argument", and paths that are

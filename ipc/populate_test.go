@@ -14,6 +14,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"gotest.tools/v3/assert"
+
+	"github.com/kvshim/kvshim/internal/testkit"
 )
 
 // presentPages counts the pages of mem that this process has mapped (bit 63
@@ -69,10 +71,7 @@ func TestPopulateModes(t *testing.T) {
 			seg2, err := CreateSegment(2, 1<<20)
 			assert.NilError(t, err)
 			assert.NilError(t, ts.l.AddSegment(seg2))
-			deadline := time.Now().Add(5 * time.Second)
-			for c.Segments().Len() < 2 && time.Now().Before(deadline) {
-				time.Sleep(time.Millisecond)
-			}
+			testkit.Eventually(t, 5*time.Second, "the second segment to be announced", func() bool { return c.Segments().Len() >= 2 })
 			assert.Equal(t, c.Segments().Len(), 2)
 			assert.NilError(t, c.WaitPopulated(5*time.Second))
 			after := PopulateCounters()

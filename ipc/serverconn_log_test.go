@@ -66,20 +66,15 @@ func TestUnexpectedSocketMessagesRateLimited(t *testing.T) {
 	assert.NilError(t, c.Ping(ctx), "ignored messages must not end the session")
 	// Let the server read them all before the session ends.
 	sc := <-conns
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
+	testkit.Eventually(t, 10*time.Second, "the server to read every stray message", func() bool {
 		sc.strays.mu.Lock()
-		n := sc.strays.suppressed
-		sc.strays.mu.Unlock()
-		if n == flood-1 {
-			break
-		}
-		time.Sleep(time.Millisecond)
-	}
+		defer sc.strays.mu.Unlock()
+		return sc.strays.suppressed == flood-1
+	})
 	c.Close()
-	for !strings.Contains(logs.String(), "ignored more unexpected socket messages") && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
+	testkit.Eventually(t, 10*time.Second, "the summary of the ignored messages in the log", func() bool {
+		return strings.Contains(logs.String(), "ignored more unexpected socket messages")
+	})
 	out := logs.String()
 	var warned, summary int
 	for _, line := range strings.Split(out, "\n") {

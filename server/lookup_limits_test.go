@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
@@ -215,11 +216,7 @@ func TestLookupLimitOverIPC(t *testing.T) {
 	assert.Equal(t, stat(t, st, "kvshim_lookups_rejected_total{limit=lookups}"), 1.0)
 
 	c.Close()
-	deadline := time.Now().Add(10 * time.Second)
-	for stat(t, st, "kvshim_sessions") > 0 && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
-	assert.Equal(t, stat(t, st, "kvshim_sessions"), 0.0)
+	testkit.Eventually(t, 10*time.Second, "the closed session to end (kvshim_sessions 0)", func() bool { return stat(t, st, "kvshim_sessions") == 0 })
 	assert.Equal(t, stat(t, st, "kvshim_lookups_live"), 0.0)
 	assert.Equal(t, stat(t, st, "kvshim_lookup_cells"), 0.0)
 }

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
@@ -194,11 +195,7 @@ func TestHoldAndStagingTTL(t *testing.T) {
 	assert.Equal(t, r.Chunks, uint32(3))
 	_, err := st.Alloc(s, &ipc.AllocReq{Tag: kv.Tag{2}, Namespace: ns1, Hashes: hashes("forgot", 2), Sizes: sizes(2)})
 	assert.NilError(t, err)
-	deadline := time.Now().Add(5 * time.Second)
-	for holds(t, st) != 0 || used(t, st) != base {
-		assert.Assert(t, time.Now().Before(deadline), "holds/staging not reclaimed")
-		time.Sleep(5 * time.Millisecond)
-	}
+	testkit.Eventually(t, 5*time.Second, "holds/staging to be reclaimed", func() bool { return holds(t, st) == 0 && used(t, st) == base })
 	assert.Equal(t, stat(t, st, "kvshim_l1_ttl_reclaimed_holds_total"), 3.0)
 	assert.Equal(t, stat(t, st, "kvshim_l1_ttl_reclaimed_staging_total"), 2.0)
 	assert.Equal(t, stat(t, st, "kvshim_lookups_live"), 0.0)

@@ -17,12 +17,6 @@ import (
 	"github.com/kvshim/kvshim/server/l1"
 )
 
-// eventually waits for cond at most 10 s.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	testkit.Eventually(t, 10*time.Second, what, cond)
-}
-
 // startPrefaultServer starts a memfd server of l1 MiB in 1 MiB segments
 // preparing prefault MiB ahead.
 func startPrefaultServer(t *testing.T, l1, prefault float64) (*Server, string) {
@@ -74,7 +68,7 @@ func allocObjects(t *testing.T, c *ipc.Client, seed string, n int, size uint64) 
 func TestPrefaultServerAnnouncesFaultedSegmentsBeforeAlloc(t *testing.T) {
 	srv, path := startPrefaultServer(t, 8, 3)
 	c := dial(t, path, ipc.RoleWorker)
-	eventually(t, "3 segments announced", func() bool { return c.Segments().Len() == 3 })
+	testkit.Eventually(t, 10*time.Second, "3 segments announced", func() bool { return c.Segments().Len() == 3 })
 	time.Sleep(50 * time.Millisecond)
 	assert.Equal(t, c.Segments().Len(), 3, "more than the prefault before any ALLOC")
 	for _, seg := range c.Segments().Segments() {
@@ -91,7 +85,7 @@ func TestPrefaultServerAnnouncesFaultedSegmentsBeforeAlloc(t *testing.T) {
 	for _, l := range r.Locs {
 		assert.Assert(t, l.Segment <= 2)
 	}
-	eventually(t, "the refill", func() bool { return c.Segments().Len() == 5 })
+	testkit.Eventually(t, 10*time.Second, "the refill", func() bool { return c.Segments().Len() == 5 })
 	for _, seg := range c.Segments().Segments() {
 		assert.Equal(t, allocated(t, seg), seg.Size(), "segment %d not faulted in", seg.ID())
 	}
@@ -109,7 +103,7 @@ func TestPrefaultServerAnnouncesFaultedSegmentsBeforeAlloc(t *testing.T) {
 func TestPrefaultServerRespectsL1Size(t *testing.T) {
 	srv, path := startPrefaultServer(t, 2.5, 1024)
 	c := dial(t, path, ipc.RoleWorker)
-	eventually(t, "all of L1 announced", func() bool { return c.Segments().Len() == 3 })
+	testkit.Eventually(t, 10*time.Second, "all of L1 announced", func() bool { return c.Segments().Len() == 3 })
 	time.Sleep(50 * time.Millisecond)
 	var total uint64
 	for _, seg := range c.Segments().Segments() {

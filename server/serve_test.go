@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"gotest.tools/v3/assert"
@@ -97,11 +98,9 @@ func TestServeEndToEnd(t *testing.T) {
 	assert.Equal(t, stat(t, srv.Core, "kvshim_l1_objects{state=staging}"), 4.0)
 	w2.Close()
 	<-w2.Freed()
-	deadline := time.Now().Add(10 * time.Second)
-	for stat(t, srv.Core, "kvshim_l1_objects{state=staging}") != 0 {
-		assert.Assert(t, time.Now().Before(deadline), "staging of a closed session still staging")
-		time.Sleep(10 * time.Millisecond)
-	}
+	testkit.Eventually(t, 10*time.Second, "the staging of a closed session to leave staging", func() bool {
+		return stat(t, srv.Core, "kvshim_l1_objects{state=staging}") == 0
+	})
 	assert.Equal(t, stat(t, srv.Core, "kvshim_l1_objects{state=fenced}"), 4.0)
 	assert.Equal(t, used(t, srv.Core), 7.0*objSize)
 	hello.Flags = ipc.HelloDrained
@@ -110,7 +109,7 @@ func TestServeEndToEnd(t *testing.T) {
 	defer w3.Close()
 	// The hello is answered before the server's session goroutine opens
 	// the session (and lifts the fence): wait for it.
-	eventually(t, "the drained hello lifting the fence", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the drained hello lifting the fence", func() bool {
 		return stat(t, srv.Core, "kvshim_l1_objects{state=fenced}") == 0
 	})
 	assert.Equal(t, used(t, srv.Core), 3.0*objSize)

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
@@ -132,15 +133,15 @@ func newChaosClient(t testing.TB, sock string, timeout time.Duration) *chaosClie
 }
 
 func (c *chaosClient) match(t testing.TB, req string, tokens []uint32) int {
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		n, pending, err := c.sched.Match(req, tokens, Extras{}, 0)
+	var n int
+	testkit.Eventually(t, 5*time.Second, "the lookup of "+req+" to be answered", func() bool {
+		var pending bool
+		var err error
+		n, pending, err = c.sched.Match(req, tokens, Extras{}, 0)
 		assert.NilError(t, err)
-		if !pending {
-			return n
-		}
-	}
-	t.Fatalf("lookup of %s still pending", req)
-	return 0
+		return !pending
+	})
+	return n
 }
 
 // matchHit looks tokens up under fresh request ids until one hits: after a

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/server"
 )
@@ -119,16 +120,15 @@ func newRigWith(t testing.TB, ns NamespaceSpec, tune func(*server.Config), prep 
 
 // match polls Match until the lookup is final.
 func (r *rig) match(t testing.TB, req string, tokens []uint32, ex Extras, local int) int {
-	for range 200 {
-		n, pending, err := r.sched.Match(req, tokens, ex, local)
+	var n int
+	testkit.Eventually(t, 5*time.Second, "the lookup of "+req+" to be answered", func() bool {
+		var pending bool
+		var err error
+		n, pending, err = r.sched.Match(req, tokens, ex, local)
 		assert.NilError(t, err)
-		if !pending {
-			return n
-		}
-		time.Sleep(time.Millisecond)
-	}
-	t.Fatalf("lookup of %s still pending", req)
-	return 0
+		return !pending
+	})
+	return n
 }
 
 // step runs one engine step on every worker and waits until the copies it

@@ -9,6 +9,7 @@ import (
 	"github.com/google/uuid"
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/server"
 )
@@ -111,17 +112,16 @@ func TestResetMakesEveryTierMiss(t *testing.T) {
 	assert.NilError(t, err)
 	t.Cleanup(func() { other.Close() })
 	otherMatch := func(req string, tokens []uint32) int {
-		for range 200 {
-			n, pending, err := other.Match(req, tokens, Extras{}, 0)
+		var n int
+		testkit.Eventually(t, 5*time.Second, "the lookup of "+req+" to be answered", func() bool {
+			var pending bool
+			var err error
+			n, pending, err = other.Match(req, tokens, Extras{}, 0)
 			assert.NilError(t, err)
-			if !pending {
-				other.Finished(req)
-				return n
-			}
-			time.Sleep(time.Millisecond)
-		}
-		t.Fatalf("lookup of %s still pending", req)
-		return 0
+			return !pending
+		})
+		other.Finished(req)
+		return n
 	}
 	tokens := tokensOf(17, 9)
 	_, saved := saveChunks(t, r, "A", tokens, 3)

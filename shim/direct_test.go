@@ -8,6 +8,7 @@ import (
 
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/server"
 )
 
@@ -89,12 +90,10 @@ func TestDirectAndRingLookupsAgree(t *testing.T) {
 		restart()
 		// The worker notices the old session's end on its own (its socket's
 		// EOF): a load issued before that would try the dead session.
-		for i := 0; i < 500; i++ {
-			if c := r.workers[0].link.current(); c == nil || c.Err() != nil {
-				break
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+		testkit.Eventually(t, 5*time.Second, "the worker to notice the old session's end", func() bool {
+			c := r.workers[0].link.current()
+			return c == nil || c.Err() != nil
+		})
 		req, n := firstHitAfterRestart(t, r, tokens)
 		log = append(log, fmt.Sprintf("after restart %d holds %v", n, metric(t, r.srv, "kvshim_l1_holds")))
 		assert.NilError(t, r.sched.AfterAlloc(req, seq(50, 7), 1, -1, n))

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvshim/kvshim/cuda"
 	"github.com/kvshim/kvshim/internal/fakecuda"
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/server"
 )
@@ -143,11 +144,8 @@ func TestFakeCUDAServerRestart(t *testing.T) {
 	assert.NilError(t, err)
 	t.Cleanup(func() { srv.Close() })
 	r.srv = srv
-	deadline := time.Now().Add(10 * time.Second)
-	for d.Stats().Registrations != 0 {
-		assert.Assert(t, time.Now().Before(deadline), "old segments still registered: %+v", d.Stats())
-		time.Sleep(10 * time.Millisecond)
-	}
+	testkit.EventuallyShowing(t, 10*time.Second, "the old segments to be unregistered", func() bool { return d.Stats().Registrations == 0 },
+		func() string { return fmt.Sprintf("%+v", d.Stats()) })
 
 	// The new server is empty. Once the worker has redialled (at most once
 	// a second) a save lands in the new segments, then a hit is restored.
@@ -203,10 +201,7 @@ func TestFakeCUDASlowCopy(t *testing.T) {
 	assert.Equal(t, len(errs), 4)
 	assert.Assert(t, holds(t, r.srv) > 0, "holds released while the copy may still read the objects")
 	// Let the stuck copy end before the test unmaps the cache it writes.
-	for deadline := time.Now().Add(10 * time.Second); d.Stats().Copies-copies < copies-before; {
-		assert.Assert(t, time.Now().Before(deadline))
-		time.Sleep(10 * time.Millisecond)
-	}
+	testkit.Eventually(t, 10*time.Second, "the stuck copy to end", func() bool { return d.Stats().Copies-copies >= copies-before })
 }
 
 // TestFakeCUDASaveWaitsForStreamEvent: the save of a step copies what the

@@ -7,6 +7,8 @@ import (
 
 	"golang.org/x/sys/unix"
 	"gotest.tools/v3/assert"
+
+	"github.com/kvshim/kvshim/internal/testkit"
 )
 
 // lsRig binds a step that saves 2 chunks of request A from blocks 0-3 of
@@ -47,14 +49,6 @@ func restoreAs(t *testing.T, r *rig, req string, tokens []uint32) []int64 {
 	return dst
 }
 
-// waitUntil polls cond every millisecond for up to 10 s.
-func waitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(time.Millisecond) {
-		assert.Assert(t, time.Now().Before(deadline), "timed out waiting: %s", what)
-	}
-}
-
 // On the CPU engine: layer 0's copy is submitted as soon as SaveLayer marks
 // it, before the forward pass has written layer 1; layer 1 is copied only
 // once marked (it holds what was written after layer 0's save began); a
@@ -68,7 +62,7 @@ func TestLayerwiseSaveBytesExact(t *testing.T) {
 	time.Sleep(20 * time.Millisecond)
 	assert.Equal(t, w.Jobs(), int64(0), "an unknown layer started a save")
 	w.SaveLayer(m, "layer0", 0)
-	waitUntil(t, "layer 0's copy before layer 1 is written", func() bool { return w.Stats().CopySpans > spans })
+	testkit.Eventually(t, 10*time.Second, "layer 0's copy before layer 1 is written", func() bool { return w.Stats().CopySpans > spans })
 	// The forward pass writes layer 1 now (K and V of each block), while
 	// layer 0's copy may still run.
 	layer, bb := 2*tBlocks*tBS*tHeads*tHead*2, tBS*tHeads*tHead*2
@@ -145,7 +139,7 @@ func TestFakeCUDALayerwiseSave(t *testing.T) {
 	d.Reset(20 * time.Millisecond) // per queued copy
 	copies := d.Stats().Copies
 	w.SaveLayer(m, "layer0", 0)
-	waitUntil(t, "layer 0's copies before layer 1 is written", func() bool { return d.Stats().Copies > copies })
+	testkit.Eventually(t, 10*time.Second, "layer 0's copies before layer 1 is written", func() bool { return d.Stats().Copies > copies })
 	// Layer 1's K of blocks 0-3 (contiguous), written late on vLLM's stream.
 	layer := 2 * tBlocks * tBS * tHeads * tHead * 2
 	kBytes := len(src) * tBS * tHeads * tHead * 2

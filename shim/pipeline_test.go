@@ -12,6 +12,7 @@ import (
 	"gotest.tools/v3/assert"
 
 	"github.com/kvshim/kvshim/cuda"
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/kv"
 )
 
@@ -292,10 +293,8 @@ func TestConnectorLoadOverlapsChecksAndReportsLast(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the last chunk was never checked")
 	}
-	for deadline := time.Now().Add(5 * time.Second); e.loadSubmits() < pChunks; {
-		assert.Assert(t, time.Now().Before(deadline), "%d of %d chunks submitted", e.loadSubmits(), pChunks)
-		time.Sleep(time.Millisecond)
-	}
+	testkit.EventuallyShowing(t, 5*time.Second, "every chunk's copy to be submitted", func() bool { return e.loadSubmits() >= pChunks },
+		func() string { return fmt.Sprintf("%d of %d chunks submitted", e.loadSubmits(), pChunks) })
 	for range 20 {
 		_, recv, _ := w.Poll()
 		assert.Equal(t, len(recv), 0, "load reported before its last copy completed")

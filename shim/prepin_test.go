@@ -39,12 +39,6 @@ func workerClient(t *testing.T, w *Worker) *ipc.Client {
 	return w.link.c
 }
 
-// waitFor waits for cond at most 10 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	testkit.Eventually(t, 10*time.Second, what, cond)
-}
-
 // TestFakeCUDAPinsAnnouncedSegmentsAhead: once a GPU worker has a session,
 // every L1 segment the server announces (prepared at start-up, then a
 // watermark ahead of use as L1 fills) is registered in the background
@@ -58,7 +52,7 @@ func TestFakeCUDAPinsAnnouncedSegmentsAhead(t *testing.T) {
 	assert.Equal(t, saved, 2)
 	c := workerClient(t, w)
 	segs := func() uint64 { return uint64(c.Segments().Len()) }
-	waitFor(t, "every announced segment registered", func() bool {
+	testkit.Eventually(t, 10*time.Second, "every announced segment registered", func() bool {
 		return segs() >= 3 && d.Stats().Registrations == segs()
 	})
 	// The first save's resolve saw the session first: at most its own
@@ -76,7 +70,7 @@ func TestFakeCUDAPinsAnnouncedSegmentsAhead(t *testing.T) {
 	stat := func(name string) uint64 { v, _ := r.srv.Core.Stat(name); return uint64(v) }
 	for i := range 40 {
 		want := segs()
-		waitFor(t, "a free segment prepared, every segment announced and registered", func() bool {
+		testkit.Eventually(t, 10*time.Second, "a free segment prepared, every segment announced and registered", func() bool {
 			mapped := stat("kvshim_l1_mapped_bytes")
 			return mapped-stat("kvshim_l1_slab_bytes") >= 64<<10 && segs()*64<<10 >= mapped &&
 				d.Stats().Registrations == segs() && segs() >= want
@@ -87,10 +81,10 @@ func TestFakeCUDAPinsAnnouncedSegmentsAhead(t *testing.T) {
 	// The server prepares and announces the next segment in the background:
 	// the last saves may have finished before it (1 run in ~10 under load,
 	// once lookups became direct calls and the loop got faster).
-	waitFor(t, "L1 grown to 7 segments", func() bool { return segs() >= 7 })
+	testkit.Eventually(t, 10*time.Second, "L1 grown to 7 segments", func() bool { return segs() >= 7 })
 	// The pinner counts a registration just after the driver records it:
 	// wait for both, or the counters can lag the driver by one.
-	waitFor(t, "the last announced segments registered and counted", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the last announced segments registered and counted", func() bool {
 		return d.Stats().Registrations == segs() && w.pins.bgPins.Load()+w.pins.copyPins.Load() == segs()
 	})
 	t.Logf("%d segments: %d registered in the background, %d by a copy", segs(), w.pins.bgPins.Load(), w.pins.copyPins.Load())
@@ -117,7 +111,7 @@ func TestFakeCUDAPinnerWatchAtDial(t *testing.T) {
 	// (bgPins is added once RegisterHost has returned): wait for both, or
 	// the pinner's count can lag the driver's by one (2 != 3, 2 runs in 30
 	// under load with -cpu 1).
-	waitFor(t, "three segments registered and counted", func() bool {
+	testkit.Eventually(t, 10*time.Second, "three segments registered and counted", func() bool {
 		return d.Stats().Registrations-before.Registrations == 3 && p.bgPins.Load() == 3
 	})
 	assert.Equal(t, c.Segments().Len(), 3)
@@ -129,7 +123,7 @@ func TestFakeCUDAPinnerWatchAtDial(t *testing.T) {
 
 	c.Close()
 	<-c.Freed()
-	waitFor(t, "the segments unregistered", func() bool { return d.Stats().Registrations == before.Registrations })
+	testkit.Eventually(t, 10*time.Second, "the segments unregistered", func() bool { return d.Stats().Registrations == before.Registrations })
 	assert.NilError(t, eng.Close())
 	assert.Equal(t, d.Stats().Violations, uint64(0), d.Stats().LastViolation)
 }

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"gotest.tools/v3/assert"
+
+	"github.com/kvshim/kvshim/internal/testkit"
 )
 
 func TestWriterRoundTrip(t *testing.T) {
@@ -80,11 +82,7 @@ func TestWriterRotatesByAge(t *testing.T) {
 	assert.NilError(t, err)
 	defer w.Close()
 	w.Emit(Record{Kind: KindSave, Event: "commit"})
-	deadline := time.Now().Add(5 * time.Second)
-	for len(mustGlob(t, dir)) == 0 {
-		assert.Assert(t, time.Now().Before(deadline), "no file closed by age")
-		time.Sleep(5 * time.Millisecond)
-	}
+	testkit.Eventually(t, 5*time.Second, "a file closed by age", func() bool { return len(mustGlob(t, dir)) > 0 })
 	recs, err := ReadFiles(mustGlob(t, dir))
 	assert.NilError(t, err)
 	assert.Equal(t, len(recs), 1)

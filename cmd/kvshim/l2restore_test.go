@@ -17,6 +17,7 @@ import (
 	"github.com/google/uuid"
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
@@ -131,21 +132,19 @@ func (s *servedProc) waitMetric(t *testing.T, name string, want float64) {
 
 func (s *servedProc) waitMetricFn(t *testing.T, name string, want func(float64) bool) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
 	last := ""
-	for time.Now().Before(deadline) {
+	testkit.EventuallyShowing(t, 30*time.Second, "metric "+name+" to get the wanted value", func() bool {
 		_, body := httpGet(t, "http://127.0.0.1:"+strconv.Itoa(s.port)+"/metrics")
 		for _, l := range strings.Split(body, "\n") {
 			if v, ok := strings.CutPrefix(l, name+" "); ok {
 				last = l
 				if f, err := strconv.ParseFloat(v, 64); err == nil && want(f) {
-					return
+					return true
 				}
 			}
 		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	t.Fatalf("metric %s never got the wanted value (last: %q); stderr: %s", name, last, s.stderr.String())
+		return false
+	}, func() string { return fmt.Sprintf("last: %q; stderr: %s", last, s.stderr.String()) })
 }
 
 func (s *servedProc) stop(t *testing.T) {
@@ -284,16 +283,17 @@ func retrieveEqual(ctx context.Context, t *testing.T, sched, worker *ipc.Client,
 }
 
 // lookupFinal registers lookup id for hs and polls its result until it is
-// no longer pending (bounded by ctx: LookupResult fails once it ends).
+// no longer pending, for at most 60 s (the callers' ctx, which bounds it
+// too: LookupResult fails once it ends).
 func lookupFinal(ctx context.Context, t *testing.T, sched *ipc.Client, id uint64, hs []kv.Hash) *ipc.LookupResultResp {
 	t.Helper()
 	assert.NilError(t, sched.Lookup(ctx, &ipc.LookupReq{LookupID: id, Namespace: restoreNS, WorldSize: 1, Hashes: hs}))
-	for {
-		lr, err := sched.LookupResult(ctx, &ipc.LookupResultReq{LookupID: id})
+	var lr *ipc.LookupResultResp
+	testkit.Eventually(t, 60*time.Second, fmt.Sprintf("lookup %d to be answered", id), func() bool {
+		var err error
+		lr, err = sched.LookupResult(ctx, &ipc.LookupResultReq{LookupID: id})
 		assert.NilError(t, err)
-		if lr.Status != ipc.StatusPending {
-			return lr
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+		return lr.Status != ipc.StatusPending
+	})
+	return lr
 }

@@ -19,10 +19,29 @@ const Poll = 2 * time.Millisecond
 // bounded: there is no form without a timeout.
 func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()
+	eventually(t, timeout, what, cond, nil)
+}
+
+// EventuallyShowing is Eventually for a wait whose failure is understood
+// only with the state the test last saw (the last error, a count so far, a
+// metric's last value, a child's stderr): Eventually's what is fixed before
+// the wait, so show is called once, on timeout, and its text is added to
+// the failure. It is not called when cond holds.
+func EventuallyShowing(t testing.TB, timeout time.Duration, what string, cond func() bool, show func() string) {
+	t.Helper()
+	eventually(t, timeout, what, cond, show)
+}
+
+func eventually(t testing.TB, timeout time.Duration, what string, cond func() bool, show func() string) {
+	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for !cond() {
 		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+			if show != nil {
+				t.Fatalf("timed out after %v waiting for %s: %s", timeout, what, show())
+			} else {
+				t.Fatalf("timed out after %v waiting for %s", timeout, what)
+			}
 			return // Fatalf ends the goroutine; a testing.TB that records it does not
 		}
 		time.Sleep(Poll)

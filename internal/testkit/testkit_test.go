@@ -1,6 +1,7 @@
 package testkit
 
 import (
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -16,10 +17,7 @@ type fakeTB struct {
 
 func (f *fakeTB) Helper() {}
 func (f *fakeTB) Fatalf(format string, args ...any) {
-	f.failed = format
-	if len(args) > 0 {
-		f.failed = strings.ReplaceAll(format, "%v", args[0].(time.Duration).String())
-	}
+	f.failed = fmt.Sprintf(format, args...)
 }
 
 func TestEventuallyReturnsOnceTheConditionHolds(t *testing.T) {
@@ -43,5 +41,20 @@ func TestEventuallyFailsAfterItsTimeout(t *testing.T) {
 	}
 	if d := time.Since(start); d < 30*time.Millisecond || d > 2*time.Second {
 		t.Fatalf("failed after %v, want just past 30ms", d)
+	}
+}
+
+func TestEventuallyShowingAddsTheStateToItsFailure(t *testing.T) {
+	f := &fakeTB{}
+	var n atomic.Int32
+	EventuallyShowing(f, 30*time.Millisecond, "never", func() bool { n.Add(1); return false },
+		func() string { return fmt.Sprintf("%d polls", n.Load()) })
+	if !strings.Contains(f.failed, "30ms") || !strings.Contains(f.failed, "never") || !strings.Contains(f.failed, " polls") {
+		t.Fatalf("failure without the timeout, what or the state: %q", f.failed)
+	}
+	shown := false
+	EventuallyShowing(t, 5*time.Second, "at once", func() bool { return true }, func() string { shown = true; return "" })
+	if shown {
+		t.Fatal("show was called though the condition held")
 	}
 }

@@ -121,12 +121,6 @@ func (h *readyHeap) open(t *testing.T) {
 	}
 }
 
-// eventually waits for cond at most 10 s.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	testkit.Eventually(t, 10*time.Second, what, cond)
-}
-
 // TestPrefaultAllocatorStartsAheadAndRefills: the allocator prepares its
 // first `ahead` bytes before any alloc, adopts them in id order, and once
 // the free part falls below the watermark prepares the next segment in the
@@ -136,7 +130,7 @@ func TestPrefaultAllocatorStartsAheadAndRefills(t *testing.T) {
 	h := newReadyHeap(2 * seg)
 	a := newAllocator(h, 8*seg, seg, 64<<10)
 	defer h.Close()
-	eventually(t, "two segments prepared at start-up", func() bool { p, _, _ := h.snapshot(); return len(p) == 2 })
+	testkit.Eventually(t, 10*time.Second, "two segments prepared at start-up", func() bool { p, _, _ := h.snapshot(); return len(p) == 2 })
 	time.Sleep(20 * time.Millisecond)
 	p, c, _ := h.snapshot()
 	assert.DeepEqual(t, p, []uint32{1, 2})
@@ -160,7 +154,7 @@ func TestPrefaultAllocatorStartsAheadAndRefills(t *testing.T) {
 	assert.DeepEqual(t, p, []uint32{1, 2})
 	assert.Equal(t, len(c), 0, "an alloc created a segment")
 	close(h.gate) // the refill
-	eventually(t, "segment 3 prepared in the background", func() bool { p, _, _ := h.snapshot(); return len(p) == 3 })
+	testkit.Eventually(t, 10*time.Second, "segment 3 prepared in the background", func() bool { p, _, _ := h.snapshot(); return len(p) == 3 })
 	p, c, _ = h.snapshot()
 	assert.DeepEqual(t, p, []uint32{1, 2, 3})
 	assert.Equal(t, len(c), 0)
@@ -182,7 +176,7 @@ func TestPrefaultTakeWaitsForPreparation(t *testing.T) {
 	h.gate = make(chan struct{})
 	a := newAllocator(h, 4*seg, seg, seg)
 	defer h.Close()
-	eventually(t, "the grower preparing segment 1", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the grower preparing segment 1", func() bool {
 		a.ahead.mu.Lock()
 		defer a.ahead.mu.Unlock()
 		return a.ahead.busy
@@ -209,7 +203,7 @@ func TestPrefaultTakeWaitsForPreparation(t *testing.T) {
 	h.fail = 1
 	h.mu.Unlock()
 	h.open(t) // the failing attempt (kicked by the alloc above)
-	eventually(t, "the failed attempt", func() bool { h.mu.Lock(); defer h.mu.Unlock(); return h.fail == 0 })
+	testkit.Eventually(t, 10*time.Second, "the failed attempt", func() bool { h.mu.Lock(); defer h.mu.Unlock(); return h.fail == 0 })
 	_, _, ok, err := a.alloc(seg)
 	assert.NilError(t, err)
 	assert.Assert(t, ok)
@@ -217,7 +211,7 @@ func TestPrefaultTakeWaitsForPreparation(t *testing.T) {
 	assert.DeepEqual(t, p, []uint32{1})
 	assert.DeepEqual(t, c, []uint32{2})
 	close(h.gate)
-	eventually(t, "segment 3 prepared after the retry delay", func() bool { p, _, _ := h.snapshot(); return len(p) == 2 })
+	testkit.Eventually(t, 10*time.Second, "segment 3 prepared after the retry delay", func() bool { p, _, _ := h.snapshot(); return len(p) == 2 })
 	p, _, _ = h.snapshot()
 	assert.DeepEqual(t, p, []uint32{1, 3})
 }

@@ -11,6 +11,7 @@ import (
 
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
@@ -131,7 +132,7 @@ func putNS(t *testing.T, e *env, s *server.Session, ns kv.Namespace, hs []kv.Has
 func resultOf(t *testing.T, e *env, s *server.Session, id uint64) uint32 {
 	t.Helper()
 	var n uint32
-	waitFor(t, fmt.Sprintf("lookup %d to answer", id), func() bool {
+	testkit.Eventually(t, 20*time.Second, fmt.Sprintf("lookup %d to answer", id), func() bool {
 		r, err := e.st.LookupResult(s, &ipc.LookupResultReq{LookupID: id})
 		assert.NilError(t, err)
 		if r.Status == ipc.StatusPending {
@@ -151,18 +152,6 @@ func heapNow() uint64 {
 	var m runtime.MemStats
 	runtime.ReadMemStats(&m)
 	return m.HeapAlloc
-}
-
-// within polls cond for at most d (far below the prefetch deadline).
-func within(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not within %v: %s", d, what)
-		}
-		time.Sleep(time.Millisecond)
-	}
 }
 
 var (
@@ -207,7 +196,7 @@ func TestDroppedLookupsEndTheirFills(t *testing.T) {
 
 	// The live session's fill: admitted, loading, its load waiting for L2.
 	assert.NilError(t, b.st.Lookup(b.sess, &ipc.LookupReq{LookupID: 1, Namespace: nsLive, WorldSize: 1, Hashes: hsB}))
-	within(t, 5*time.Second, "the live fill's load to reach L2", func() bool { return sb.blocked.Load() == 1 })
+	testkit.Eventually(t, 5*time.Second, "the live fill's load to reach L2", func() bool { return sb.blocked.Load() == 1 })
 	baseG, baseHeap := runtime.NumGoroutine(), heapNow()
 
 	doomed, err := b.st.OpenSession(kv.Tag{0xD0})
@@ -215,14 +204,14 @@ func TestDroppedLookupsEndTheirFills(t *testing.T) {
 	for i := range loading {
 		assert.NilError(t, b.st.Lookup(doomed, &ipc.LookupReq{LookupID: uint64(1 + i), Namespace: ns1, WorldSize: 1, Hashes: hsA}))
 	}
-	within(t, 5*time.Second, "one dropped fill loading, the others waiting for budget", func() bool {
+	testkit.Eventually(t, 5*time.Second, "one dropped fill loading, the others waiting for budget", func() bool {
 		return sb.blocked.Load() == 2 && b.stat(t, "kvshim_l2_prefetch_admission_queue") == loading-1
 	})
 	for i := range big {
 		hs := hashes(fmt.Sprint("big ", i), bigN)
 		assert.NilError(t, b.st.Lookup(doomed, &ipc.LookupReq{LookupID: uint64(100 + i), Namespace: nsGone, WorldSize: 1, Hashes: hs}))
 	}
-	within(t, 5*time.Second, "the big fills' L2 lookups to block", func() bool { return sb.blocked.Load() == 2+big })
+	testkit.Eventually(t, 5*time.Second, "the big fills' L2 lookups to block", func() bool { return sb.blocked.Load() == 2+big })
 	assert.Equal(t, pc.Stats().Inflight, int64(1+loading+big))
 	assert.Equal(t, b.stat(t, "kvshim_l1_objects{state=staging}"), float64(2*k))
 	held := heapNow()
@@ -233,17 +222,17 @@ func TestDroppedLookupsEndTheirFills(t *testing.T) {
 	// failing a big batch key by key takes a while there).
 	start := time.Now()
 	b.st.CloseSession(doomed)
-	within(t, 10*time.Second, "the dropped fills and their L2 calls to end", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the dropped fills and their L2 calls to end", func() bool {
 		return pc.Stats().Inflight == 1 && sb.calls.Load() == 1
 	})
-	within(t, 5*time.Second, "their reservations to be given back", func() bool {
+	testkit.Eventually(t, 5*time.Second, "their reservations to be given back", func() bool {
 		return b.stat(t, "kvshim_l2_prefetch_admission_queue") == 0 &&
 			b.stat(t, "kvshim_l2_prefetch_accepted_bytes") == 0 &&
 			b.stat(t, "kvshim_l1_prefetch_bytes") == k*objSize && // the live fill's staging
 			b.stat(t, "kvshim_l1_objects{state=staging}") == k &&
 			b.stat(t, "kvshim_l1_objects{state=temporary}") == 0
 	})
-	within(t, 5*time.Second, "their goroutines to exit", func() bool { return runtime.NumGoroutine() <= baseG })
+	testkit.Eventually(t, 5*time.Second, "their goroutines to exit", func() bool { return runtime.NumGoroutine() <= baseG })
 	ad := b.st.L2Adapters()[0]
 	for _, h := range hsA {
 		assert.Equal(t, ad.Held(tier.Key(ns1, 0, h)), 0)
@@ -266,7 +255,7 @@ func TestDroppedLookupsEndTheirFills(t *testing.T) {
 		assert.Assert(t, string(b.src.at(l)) == string(patternIn(nsLive, hsB[c], 0)), "chunk %d: wrong bytes", c)
 	}
 	assert.NilError(t, b.st.Release(b.sess, &ipc.ReleaseReq{Owner: b.sess.ID(), LookupID: 1}))
-	waitFor(t, "the live fill to end", func() bool {
+	testkit.Eventually(t, 20*time.Second, "the live fill to end", func() bool {
 		return pc.Stats().Inflight == 0 && b.stat(t, "kvshim_l1_prefetch_bytes") == 0 &&
 			b.stat(t, "kvshim_l1_objects{state=staging}") == 0 && b.stat(t, "kvshim_l1_objects{state=temporary}") == 0
 	})
@@ -304,14 +293,14 @@ func TestDroppedFillKeepsStagingUnderStuckLoad(t *testing.T) {
 	doomed, err := b.st.OpenSession(kv.Tag{0xD1})
 	assert.NilError(t, err)
 	assert.NilError(t, b.st.Lookup(doomed, &ipc.LookupReq{LookupID: 1, Namespace: ns1, WorldSize: 1, Hashes: hs}))
-	within(t, 5*time.Second, "the load to be stuck", func() bool { return sb.blocked.Load() == 1 })
+	testkit.Eventually(t, 5*time.Second, "the load to be stuck", func() bool { return sb.blocked.Load() == 1 })
 	b.st.CloseSession(doomed)
 	time.Sleep(50 * time.Millisecond)
 	assert.Equal(t, b.stat(t, "kvshim_l1_prefetch_bytes"), float64(k*objSize))
 	assert.Equal(t, b.stat(t, "kvshim_l1_objects{state=staging}"), float64(k))
 	assert.Equal(t, pc.Stats().Inflight, int64(1))
 	unstick.Do(func() { close(stuck) })
-	within(t, 5*time.Second, "the stuck load to report and free its staging", func() bool {
+	testkit.Eventually(t, 5*time.Second, "the stuck load to report and free its staging", func() bool {
 		return b.stat(t, "kvshim_l1_prefetch_bytes") == 0 && pc.Stats().Inflight == 0
 	})
 	assert.Equal(t, b.stat(t, "kvshim_l1_objects{state=staging}"), 0.0)

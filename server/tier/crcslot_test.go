@@ -3,9 +3,11 @@ package tier_test
 import (
 	"os"
 	"testing"
+	"time"
 
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/objfmt"
@@ -187,7 +189,7 @@ func TestCorruptL2ObjectIsNeverRestored(t *testing.T) {
 		ps := b.st.PrefetchController().Stats()
 		assert.Equal(t, ps.ChunksRejected[0], int64(i+1), c.name)
 		assert.Equal(t, ps.KeyMismatches[0], int64(0), c.name)
-		waitFor(t, c.name+": corrupt object deleted", func() bool {
+		testkit.Eventually(t, 20*time.Second, c.name+": corrupt object deleted", func() bool {
 			_, err := os.Stat(be.Path(tier.Key(ns1, 0, hs[1])))
 			return os.IsNotExist(err)
 		})

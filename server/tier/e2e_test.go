@@ -10,6 +10,7 @@ import (
 	"github.com/google/uuid"
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
@@ -81,14 +82,11 @@ func TestServeL2EndToEnd(t *testing.T) {
 			assert.NilError(t, err)
 			assert.NilError(t, sched.Lookup(ctx, &ipc.LookupReq{LookupID: 7, Namespace: ns1, WorldSize: 1, Hashes: hs}))
 			var lr *ipc.LookupResultResp
-			for {
+			testkit.Eventually(t, 30*time.Second, "lookup 7 to be answered", func() bool { // ctx bounds it too
 				lr, err = sched.LookupResult(ctx, &ipc.LookupResultReq{LookupID: 7})
 				assert.NilError(t, err)
-				if lr.Status != ipc.StatusPending {
-					break
-				}
-				time.Sleep(time.Millisecond)
-			}
+				return lr.Status != ipc.StatusPending
+			})
 			// Every chunk came from L2: the answer names the adapter's tier.
 			from := ipc.TierRemote
 			if name == "fs" {

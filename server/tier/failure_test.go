@@ -8,6 +8,7 @@ import (
 
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/server/l2/fs"
@@ -147,7 +148,7 @@ func TestDeadlineAnswersWithArrived(t *testing.T) {
 	assert.Equal(t, n, uint32(1))
 	b.check(t, id, 1, false, hs, n)
 	assert.Equal(t, b.st.PrefetchController().Stats().Timeouts, int64(1))
-	waitFor(t, "hung loads to fail and free their staging", func() bool {
+	testkit.Eventually(t, 20*time.Second, "hung loads to fail and free their staging", func() bool {
 		return b.stat(t, "kvshim_l1_prefetch_bytes") == 0 && b.st.PrefetchController().Stats().Inflight == 0
 	})
 	assert.Equal(t, b.st.PrefetchController().Stats().ChunksFailed[0], int64(2))
@@ -174,7 +175,7 @@ func TestDeadlineKeepsStagingUnderStuckLoad(t *testing.T) {
 	b.check(t, id, 1, false, hs, n)
 	assert.Equal(t, b.st.PrefetchController().Stats().Timeouts, int64(1))
 	close(stuck)
-	waitFor(t, "stuck loads to report and free their staging", func() bool {
+	testkit.Eventually(t, 20*time.Second, "stuck loads to report and free their staging", func() bool {
 		return b.stat(t, "kvshim_l1_prefetch_bytes") == 0 && b.st.PrefetchController().Stats().Inflight == 0
 	})
 	assert.Equal(t, b.stat(t, "kvshim_l1_objects{state=staging}"), 0.0)

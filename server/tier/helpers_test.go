@@ -145,19 +145,15 @@ func (e *env) lookup(t *testing.T, world uint32, mla bool, hs []kv.Hash) (id uin
 }
 
 func (e *env) result(t testing.TB, id uint64) uint32 {
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		r, err := e.st.LookupResult(e.sess, &ipc.LookupResultReq{LookupID: id})
+	var r *ipc.LookupResultResp
+	testkit.Eventually(t, 20*time.Second, fmt.Sprintf("lookup %d to be answered", id), func() bool {
+		var err error
+		r, err = e.st.LookupResult(e.sess, &ipc.LookupResultReq{LookupID: id})
 		assert.NilError(t, err)
-		if r.Status != ipc.StatusPending {
-			assert.Equal(t, r.Status, ipc.StatusOK)
-			return r.Chunks
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("lookup %d still pending", id)
-		}
-		time.Sleep(time.Millisecond)
-	}
+		return r.Status != ipc.StatusPending
+	})
+	assert.Equal(t, r.Status, ipc.StatusOK)
+	return r.Chunks
 }
 
 // check retrieves chunks [0, n) for every reader rank, verifies the bytes
@@ -190,12 +186,6 @@ func (e *env) flush(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	assert.NilError(t, e.st.Writer().Flush(ctx))
-}
-
-// waitFor waits for cond at most 20 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	testkit.Eventually(t, 20*time.Second, what, cond)
 }
 
 func fsConfig(dir string) string { return fmt.Sprintf(`{"type":"fs","base_path":%q}`, dir) }

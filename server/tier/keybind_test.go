@@ -4,9 +4,11 @@ import (
 	"io"
 	"os"
 	"testing"
+	"time"
 
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/ipc"
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
@@ -134,12 +136,12 @@ func TestFillRejectsObjectsOfOtherKeys(t *testing.T) {
 		ps := b.st.PrefetchController().Stats()
 		assert.Equal(t, ps.KeyMismatches[0], mismatches, c.name)
 		for _, p := range c.bad {
-			waitFor(t, c.name+": "+p+" deleted", func() bool { _, err := os.Stat(p); return os.IsNotExist(err) })
+			testkit.Eventually(t, 20*time.Second, c.name+": "+p+" deleted", func() bool { _, err := os.Stat(p); return os.IsNotExist(err) })
 		}
 	}
 	ps := b.st.PrefetchController().Stats()
 	assert.Equal(t, ps.ChunksRejected[0], mismatches) // the truncated file is the fs adapter's miss
-	waitFor(t, "rejected objects deleted", func() bool {
+	testkit.Eventually(t, 20*time.Second, "rejected objects deleted", func() bool {
 		return b.st.PrefetchController().Stats().RejectedDeleted[0] == mismatches
 	})
 	assert.Equal(t, b.stat(t, "kvshim_l2_prefetch_key_mismatches_total{adapter=fs}"), float64(mismatches))
@@ -199,7 +201,7 @@ func TestFillRejectsBadPayloadChecksum(t *testing.T) {
 	ps := b.st.PrefetchController().Stats()
 	assert.Equal(t, ps.ChunksRejected[0], int64(1))
 	assert.Equal(t, ps.KeyMismatches[0], int64(0))
-	waitFor(t, "corrupt object deleted", func() bool {
+	testkit.Eventually(t, 20*time.Second, "corrupt object deleted", func() bool {
 		_, err := os.Stat(be.Path(tier.Key(ns1, 0, hs[1])))
 		return os.IsNotExist(err)
 	})

@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"os"
 	"testing"
+	"time"
 
 	"gotest.tools/v3/assert"
 
+	"github.com/kvshim/kvshim/internal/testkit"
 	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/server"
 	"github.com/kvshim/kvshim/server/l2"
@@ -198,7 +200,7 @@ func TestStartRegistersSegments(t *testing.T) {
 	_, err = srv.Core.Alloc(sess, allocReq(hashes("seg", 20)))
 	assert.NilError(t, err)
 	fb := srv.Core.L2Adapters()[0].Backend().(*faultBackend)
-	waitFor(t, "2 segment registrations", func() bool {
+	testkit.Eventually(t, 20*time.Second, "2 segment registrations", func() bool {
 		fb.mu.Lock()
 		defer fb.mu.Unlock()
 		return len(fb.segFDs) == 2

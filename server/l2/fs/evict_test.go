@@ -266,7 +266,7 @@ func TestCapacitySurvivesRestart(t *testing.T) {
 	t.Cleanup(func() { assert.NilError(t, a.Close()) })
 	b := a.Backend().(*fs.Backend)
 	// The first scan, at open, evicts: no store or rescan is needed.
-	waitFor(t, "the first scan's eviction", func() bool { return b.EvictStats().Evicted == 21 })
+	testkit.Eventually(t, 20*time.Second, "the first scan's eviction", func() bool { return b.EvictStats().Evicted == 21 })
 	// A scan keeps at most half of max_bytes of candidates: evicting 21
 	// objects of 30 took several.
 	assert.Equal(t, b.EvictStats().Evicted, int64(21))
@@ -359,10 +359,4 @@ func TestSharedDirectoryTwoServers(t *testing.T) {
 	assert.Assert(t, present(t, ba, hot), "B evicted the object A keeps using")
 	assert.Assert(t, !present(t, ba, l2test.Key(0)) && !present(t, ba, l2test.Key(4)))
 	assert.Assert(t, ba.EvictStats().Evicted > 0 && bb.EvictStats().Evicted > 0, "%+v %+v", ba.EvictStats(), bb.EvictStats())
-}
-
-// waitFor waits for cond at most 20 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	testkit.Eventually(t, 20*time.Second, what, cond)
 }
