@@ -35,7 +35,7 @@ var allowed = map[string][]string{
 	"server":                 {"kv", "ipc", "objfmt", "server", "trace", "github.com/prometheus", "github.com/google/uuid", "golang.org/x/sys"},
 	"cli":                    {"kv", "ipc", "server", "trace", "github.com/prometheus", "golang.org/x/sys", "github.com/klauspost/cpuid"},
 	"export":                 {"kv", "cli", "cuda", "ipc", "layout", "objfmt", "server", "shim", "trace", "export/connector", "github.com/google/uuid"},
-	"export/connector":       {"kv", "ipc", "layout", "server", "shim", "trace", "github.com/google/uuid"},
+	"export/connector":       {"kv", "ipc", "layout", "objfmt", "server", "shim", "trace", "github.com/google/uuid"},
 	// the ABI's JSON Schemas and their validator (tests and tools only)
 	"export/schema":     {"github.com/santhosh-tekuri/jsonschema"},
 	"internal/archtest": {},
