@@ -147,7 +147,7 @@ int kvshim_main(int argc, char **argv);
 int kvshim_take_output(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* Server and connector counters of h as one JSON object (variable-length
- * output, see kvshim_take_output). */
+ * output, see kvshim_take_output; schema: export/schema/stats.json). */
 int kvshim_stats(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* vLLM's get_kv_connector_stats (ABI 6.0): h's counters since the previous
@@ -157,7 +157,8 @@ int kvshim_stats(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
  * "worker" but the Populate* ones, snake_case (saved_chunks, ...), and
  * load_seconds / save_seconds, the job durations since the previous call
  * (lists, present when not empty; they are the samples
- * kvshim_worker_take_latencies would return). */
+ * kvshim_worker_take_latencies would return). Schema:
+ * export/schema/step_stats.json. */
 int kvshim_take_step_stats(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* ---- Tool role ({"role": "tool", "server": SOCKET}): a plain session. ----
@@ -173,7 +174,8 @@ int kvshim_ping(kvshim_handle h, const void *body, size_t n, void *buf, size_t c
  * with prompt tokens[0:n_tokens] and extras_json ({"cache_salt": str,
  * "lora": {"name": str, "path": str}, "mm": [{"hash": str, "offset": int,
  * "length": int}]}, each optional, or NULL; malformed extras are
- * KVSHIM_EINVAL naming the field). *out is the number of
+ * KVSHIM_EINVAL naming the field; schema: export/schema/extras.json).
+ * *out is the number of
  * tokens beyond num_computed that can be loaded asynchronously, or -1 while
  * the lookup is pending (ask again next step). A dead or slow server is a
  * miss (0), never an error. */
@@ -198,7 +200,7 @@ int kvshim_sched_after_alloc(kvshim_handle h, const char *req_id, const int64_t 
  * "scheduled", "tokens", "tokens_from"}], "preempted": [...]}); writes the
  * workers' metadata (variable-length output). Resets the pending loads and
  * finished requests. A malformed step is KVSHIM_EINVAL naming the request,
- * and nothing pending is lost. */
+ * and nothing pending is lost. Schema: export/schema/step.json. */
 int kvshim_sched_build_meta(kvshim_handle h, const char *step_json, void *buf, size_t cap,
                             size_t *out_len);
 
@@ -243,7 +245,8 @@ int kvshim_sched_reset(kvshim_handle h, uint64_t *generation);
  * req_id's planned load split by the tier each chunk came from, as a JSON
  * object of vLLM's CacheHitSource values ("host": L1, "disk": an fs L2,
  * "external_unspecified": a networked L2 or unknown) to token counts, only
- * non-zero ones, summing to num_external (variable-length output). */
+ * non-zero ones, summing to num_external (variable-length output; schema:
+ * export/schema/hit_sources.json). */
 int kvshim_sched_hit_sources(kvshim_handle h, const char *req_id, int64_t num_external, void *buf,
                              size_t cap, size_t *out_len);
 
@@ -252,19 +255,22 @@ int kvshim_sched_hit_sources(kvshim_handle h, const char *req_id, int64_t num_ex
  * "kvshim.skip_load" and "kvshim.skip_save" (booleans); keys without the
  * "kvshim." prefix are other connectors' and are passed over. An unknown
  * kvshim key or a value that is no boolean is KVSHIM_EINVAL naming it, and
- * the request is then neither loaded nor saved. */
+ * the request is then neither loaded nor saved. Schema:
+ * export/schema/request_options.json. */
 int kvshim_sched_request_options(kvshim_handle h, const char *req_id, const char *params_json);
 
 /* Tells the scheduler the requests whose loads vLLM saw finish
  * (finished_recving), a JSON array of request ids: a request finished
  * (aborted) after its load was planned and before this is recorded as a
- * cancelled load (trace record kind cancel, event load_dropped). */
+ * cancelled load (trace record kind cancel, event load_dropped). Schema:
+ * export/schema/received.json. */
 int kvshim_sched_received(kvshim_handle h, const char *ids_json);
 
 /* Worker role, for vLLM's /metrics: the durations in seconds of the load
  * and save jobs that ended since the last call, as JSON {"load": [...],
- * "save": [...], "dropped": n} (at most 4096 of each kept between calls;
- * dropped counts the rest) (variable-length output). */
+ * "save": [...], "dropped": n} (a list is null when no job of its kind
+ * ended; at most 4096 of each kept between calls; dropped counts the rest)
+ * (variable-length output; schema: export/schema/latencies.json). */
 int kvshim_worker_take_latencies(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* KV events (vLLM's take_events; ABI 5.2). Nothing is recorded until the
@@ -274,31 +280,35 @@ int kvshim_worker_take_latencies(kvshim_handle h, void *buf, size_t cap, size_t 
  * Worker role: how each chunk of each save job ended since the last call,
  * a JSON array of {"r": request id, "g": KV-cache group, "k": KV rank,
  * "h": chunk hash (64 hex digits), "ok": committed} (at most 65536 kept
- * between calls) (variable-length output). */
+ * between calls) (variable-length output; schema:
+ * export/schema/save_reports.json). */
 int kvshim_worker_take_save_reports(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* Scheduler role: one engine step's save reports, a JSON array of every
  * rank's kvshim_worker_take_save_reports array. A chunk every KV rank
  * committed becomes a "stored" event; one a rank did not commit is
  * forgotten (never announced). A hash that is no chunk hash is
- * KVSHIM_EINVAL (the other reports are still taken). */
+ * KVSHIM_EINVAL (the other reports are still taken). Schema:
+ * export/schema/save_reports.json, its $defs.step. */
 int kvshim_sched_save_reports(kvshim_handle h, const char *reports_json);
 
 /* Scheduler role: the events since the last call, as JSON {"events":
  * [{"kind": "stored", "req", "group", "first_block", "blocks", "medium":
- * "CPU"} | {"kind": "cleared"}], "done": [request ids finished with
+ * "CPU", "chunks"} | {"kind": "cleared"} | {"kind": "removed" or
+ * "stored_chunk", "medium", "chunk"}], "done": [request ids finished with
  * nothing left to announce], "dropped": chunks never announced (their
  * reports did not come within 2 minutes, or the table of 65536 pending
  * chunks was full), "pending": chunks waiting for reports, "reported":
  * reports matched} (variable-length output). kvshim_sched_reset adds a
- * "cleared" event. */
+ * "cleared" event. Schema: export/schema/events.json. */
 int kvshim_sched_take_events(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* ---- Worker role: the vLLM worker-side connector (one per rank). ---- */
 
 /* Registers the KV cache tensors: a JSON array of tensor descriptions
  * (layer, group, backend, device, data_ptr, dtype_size, shape,
- * stride_bytes, dims). Errors: KVSHIM_EINVAL for unsupported or
+ * stride_bytes, dims; schema: export/schema/tensors.json). Errors:
+ * KVSHIM_EINVAL for unsupported or
  * inconsistent geometry (the message names the layer and the field) and
  * for a second registration on the same handle; KVSHIM_ENOTSUP for a GPU
  * cache where no CUDA driver can be loaded. */
@@ -329,7 +339,8 @@ int kvshim_worker_start_saves(kvshim_handle h, uint64_t stream_event);
  * "failed": [...]}, the delay-freed requests whose copies ended, the
  * requests whose loads ended, the blocks whose loads failed and the
  * requests with a failed load (each once, no later than its "recving"),
- * since the last call (variable-length output). */
+ * since the last call (variable-length output; schema:
+ * export/schema/poll.json). */
 int kvshim_worker_poll(kvshim_handle h, void *buf, size_t cap, size_t *out_len);
 
 /* Blocks until kvshim_worker_poll has something to report (a load ended, a
@@ -378,7 +389,8 @@ int kvshim_worker_save_layer(kvshim_handle h, const char *layer, uint64_t stream
  * state it cannot restore, unknown group kinds, mixed block sizes).
  * Needs no handle; KVSHIM_ERANGE with *out_len the size needed when the
  * answer does not fit buf[0:cap] (call again). KVSHIM_EINVAL naming the
- * field, or the refusal. */
+ * field, or the refusal. Schema: export/schema/vllm_namespace.json (the
+ * answer: its $defs.out). */
 int kvshim_vllm_namespace(const char *spec_json, void *buf, size_t cap, size_t *out_len);
 
 /* The whole vLLM connector configuration, decided in Go (ABI 5.6). in_json
@@ -392,7 +404,8 @@ int kvshim_vllm_namespace(const char *spec_json, void *buf, size_t cap, size_t *
  * The kvshim.* keys, their defaults and their checks live here only: a key
  * that is unknown, given twice (flat and nested, vLLM's dotted CLI form)
  * or out of range is KVSHIM_EINVAL naming it. Buffer as
- * kvshim_vllm_namespace. */
+ * kvshim_vllm_namespace. Schema: export/schema/vllm_config.json (the answer:
+ * its $defs.out; "vllm": export/schema/vllm_namespace.json). */
 int kvshim_vllm_config(const char *in_json, void *buf, size_t cap, size_t *out_len);
 
 /* ABI 5.6. vLLM's KV tensors as raw facts -> how each lies in memory
@@ -446,7 +459,8 @@ int kvshim_tokens_from_list(void *list, uint32_t *out, size_t cap, size_t *out_l
  * hex, empty lists and group 0 left out), decoded by the workers' own
  * decoder. Needs no handle; when the text does not fit buf[0:cap],
  * KVSHIM_ERANGE with *out_len the size needed (call again: nothing is
- * kept). KVSHIM_EINVAL: bad metadata (version, truncated, bytes after). */
+ * kept). KVSHIM_EINVAL: bad metadata (version, truncated, bytes after).
+ * Schema: export/schema/meta.json. */
 int kvshim_meta_json(const void *meta, size_t n, void *buf, size_t cap, size_t *out_len);
 
 /* Returns how many handles are open (a leak check for tests). */

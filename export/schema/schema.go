@@ -1,14 +1,32 @@
 // Package schema holds the JSON Schemas of the documents that cross the C
-// ABI (export/kvshim.h): the kvshim_open config (open.json), the tensor
-// descriptors of kvshim_worker_register (tensors.json) and the results of
-// kvshim_worker_poll (poll.json), kvshim_stats (stats.json) and
-// kvshim_take_step_stats (step_stats.json), and the
-// vLLM connector's configuration (vllm_config.json: kvshim_vllm_config) and
-// the input of kvshim_vllm_tensors (vllm_tensors.json). They are the one
-// written form of those documents: Go's tests check that the Go structs
-// and what Go emits agree with them, Python's tests
-// (tests/test_schema.py) that what the connector sends does, and
-// docs/c-abi.md points here instead of describing the fields again.
+// ABI (export/kvshim.h), one file per document (or per function, its
+// answer in $defs.out):
+//
+//   - open.json: the kvshim_open config
+//   - tensors.json: kvshim_worker_register's tensor descriptors
+//   - poll.json, stats.json, step_stats.json: the results of
+//     kvshim_worker_poll, kvshim_stats and kvshim_take_step_stats
+//   - step.json: kvshim_sched_build_meta's step_json
+//   - extras.json: kvshim_sched_match's (and _match_list's) extras_json
+//   - request_options.json: kvshim_sched_request_options' params_json
+//   - received.json: kvshim_sched_received's ids_json
+//   - hit_sources.json: kvshim_sched_hit_sources' result
+//   - latencies.json: kvshim_worker_take_latencies' result
+//   - save_reports.json: kvshim_worker_take_save_reports' result, and in
+//     $defs.step kvshim_sched_save_reports' input
+//   - events.json: kvshim_sched_take_events' result
+//   - vllm_namespace.json: kvshim_vllm_namespace's input (shim.VLLMSpec)
+//     and answer
+//   - vllm_config.json: the vLLM connector's configuration
+//     (kvshim_vllm_config) and answer
+//   - vllm_tensors.json: kvshim_vllm_tensors' input
+//   - meta.json: kvshim_meta_json's result (tests and debugging only)
+//
+// They are the one written form of those documents: Go's tests
+// (export/schema_test.go) check that the Go structs and what Go emits
+// agree with them, Python's tests (tests/test_schema.py) that what the
+// connector sends and reads does, and kvshim.h and docs/c-abi.md point here
+// instead of describing the fields again.
 //
 // The library itself does not validate against them at run time (Go's
 // strict decoding and range checks do that, naming the field); the
@@ -21,6 +39,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 
 	"github.com/santhosh-tekuri/jsonschema/v6"
@@ -30,7 +50,9 @@ import (
 var files embed.FS
 
 // Names are the schemas, by file name.
-var Names = []string{"open.json", "tensors.json", "poll.json", "stats.json", "step_stats.json", "vllm_config.json", "vllm_tensors.json"}
+var Names = []string{"open.json", "tensors.json", "poll.json", "stats.json", "step_stats.json", "vllm_config.json",
+	"vllm_tensors.json", "step.json", "extras.json", "request_options.json", "received.json", "hit_sources.json",
+	"latencies.json", "save_reports.json", "events.json", "vllm_namespace.json", "meta.json"}
 
 // ErrUnknown: no schema of that name.
 var ErrUnknown = errors.New("schema: unknown schema")
@@ -49,12 +71,34 @@ func Raw(name string) ([]byte, error) {
 
 var (
 	compileOnce sync.Once
+	compiler    *jsonschema.Compiler
 	compiled    map[string]*jsonschema.Schema
 	compileErr  error
+	partsMu     sync.Mutex // compiled's file#pointer entries, added on first use
 )
+
+// lookup is the compiled schema of name (a file, or file#pointer).
+func lookup(name string) (*jsonschema.Schema, error) {
+	partsMu.Lock()
+	defer partsMu.Unlock()
+	if s := compiled[name]; s != nil {
+		return s, nil
+	}
+	file, ptr, ok := strings.Cut(name, "#")
+	if !ok || !slices.Contains(Names, file) || !strings.HasPrefix(ptr, "/") {
+		return nil, fmt.Errorf("%w: %s", ErrUnknown, name)
+	}
+	s, err := compiler.Compile(name)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %w", ErrUnknown, name, err)
+	}
+	compiled[name] = s
+	return s, nil
+}
 
 func compile() {
 	c := jsonschema.NewCompiler()
+	compiler = c
 	compiled = map[string]*jsonschema.Schema{}
 	for _, n := range Names {
 		raw, _ := files.ReadFile(n)
@@ -78,15 +122,16 @@ func compile() {
 	}
 }
 
-// Validate checks doc (JSON text) against the schema name.
+// Validate checks doc (JSON text) against the schema name: a file of
+// Names, or one of its parts as file#pointer (vllm_config.json#/$defs/out).
 func Validate(name string, doc []byte) error {
 	compileOnce.Do(compile)
 	if compileErr != nil {
 		return compileErr
 	}
-	s := compiled[name]
-	if s == nil {
-		return fmt.Errorf("%w: %s", ErrUnknown, name)
+	s, err := lookup(name)
+	if err != nil {
+		return err
 	}
 	v, err := jsonschema.UnmarshalJSON(bytes.NewReader(doc))
 	if err != nil {

@@ -674,7 +674,8 @@ class Worker(_Role):
 
     def take_latencies(self) -> dict[str, Any]:
         """Load and save job durations (seconds) since the last call:
-        {"load": [...], "save": [...], "dropped": n}."""
+        {"load": [...], "save": [...], "dropped": n}, a list None when no job
+        of its kind ended (export/schema/latencies.json)."""
         out: dict[str, Any] = json.loads(self.handle.output("kvshim_worker_take_latencies"))
         return out
 
