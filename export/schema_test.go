@@ -410,6 +410,8 @@ func TestVLLMNamespaceAndConfigSchemas(t *testing.T) {
 		{`{"extra": {}, "vllm": {"model": "m", "no_such_key": 1}}`, false},
 		{`{"extra": {}, "vllm": {"groups": [{"classes": ["A"], "no_such_key": 1}]}}`, false},
 		{`{"extra": {}, "vllm": {"pp_stages": [[0, "16"]]}}`, false},
+		{`{"extra": {}, "vllm": {"pp_stages": [[0, 8, 16]]}}`, false}, // a third number is not dropped
+		{`{"extra": {}, "vllm": {"pp_stages": [[0, 8], [8, 16]], "total_layers": 16}}`, true},
 	} {
 		serr := schema.Validate("vllm_config.json", []byte(tc.doc))
 		gerr := strict([]byte(tc.doc), new(connector.VLLMIn))

@@ -36,9 +36,9 @@ type VLLMSpec struct {
 	PCPSize         int  `json:"pcp_size"` // prefill context parallel (0: 1)
 	// PPStages is each pipeline stage's [first, end) layers
 	// (vllm.distributed.utils.get_pp_indices); empty or one: no pipeline.
-	PPStages    [][2]int    `json:"pp_stages"`
-	TotalLayers int         `json:"total_layers"` // with PPStages
-	Groups      []VLLMGroup `json:"groups"`       // kv_cache_config's (empty: none)
+	PPStages    []LayerRange `json:"pp_stages"`
+	TotalLayers int          `json:"total_layers"` // with PPStages
+	Groups      []VLLMGroup  `json:"groups"`       // kv_cache_config's (empty: none)
 }
 
 // VLLMGroup is one KVCacheGroupSpec: its spec's class (and the classes it
@@ -63,6 +63,23 @@ type VLLMGroup struct {
 }
 
 func (g VLLMGroup) is(class string) bool { return slices.Contains(g.Classes, class) }
+
+// LayerRange is a pipeline stage's layers, [first, end): exactly two
+// numbers in JSON (a [2]int would drop a third one silently).
+type LayerRange [2]int
+
+// UnmarshalJSON refuses a stage that is not two numbers.
+func (r *LayerRange) UnmarshalJSON(b []byte) error {
+	var v []int
+	if err := json.Unmarshal(b, &v); err != nil {
+		return err
+	}
+	if len(v) != 2 {
+		return fmt.Errorf("a pipeline stage is [first, end): got %d numbers", len(v))
+	}
+	*r = LayerRange{v[0], v[1]}
+	return nil
+}
 
 // VLLMLayout is what kvshim_vllm_namespace answers.
 type VLLMLayout struct {
