@@ -378,6 +378,12 @@ int kvshim_worker_wait_layers(kvshim_handle h, int64_t timeout_ms);
  * layers are copied. Returns at once; failures are failed saves. */
 int kvshim_worker_save_layer(kvshim_handle h, const char *layer, uint64_t stream_event);
 
+/* ---- vLLM's objects as plain data: no handle. ----
+ * What the connector hands over from vLLM, decided in Go: the settings,
+ * the namespace, each role's open config, the KV tensors' layout. Pure
+ * functions of their JSON (no handle, no server, callable before
+ * kvshim_open); the answer goes into buf[0:cap]. */
+
 /* vLLM's configuration as plain data (spec_json: shim.VLLMSpec, written
  * by python/kvshim/vllm/config.py from vLLM's objects: model, cache,
  * parallel config fields and each KV-cache group's spec class and fields)
