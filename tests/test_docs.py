@@ -35,7 +35,9 @@ def _read_variables() -> dict[str, str]:
     found: dict[str, str] = {}
     for name in files:
         path = ROOT / name
-        if not (name.endswith(SOURCES) or path.name in ("Makefile", "run")) or not path.is_file():
+        if name == "tests/test_docs.py" or not (name.endswith(SOURCES) or path.name in ("Makefile", "run")):
+            continue  # this file's patterns name no variable
+        if not path.is_file():
             continue
         text = path.read_text(errors="replace")
         for pattern in READS:
