@@ -130,6 +130,11 @@ func TestBuildMetaRefusesBadBlockIDsAndKeepsThePending(t *testing.T) {
 	_, err = s.BuildMeta(&Step{Requests: bad})
 	assert.Check(t, is.ErrorIs(err, ErrBadMeta))
 	assert.Check(t, is.ErrorContains(err, `request "A"`))
+	for _, neg := range []StepRequest{{Req: "A", Computed: -1}, {Req: "A", Scheduled: -5}, {Req: "A", TokensFrom: -256}} {
+		_, err = s.BuildMeta(&Step{Requests: []StepRequest{neg}})
+		assert.Check(t, is.ErrorIs(err, ErrBadMeta))
+		assert.Check(t, is.ErrorContains(err, "is negative"))
+	}
 	raw, err := s.BuildMeta(&Step{Requests: []StepRequest{{Req: "A", Blocks: flatGroups(full, window), Groups: 2, Scheduled: len(prompt)}}})
 	assert.NilError(t, err)
 	m, err := DecodeStepMeta(raw, tChunk/tBS, tBlocks)

@@ -695,6 +695,14 @@ func (s *Scheduler) BuildMeta(step *Step) ([]byte, error) {
 	// Every request's block ids read first: a malformed step changes nothing.
 	tables := make([][2][][]int64, len(step.Requests))
 	for i, sr := range step.Requests {
+		for _, f := range [...]struct {
+			name string
+			v    int
+		}{{"computed", sr.Computed}, {"scheduled", sr.Scheduled}, {"tokens_from", sr.TokensFrom}} {
+			if f.v < 0 {
+				return nil, fmt.Errorf("%w: request %q: %s %d is negative", ErrBadMeta, sr.Req, f.name, f.v)
+			}
+		}
 		var err error
 		if sr.Blocks != nil {
 			if tables[i][0], err = splitGroups(sr.Blocks, sr.Groups, s.groups); err != nil {

@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvshim/kvshim/server/internal/metric"
 	"github.com/kvshim/kvshim/server/l2"
 	"github.com/kvshim/kvshim/server/l2/internal/hostproc"
 )
@@ -300,6 +301,13 @@ func (b *Backend) cleanup() {
 		_ = b.stderr.File.Close()
 	}
 	_ = os.RemoveAll(b.tmpDir)
+}
+
+// Samples are the helper's restarts as the adapter exports them
+// (l2.Sampler: /metrics and STATS, label adapter=<name>).
+func (b *Backend) Samples() []metric.Sample {
+	return []metric.Sample{{Name: "kvshim_l2_mooncake_helper_restarts_total", Counter: true, Value: float64(b.sup.Restarts()),
+		Help: "Mooncake helper processes started again after one died."}}
 }
 
 // Pid is the running helper's process id (0 when none).

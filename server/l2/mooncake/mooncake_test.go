@@ -150,6 +150,13 @@ func TestHelperDeathFailsKeysThenRestarts(t *testing.T) {
 	}
 	assert.Equal(t, st[0].Status, l2.StatusOK, "%v", st[0].Err)
 	assert.Assert(t, b.Pid() != old && b.Pid() != 0)
+	restarts := -1.0
+	for _, s := range a.Samples() {
+		if s.StatName() == "kvshim_l2_mooncake_helper_restarts_total{adapter="+a.Name()+"}" {
+			restarts = s.Value
+		}
+	}
+	assert.Equal(t, restarts, 1.0, "the restart in /metrics and STATS")
 	dst := make([]byte, len(src))
 	ld := l2test.Wait(t, a.Load(ctx, []kv.Key{k}, [][]byte{dst}))
 	assert.Equal(t, ld[0].Status, l2.StatusOK, "%v", ld[0].Err)
