@@ -226,12 +226,7 @@ func TestFakeCUDASaveWaitsForStreamEvent(t *testing.T) {
 		fresh[i] = byte(i*7 + 1)
 	}
 
-	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
-	assert.NilError(t, r.sched.AfterAlloc("A", blocks, 1, 0, 0))
-	b, err := r.sched.BuildMeta(&Step{Requests: []StepRequest{{Req: "A", Blocks: blocks, Scheduled: 2 * tChunk}}})
-	assert.NilError(t, err)
-	m, err := DecodeStepMeta(b, w.Layout().ChunkBlocks(), w.Layout().NumBlocks())
-	assert.NilError(t, err)
+	m := r.prefillStep(t, "A", tokens, blocks)
 	ev := d.VLLMWrite(addrOf(c.mem), addrOf(fresh), uint64(kBytes), 300*time.Millisecond)
 	w.StartSaves(m, ev)
 	d.DestroyEvent(ev)

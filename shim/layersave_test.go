@@ -16,20 +16,29 @@ import (
 // A's tokens and blocks.
 func lsRig(t *testing.T, mul uint32) (*rig, *StepMeta, []uint32, []int64) {
 	r := newRig(t, 1)
-	c, w := r.caches[0], r.workers[0]
+	c := r.caches[0]
 	tokens := tokensOf(mul, 7)
 	blocks := seq(0, 4)
 	for _, b := range blocks {
 		c.fill(int(b), 1)
 	}
-	assert.Equal(t, r.match(t, "A", tokens, Extras{}, 0), 0)
-	assert.NilError(t, r.sched.AfterAlloc("A", blocks, 1, 0, 0))
-	b, err := r.sched.BuildMeta(&Step{Requests: []StepRequest{{Req: "A", Blocks: blocks, Scheduled: 2 * tChunk}}})
-	assert.NilError(t, err)
-	m, err := DecodeStepMeta(b, w.Layout().ChunkBlocks(), w.Layout().NumBlocks())
-	assert.NilError(t, err)
+	m := r.prefillStep(t, "A", tokens, blocks)
 	assert.Equal(t, len(m.Saves), 1)
 	return r, m, tokens, blocks
+}
+
+// prefillStep has req miss over tokens, take blocks and be scheduled for
+// two chunks; returns that step's metadata as worker 0 decodes it.
+func (r *rig) prefillStep(t *testing.T, req string, tokens []uint32, blocks []int64) *StepMeta {
+	t.Helper()
+	assert.Equal(t, r.match(t, req, tokens, Extras{}, 0), 0)
+	assert.NilError(t, r.sched.AfterAlloc(req, blocks, 1, 0, 0))
+	b, err := r.sched.BuildMeta(&Step{Requests: []StepRequest{{Req: req, Blocks: blocks, Scheduled: 2 * tChunk}}})
+	assert.NilError(t, err)
+	w := r.workers[0]
+	m, err := DecodeStepMeta(b, w.Layout().ChunkBlocks(), w.Layout().NumBlocks())
+	assert.NilError(t, err)
+	return m
 }
 
 // restoreAs looks tokens up as req, loads the hit into blocks 40.. and

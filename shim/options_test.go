@@ -78,22 +78,26 @@ func TestRequestSkipSaveAndSkipLoad(t *testing.T) {
 
 // Prefill/decode disaggregation through one server: the producer saves and
 // never looks up, the consumer loads and never saves.
+// schedulerAs is a second scheduler on r's server and namespace in role
+// (kv_role), closed when the test ends.
+func (r *rig) schedulerAs(t *testing.T, role Role) *Scheduler {
+	t.Helper()
+	s, err := NewScheduler(SchedulerConfig{Socket: r.cfg.Socket, Namespace: r.sched.cfg.Namespace, BlockSize: tBS,
+		Timeout: 2 * time.Second, Instance: uuid.New(), Role: role})
+	assert.NilError(t, err)
+	t.Cleanup(func() { s.Close() })
+	return s
+}
+
 func TestRolesProducerAndConsumer(t *testing.T) {
 	r := newRig(t, 1)
-	open := func(role Role) *Scheduler {
-		s, err := NewScheduler(SchedulerConfig{Socket: r.cfg.Socket, Namespace: r.sched.cfg.Namespace, BlockSize: tBS,
-			Timeout: 2 * time.Second, Instance: uuid.New(), Role: role})
-		assert.NilError(t, err)
-		t.Cleanup(func() { s.Close() })
-		return s
-	}
-	consumer := open(RoleConsumer)
+	consumer := r.schedulerAs(t, RoleConsumer)
 	r.sched = consumer
 	tokens := tokensOf(11, 2)
 	_, saved := saveChunks(t, r, "C0", tokens, 3)
 	assert.Equal(t, saved, 0, "a consumer saves nothing")
 
-	r.sched = open(RoleProducer)
+	r.sched = r.schedulerAs(t, RoleProducer)
 	_, saved = saveChunks(t, r, "P1", tokens, 3)
 	assert.Equal(t, saved, 3)
 	lookups := lookupsTotal(r)
@@ -175,14 +179,7 @@ func lookupsTotal(r *rig) float64 {
 // saves move to the new generation, where the consumer finds them.
 func TestProducerLearnsAResetWithoutLookups(t *testing.T) {
 	r := newRig(t, 1)
-	open := func(role Role) *Scheduler {
-		s, err := NewScheduler(SchedulerConfig{Socket: r.cfg.Socket, Namespace: r.sched.cfg.Namespace, BlockSize: tBS,
-			Timeout: 2 * time.Second, Instance: uuid.New(), Role: role})
-		assert.NilError(t, err)
-		t.Cleanup(func() { s.Close() })
-		return s
-	}
-	producer, consumer := open(RoleProducer), open(RoleConsumer)
+	producer, consumer := r.schedulerAs(t, RoleProducer), r.schedulerAs(t, RoleConsumer)
 	tokens := tokensOf(19, 4)
 	r.sched = producer
 	_, saved := saveChunks(t, r, "P1", tokens, 3)
@@ -209,16 +206,8 @@ func TestRolesThroughASharedL2(t *testing.T) {
 	dir := t.TempDir()
 	ns := NamespaceSpec{Model: "m", DType: "bfloat16", LayoutFingerprint: "test", ObjectFormat: 1, WorldSize: 1, ChunkSize: tChunk}
 	withL2 := func(c *server.Config) { c.L2Adapters = []string{fmt.Sprintf(`{"type":"fs","base_path":%q}`, dir)} }
-	as := func(r *rig, role Role) {
-		s, err := NewScheduler(SchedulerConfig{Socket: r.cfg.Socket, Namespace: ns, BlockSize: tBS,
-			Timeout: 2 * time.Second, Instance: uuid.New(), Role: role})
-		assert.NilError(t, err)
-		t.Cleanup(func() { s.Close() })
-		r.sched = s
-	}
 	prefill, decode := newRigWith(t, ns, withL2, nil), newRigWith(t, ns, withL2, nil)
-	as(prefill, RoleProducer)
-	as(decode, RoleConsumer)
+	prefill.sched, decode.sched = prefill.schedulerAs(t, RoleProducer), decode.schedulerAs(t, RoleConsumer)
 	tokens := tokensOf(23, 6)
 	_, saved := saveChunks(t, prefill, "P", tokens, 3)
 	assert.Equal(t, saved, 3)
