@@ -371,7 +371,10 @@ func ResolveVLLM(in VLLMIn) (*VLLMOut, error) {
 	default:
 		return nil, fmt.Errorf(`role %q: want "scheduler" or "worker": %w`, in.Role, ErrConfig)
 	}
-	if err := c.check(); err != nil {
+	// What kvshim_open checks, checked here (the engine_id an embedded
+	// server's socket is named by, every key): an answer is an open config
+	// the library accepts (FuzzResolveVLLM).
+	if _, err := c.resolve(); err != nil {
 		return nil, err
 	}
 	out.Open = c

@@ -168,6 +168,40 @@ func FuzzParseSettings(f *testing.F) {
 	})
 }
 
+// FuzzResolveVLLM: any kvshim_vllm_config input (decoded strictly, as the
+// export does) is an answer or an error, never a panic; an answer's open
+// config is one kvshim_open accepts (the resolver and the open-time checks
+// agree on every key).
+func FuzzResolveVLLM(f *testing.F) {
+	for _, s := range []string{
+		`{"extra": {}, "role": "scheduler", "engine_id": "e", "vllm": {"model": "m", "cache_dtype": "auto", "block_size": 16, "world_size": 1, "tp_size": 1}}`,
+		`{"extra": {"kvshim.l2_adapters": [{"type": "fs", "base_path": "/x"}]}, "role": "worker", "engine_id": "e", "rank": 1,
+		  "vllm": {"model": "m", "cache_dtype": "auto", "block_size": 16, "world_size": 2, "tp_size": 1, "pp_stages": [[0, 2], [2, 4]], "total_layers": 4}}`,
+		`{"extra": {}, "vllm": {"pp_stages": [[0, 8, 16]]}}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		var in VLLMIn
+		dec := json.NewDecoder(strings.NewReader(string(raw)))
+		dec.DisallowUnknownFields()
+		if dec.Decode(&in) != nil {
+			return
+		}
+		out, err := ResolveVLLM(in)
+		if err != nil || out.Open == nil {
+			return
+		}
+		b, err := json.Marshal(out.Open)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := Parse(b); err != nil {
+			t.Fatalf("%s: resolved to an open config kvshim_open refuses: %s: %v", raw, b, err)
+		}
+	})
+}
+
 // The README's kv_connector_extra_config table lists every key there is.
 func TestReadmeListsEverySetting(t *testing.T) {
 	raw, err := os.ReadFile("../../README.md")

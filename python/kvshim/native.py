@@ -372,7 +372,7 @@ def _c_array(values: IntArray, typecode: str, ctype: type[ctypes._SimpleCData[in
     (token ids, "I", through token_ids). The pointer holds no reference to
     the memory: the caller keeps owner in a local variable until the call
     has returned. Raises OverflowError or TypeError for a value the C type
-    cannot hold."""
+    cannot hold (for token ids token_ids' ValueError or TypeError naming it)."""
     pointer = ctypes.POINTER(ctype)
     if typecode == "I":
         values = token_ids(values)
