@@ -13,7 +13,8 @@ other, each driven by the same two workloads:
   hit the conversation so far.
 
 Configurations: no cache (`cold`); vLLM's prefix cache; kvshim (embedded,
-prefix cache off); kvshim loading layer by layer (kvshim.layerwise); kvshim +
+prefix cache off); kvshim loading layer by layer (kvshim.layerwise); kvshim
+loading a hit before the forward pass of its step (kvshim.sync_load); kvshim +
 vLLM's prefix cache; vLLM's cache too small for
 the working set (--num-gpu-blocks-override 80: three prefixes of eight) with
 and without kvshim; LMCache 0.5.6's MP server (--shm-name) through vLLM's
@@ -253,6 +254,7 @@ def main() -> int:
         "vllm_prefix_cache": {"prefix_caching": True},
         "kvshim": {"kv": kv},
         "kvshim_layerwise": {"kv": kvshim_config(l1_size_gb=2, layerwise=True)},
+        "kvshim_sync": {"kv": kvshim_config(l1_size_gb=2, sync_load=True)},
         "kvshim_prefix_cache": {"kv": kv, "prefix_caching": True},
         "small_prefix_cache": {"prefix_caching": True, "args": small},
         "small_prefix_cache_kvshim": {"kv": kv, "prefix_caching": True, "args": small},
@@ -312,6 +314,7 @@ def main() -> int:
         "cold_ttft_p50_ms": cold50,
         "kvshim_hit_ttft_p50_ms": hit50("kvshim"),
         "kvshim_layerwise_hit_ttft_p50_ms": hit50("kvshim_layerwise"),
+        "kvshim_sync_hit_ttft_p50_ms": hit50("kvshim_sync"),
         "vllm_prefix_cache_hit_ttft_p50_ms": hit50("vllm_prefix_cache"),
         "lmcache_hit_ttft_p50_ms": hit50("lmcache"),
         "kvshim_over_lmcache_hit_ttft": hit50("kvshim") / hit50("lmcache") if "lmcache" in results else None,
@@ -322,6 +325,7 @@ def main() -> int:
         # vLLM's prefix-cache hit over the peer's, whatever the cache does.
         "kvshim_overhead_ms": hit50("kvshim") - hit50("vllm_prefix_cache"),
         "kvshim_layerwise_overhead_ms": hit50("kvshim_layerwise") - hit50("vllm_prefix_cache"),
+        "kvshim_sync_overhead_ms": hit50("kvshim_sync") - hit50("vllm_prefix_cache"),
         "lmcache_overhead_ms": hit50("lmcache") - hit50("vllm_prefix_cache"),
         "kvshim_vs_lmcache_overhead": _ratio(hit50("kvshim") - hit50("vllm_prefix_cache"),
                                              hit50("lmcache") - hit50("vllm_prefix_cache")),

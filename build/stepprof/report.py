@@ -32,6 +32,8 @@ def report(d: Path) -> None:
     adds = {e["rid"]: e["t0"] for e in evs if e["ev"] == "add"}
     pre: list[float] = []
     steps: list[int] = []
+    fwd: list[float] = []  # the computing step's execute_model
+    out: list[float] = []  # add -> the end of the computing step's update_from_output
     for t0, t1 in windows:
         rid = next((r for r, t in adds.items() if t0 <= t <= t1), None)
         if rid is None:
@@ -39,6 +41,14 @@ def report(d: Path) -> None:
         sched = [e for e in evs if e["ev"] == "schedule" and e["new"].get(rid, [0, 0])[1] > 0]
         if sched:
             pre.append((sched[0]["t0"] - adds[rid]) / 1e6)
+            ex = min((e for e in evs if e["ev"] == "execute" and e["t0"] >= sched[0]["t1"]), key=lambda e: e["t0"],
+                     default=None)
+            up = min((e for e in evs if e["ev"] == "update" and e["t0"] >= sched[0]["t1"]), key=lambda e: e["t0"],
+                     default=None)
+            if ex is not None:
+                fwd.append((ex["t1"] - ex["t0"]) / 1e6)
+            if up is not None:
+                out.append((up["t1"] - adds[rid]) / 1e6)
         steps.append(sum(1 for e in evs if e["ev"] == "step" and t0 <= e["t0"] and e["t1"] <= t1))
     calls: dict[str, list[float]] = collections.defaultdict(list)
     for e in evs:
@@ -48,6 +58,10 @@ def report(d: Path) -> None:
     if pre:
         print(f"  add -> step that computes it: median {statistics.median(pre):.2f} ms "
               f"[{', '.join(f'{x:.1f}' for x in sorted(pre))}]")
+    if fwd:
+        print(f"  the computing step's execute_model: median {statistics.median(fwd):.2f} ms")
+    if out:
+        print(f"  add -> that step's output: median {statistics.median(out):.2f} ms")
     if steps:
         print(f"  engine steps in a request's window: median {statistics.median(steps)}")
     for k in sorted(calls):

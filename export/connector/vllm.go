@@ -32,6 +32,7 @@ type Settings struct {
 	TraceDir      *string           `json:"kvshim.trace_dir"`       // nil: off
 	MetricsPort   int               `json:"kvshim.metrics_port"`
 	Layerwise     bool              `json:"kvshim.layerwise"`
+	SyncLoad      bool              `json:"kvshim.sync_load"`
 }
 
 // DefaultChunkSize is kvshim.chunk_size's default, in tokens.
@@ -57,6 +58,7 @@ var settings = map[string]setting{
 	"kvshim.l1_size_gb":   func(s *Settings, k string, v any) (err error) { s.L1SizeGB, err = posFloat(k, v, false); return },
 	"kvshim.hold_ttl_s":   func(s *Settings, k string, v any) (err error) { s.HoldTTLS, err = posFloat(k, v, false); return },
 	"kvshim.layerwise":    func(s *Settings, k string, v any) (err error) { s.Layerwise, err = boolean(k, v); return },
+	"kvshim.sync_load":    func(s *Settings, k string, v any) (err error) { s.SyncLoad, err = boolean(k, v); return },
 	"kvshim.metrics_port": func(s *Settings, k string, v any) (err error) { s.MetricsPort, err = port(k, v); return },
 	"kvshim.l1_prefault_gb": func(s *Settings, k string, v any) error {
 		x, err := posFloat(k, v, true)
@@ -307,6 +309,10 @@ type VLLMOut struct {
 	// their failed loads are reported by request, which vLLM reads only
 	// for asynchronous loads).
 	Layerwise bool `json:"layerwise"`
+	// SyncLoad: a hit is loaded in the step that computes it, before its
+	// forward pass (kvshim.sync_load, or layer by layer with Layerwise);
+	// off with KV-cache groups, as Layerwise.
+	SyncLoad bool `json:"sync_load"`
 	// ByRequest: the namespace names KV-cache groups; a failed load is
 	// reported by request (failed_recving), not by block.
 	ByRequest bool `json:"by_request"`
@@ -342,9 +348,13 @@ func ResolveVLLM(in VLLMIn) (*VLLMOut, error) {
 	if s.TraceDir != nil {
 		c.TraceDir = *s.TraceDir
 	}
-	out.ByRequest, out.Layerwise = l.Groups, s.Layerwise && !l.Groups
-	if s.Layerwise && l.Groups {
-		out.Warnings = append(out.Warnings, "kvshim.layerwise: off for this model (several KV-cache groups, or one that frees blocks: "+
+	out.ByRequest, out.Layerwise, out.SyncLoad = l.Groups, s.Layerwise && !l.Groups, (s.Layerwise || s.SyncLoad) && !l.Groups
+	if l.Groups && (s.Layerwise || s.SyncLoad) {
+		key := "kvshim.sync_load"
+		if s.Layerwise {
+			key = "kvshim.layerwise"
+		}
+		out.Warnings = append(out.Warnings, key+": off for this model (several KV-cache groups, or one that frees blocks: "+
 			"failed loads are reported by request, which needs asynchronous loads)")
 	}
 	layout := l.Layout[:min(len(l.Layout), 120)]

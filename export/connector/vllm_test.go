@@ -117,16 +117,30 @@ func TestResolveVLLMRoles(t *testing.T) {
 	}
 }
 
-func TestResolveVLLMLayerwiseNeedsOneFullGroup(t *testing.T) {
+func TestResolveVLLMSyncLoadsNeedOneFullGroup(t *testing.T) {
 	full := shim.VLLMGroup{Classes: []string{"FullAttentionSpec", "AttentionSpec"}, Layers: []string{"a"}, BlockSize: 16}
 	window := shim.VLLMGroup{Classes: []string{"SlidingWindowSpec", "AttentionSpec"}, Layers: []string{"b"}, BlockSize: 16, SlidingWindow: 64}
-	one, err := ResolveVLLM(vllmIn("worker", `{"kvshim.layerwise": true}`, full))
-	if err != nil || !one.Layerwise || one.ByRequest || len(one.Warnings) != 0 {
-		t.Errorf("one full-attention group: %+v, %v", one, err)
-	}
-	two, err := ResolveVLLM(vllmIn("worker", `{"kvshim.layerwise": true}`, full, window))
-	if err != nil || two.Layerwise || !two.ByRequest || len(two.Warnings) != 1 {
-		t.Errorf("two groups: layer-wise off with a warning: %+v, %v", two, err)
+	for _, tc := range []struct {
+		extra                  string
+		groups                 []shim.VLLMGroup
+		layerwise, sync, byReq bool
+		warning                string
+	}{
+		{`{}`, []shim.VLLMGroup{full}, false, false, false, ""},
+		{`{"kvshim.layerwise": true}`, []shim.VLLMGroup{full}, true, true, false, ""},
+		{`{"kvshim.sync_load": true}`, []shim.VLLMGroup{full}, false, true, false, ""},
+		{`{"kvshim.sync_load": "on", "kvshim.layerwise": true}`, []shim.VLLMGroup{full}, true, true, false, ""},
+		{`{"kvshim.layerwise": true}`, []shim.VLLMGroup{full, window}, false, false, true, "kvshim.layerwise: off"},
+		{`{"kvshim.sync_load": true}`, []shim.VLLMGroup{full, window}, false, false, true, "kvshim.sync_load: off"},
+	} {
+		out, err := ResolveVLLM(vllmIn("worker", tc.extra, tc.groups...))
+		if err != nil || out.Layerwise != tc.layerwise || out.SyncLoad != tc.sync || out.ByRequest != tc.byReq {
+			t.Errorf("%s, %d groups: %+v, %v", tc.extra, len(tc.groups), out, err)
+			continue
+		}
+		if got := strings.Join(out.Warnings, "; "); (tc.warning == "") != (got == "") || !strings.Contains(got, tc.warning) {
+			t.Errorf("%s, %d groups: warnings %q, want %q", tc.extra, len(tc.groups), got, tc.warning)
+		}
 	}
 }
 

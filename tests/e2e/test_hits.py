@@ -7,8 +7,10 @@ and `shim` (prefix cache off, kvshim's embedded server). A hit is compared
 with vLLM's prefix-cache hit, not with a cold recompute: a cold prefill
 chunks the prompt differently, and bf16 rounding then differs a little.
 
-A third server saves and loads layer by layer (kvshim.layerwise) and is held to
-the same bit-for-bit comparison.
+Two more servers load a hit in the step that computes it, one layer by layer
+(kvshim.layerwise, which saves layer by layer too), one all of it before the
+forward pass (kvshim.sync_load); both are held to the same bit-for-bit
+comparison.
 
 Not tested here: GPU attention backends and their layouts (CPU_ATTN only),
 TP > 1 (tests/vllm drives those through vLLM's classes).
@@ -17,6 +19,7 @@ TP > 1 (tests/vllm drives those through vLLM's classes).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -68,32 +71,38 @@ def test_external_hit_equals_vllms_prefix_cache_hit_bit_for_bit(servers: tuple[V
     assert got[1] == want[1], "logprobs differ (bit for bit)"
 
 
-@pytest.fixture(scope="module")
-def layerwise(procs: Processes) -> VllmServer:
-    """kvshim with kvshim.layerwise on: a hit is loaded layer by layer in the
-    step that computes it (wait_for_layer_load before each attention layer)."""
-    s = procs.start_vllm("vllm-kvshim-layerwise", kv=kvshim_config(layerwise=True))
+@pytest.fixture(scope="module", params=["layerwise", "sync_load"])
+def in_step(procs: Processes, request: pytest.FixtureRequest) -> Iterator[tuple[str, VllmServer]]:
+    """kvshim loading a hit in the step that computes it: layer by layer
+    (kvshim.layerwise: wait_for_layer_load before each attention layer) or
+    all of it in start_load_kv (kvshim.sync_load)."""
+    extra: dict[str, Any] = {request.param: True}
+    s = procs.start_vllm(f"vllm-kvshim-{request.param}", kv=kvshim_config(**extra))
     warm_up(s, prompt_ids(CHUNK * 4 + 8, seed=999))
-    return s
+    yield request.param, s
+    s.stop()
 
 
-def test_layerwise_hit_equals_vllms_prefix_cache_hit_bit_for_bit(servers: tuple[VllmServer, VllmServer],
-                                                                layerwise: VllmServer) -> None:
+def test_hit_loaded_in_its_step_equals_vllms_prefix_cache_hit_bit_for_bit(
+        servers: tuple[VllmServer, VllmServer], in_step: tuple[str, VllmServer]) -> None:
     cache, _ = servers
+    mode, shim = in_step
     prefix = prompt_ids(CHUNK * 6, seed=66)
     first = prefix + prompt_ids(40, seed=166)
     second = prefix + prompt_ids(40, seed=266)
-    saves0 = layerwise.metrics().get("vllm:kvshim_layerwise_saves_total", 0.0)
-    for s in (cache, layerwise):
+    saves0 = shim.metrics().get("vllm:kvshim_layerwise_saves_total", 0.0)
+    for s in (cache, shim):
         s.complete(first, max_tokens=4)
-    ext0 = layerwise.external_hits()
-    got = _out(layerwise.complete(second, max_tokens=16, logprobs=1))
+    ext0 = shim.external_hits()
+    got = _out(shim.complete(second, max_tokens=16, logprobs=1))
     want = _out(cache.complete(second, max_tokens=16, logprobs=1))
-    assert layerwise.external_hits() - ext0 == len(prefix), "the prefix was not loaded from kvshim"
-    # what the hit restored was saved layer by layer (save_kv_layer), not
-    # after the forward pass (reported with a later step's stats: after the hit)
-    assert layerwise.metrics().get("vllm:kvshim_layerwise_saves_total", 0.0) > saves0, "no layer-wise save"
-    assert got == want, "a layer-wise load gave other tokens or logprobs than vLLM's own prefix-cache hit"
+    assert shim.external_hits() - ext0 == len(prefix), "the prefix was not loaded from kvshim"
+    # What the hit restored was saved layer by layer (save_kv_layer) with
+    # kvshim.layerwise only, else after the forward pass (reported with a
+    # later step's stats: after the hit).
+    layered = shim.metrics().get("vllm:kvshim_layerwise_saves_total", 0.0) > saves0
+    assert layered == (mode == "layerwise"), f"{mode}: layer-wise saves {layered}"
+    assert got == want, f"a {mode} load gave other tokens or logprobs than vLLM's own prefix-cache hit"
 
 
 def _word_tokens(s: VllmServer, n: int = 64) -> list[int]:

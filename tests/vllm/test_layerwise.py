@@ -1,4 +1,9 @@
-"""kvshim.layerwise through vLLM 0.33's real scheduler and connector classes.
+"""kvshim.layerwise and kvshim.sync_load through vLLM 0.33's real scheduler
+and connector classes.
+
+kvshim.sync_load loads a hit in the step that computes it, as layer-wise
+loads do, but waits for the whole load in start_load_kv and saves after the
+forward pass as by default.
 
 With kvshim.layerwise on, get_num_new_matched_tokens says the load is not
 asynchronous: vLLM schedules the request in the step that loads it, the
@@ -54,9 +59,9 @@ class LayerwiseRunner(ModelRunner):
 def lw(tiny_model_dir):
     made: list[SchedulerHarness] = []
 
-    def make(layout: str | None = None, layerwise: bool = True) -> tuple[SchedulerHarness, LayerwiseRunner]:
-        cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False,
-                            kv_connector_extra_config={"kvshim.layerwise": layerwise})
+    def make(layout: str | None = None, mode: str = "layerwise") -> tuple[SchedulerHarness, LayerwiseRunner]:
+        extra = {} if mode == "async" else {f"kvshim.{mode}": True}
+        cfg = kvshim_config(tiny_model_dir, enable_prefix_caching=False, kv_connector_extra_config=extra)
         cfg.cache_config.kv_cache_layout = layout
         kvc = make_kv_cache_config(num_blocks=128)
         h = SchedulerHarness(cfg, kvc)
@@ -70,9 +75,12 @@ def lw(tiny_model_dir):
         h.close()
 
 
+@pytest.mark.parametrize("mode", ["layerwise", "sync_load"])
 @pytest.mark.parametrize("layout", [m.name for m in KVCacheLayout])
-def test_layerwise_hit_is_loaded_in_the_step_that_computes_it(lw, layout):
-    h, r = lw(layout=layout)
+def test_hit_is_loaded_in_the_step_that_computes_it(lw, layout, mode):
+    # kvshim.sync_load: the whole load before the forward pass, in
+    # start_load_kv; kvshim.layerwise: each layer before it is read.
+    h, r = lw(layout=layout, mode=mode)
     p = prompt(21, 2 * CHUNK + 5)
     store(h, r, p, max_tokens=1)
     wait_stat(h, "kvshim_l1_commits_total", 2)
@@ -97,8 +105,8 @@ def test_layerwise_hit_is_loaded_in_the_step_that_computes_it(lw, layout):
     assert w["LoadedChunks"] == 2 and w["LayerwiseLoads"] == 1 and w["FailedLoads"] == 0
 
 
-def test_layerwise_off_keeps_asynchronous_loads(lw):
-    h, r = lw(layerwise=False)
+def test_default_keeps_asynchronous_loads(lw):
+    h, r = lw(mode="async")
     p = prompt(31, 2 * CHUNK + 5)
     store(h, r, p, max_tokens=1)
     wait_stat(h, "kvshim_l1_commits_total", 2)

@@ -70,12 +70,13 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         self.connector_worker: KVShimWorker | None = None
         # The first native call of this process: after vLLM's fork.
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVShimScheduler(native.Scheduler(open_cfg), cfg["kvshim.chunk_size"], conf["layerwise"])
+            self.connector_scheduler = KVShimScheduler(native.Scheduler(open_cfg), cfg["kvshim.chunk_size"], conf["sync_load"])
             if kv_events.enabled(vllm_config):
                 self.connector_scheduler.events = kv_events.EventSource(self.connector_scheduler.native, open_cfg["block_size"])
         else:
             self.connector_worker = KVShimWorker(native.Worker(open_cfg), vllm_config, kv_cache_config,
-                                                 cfg["kvshim.timeout_ms"], conf["layerwise"], conf["by_request"])
+                                                 cfg["kvshim.timeout_ms"], conf["layerwise"], conf["by_request"],
+                                                 conf["sync_load"])
         # One line that says kvshim is active, and with what.
         logger.info("kvshim %s active: %s", native.version(), conf["summary"])
 
@@ -155,7 +156,8 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         # By default loads are asynchronous (vLLM schedules a request only
         # after get_finished reported its load) and no layer waits here;
-        # with kvshim.layerwise each layer waits for its own copies.
+        # kvshim.sync_load waited for them in start_load_kv; with
+        # kvshim.layerwise each layer waits for its own copies.
         self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:

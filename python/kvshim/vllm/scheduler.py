@@ -42,12 +42,13 @@ class KVShimScheduler:
     """The scheduler side of the connector (vLLM's scheduler process, one per
     engine): vLLM's requests as the native scheduler's arguments."""
 
-    def __init__(self, sched: native.Scheduler, chunk_size: int, layerwise: bool = False) -> None:
+    def __init__(self, sched: native.Scheduler, chunk_size: int, sync_load: bool = False) -> None:
         self.native = sched
         self._chunk = chunk_size
-        # Layer-wise loads are synchronous: vLLM schedules the request in the
-        # step that loads it, and the forward pass waits layer by layer.
-        self._async = not layerwise
+        # Synchronous loads (kvshim.sync_load, kvshim.layerwise): vLLM
+        # schedules the request in the step that loads it, and its forward
+        # pass waits for the load (layer by layer with kvshim.layerwise).
+        self._async = not sync_load
         self._ids: dict[str, list[int]] = {}  # request -> the ids it is looked up over
         # rid -> [request, tokens Go keyed (a chunk boundary), num_preemptions when keyed]
         self._decoding: dict[str, list[Any]] = {}

@@ -31,9 +31,10 @@ class KVShimWorker:
     step metadata and stream as the native worker's arguments."""
 
     def __init__(self, worker: native.Worker, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
-                 timeout_ms: int, layerwise: bool = False, by_request: bool = False) -> None:
+                 timeout_ms: int, layerwise: bool = False, by_request: bool = False, sync_load: bool = False) -> None:
         self.native = worker
         self._layerwise = layerwise
+        self._sync = sync_load or layerwise  # loads in the step that computes them
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._timeout_ms = timeout_ms
@@ -73,8 +74,14 @@ class KVShimWorker:
     def start_load_kv(self, idle: bool = False) -> None:
         if self._bound is None:
             return
-        if self._layerwise:
+        if self._sync:
+            # The step's loads, in the forward pass's layer order: with
+            # kvshim.layerwise each layer waits for its own; else all of
+            # them before the forward pass (it then runs alone on the cores
+            # it shares with the copies on a CPU worker).
             self.native.start_loads_layered()
+            if not self._layerwise:
+                self._wait_layers()
         else:
             # No forward pass this step (vLLM's no-forward step): its loads are waited for
             # briefly, so this step reports them and vLLM computes the request in the next
@@ -88,9 +95,9 @@ class KVShimWorker:
                            self._timeout_ms)
 
     def _wait_layers(self) -> None:
-        """Layer-wise: the step's loads ended, their failures reported
-        (before the step's output, which reads them)."""
-        if self._layerwise and not self.native.wait_layers(self._timeout_ms):
+        """Synchronous loads: the step's loads ended, their failures
+        reported (before the step's output, which reads them)."""
+        if self._sync and not self.native.wait_layers(self._timeout_ms):
             logger.warning("kvshim: the step's layer-wise loads still run after %d ms", self._timeout_ms)
 
     def save_kv_layer(self, layer_name: str) -> None:
