@@ -74,9 +74,8 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
             if kv_events.enabled(vllm_config):
                 self.connector_scheduler.events = kv_events.EventSource(self.connector_scheduler.native, open_cfg["block_size"])
         else:
-            self.connector_worker = KVShimWorker(native.Worker(open_cfg), vllm_config, kv_cache_config,
-                                                 cfg["kvshim.timeout_ms"], conf["layerwise"], conf["by_request"],
-                                                 conf["sync_load"])
+            self.connector_worker = KVShimWorker(native.Worker(open_cfg), vllm_config, kv_cache_config, cfg["kvshim.timeout_ms"],
+                                                 conf["layerwise"], conf["by_request"], conf["sync_load"])
         # One line that says kvshim is active, and with what.
         logger.info("kvshim %s active: %s", native.version(), conf["summary"])
 
@@ -154,15 +153,12 @@ class KVShimConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_load_kv(idle=getattr(forward_context, "attn_metadata", None) is None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # By default loads are asynchronous (vLLM schedules a request only
-        # after get_finished reported its load) and no layer waits here;
-        # kvshim.sync_load waited for them in start_load_kv; with
-        # kvshim.layerwise each layer waits for its own copies.
+        # Only kvshim.layerwise's loads wait here (per layer): asynchronous ones
+        # were reported done, kvshim.sync_load's waited for in start_load_kv.
         self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        # By default a step's saves are submitted at once, in wait_for_save;
-        # with kvshim.layerwise each layer's save starts as it is written.
+        # Saves start in wait_for_save; with kvshim.layerwise per layer as written.
         self.worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:

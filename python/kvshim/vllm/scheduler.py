@@ -45,9 +45,8 @@ class KVShimScheduler:
     def __init__(self, sched: native.Scheduler, chunk_size: int, sync_load: bool = False) -> None:
         self.native = sched
         self._chunk = chunk_size
-        # Synchronous loads (kvshim.sync_load, kvshim.layerwise): vLLM
-        # schedules the request in the step that loads it, and its forward
-        # pass waits for the load (layer by layer with kvshim.layerwise).
+        # Synchronous loads (kvshim.sync_load, kvshim.layerwise): vLLM schedules
+        # the request in the step that loads it; its forward pass waits for it.
         self._async = not sync_load
         self._ids: dict[str, list[int]] = {}  # request -> the ids it is looked up over
         # rid -> [request, tokens Go keyed (a chunk boundary), num_preemptions when keyed]

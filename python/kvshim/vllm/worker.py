@@ -34,7 +34,7 @@ class KVShimWorker:
                  timeout_ms: int, layerwise: bool = False, by_request: bool = False, sync_load: bool = False) -> None:
         self.native = worker
         self._layerwise = layerwise
-        self._sync = sync_load or layerwise  # loads in the step that computes them
+        self._sync = sync_load  # loads in the step that computes them (layer-wise ones too)
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._timeout_ms = timeout_ms
@@ -75,10 +75,8 @@ class KVShimWorker:
         if self._bound is None:
             return
         if self._sync:
-            # The step's loads, in the forward pass's layer order: with
-            # kvshim.layerwise each layer waits for its own; else all of
-            # them before the forward pass (it then runs alone on the cores
-            # it shares with the copies on a CPU worker).
+            # In layer order; each layer waits for its own (kvshim.layerwise) or
+            # all before the forward pass, which then has the CPU to itself.
             self.native.start_loads_layered()
             if not self._layerwise:
                 self._wait_layers()
@@ -95,8 +93,7 @@ class KVShimWorker:
                            self._timeout_ms)
 
     def _wait_layers(self) -> None:
-        """Synchronous loads: the step's loads ended, their failures
-        reported (before the step's output, which reads them)."""
+        """Synchronous loads: ended, failures reported (before the step's output)."""
         if self._sync and not self.native.wait_layers(self._timeout_ms):
             logger.warning("kvshim: the step's layer-wise loads still run after %d ms", self._timeout_ms)
 
