@@ -43,8 +43,8 @@ from harness import (
     loads_of,
     new_req_data,
     prompt,
+    released,
     run_until_scheduled,
-    server_stats,
     wait_stat,
 )
 
@@ -192,8 +192,7 @@ def test_each_rank_restores_its_own_bytes_and_hits_fold(world):
     # every rank skips 2 chunks of p2: the fold over all 8 (or 4) ranks
     _restore(h, ranks, p2 + prompt(64, 30), hit_chunks=2, vblock=vb)
     h.assert_no_leaks()
-    st = server_stats(h.connector)
-    assert st["kvshim_l1_holds"] == 0 and st["kvshim_lookups_live"] == 0
+    st = released(h)
     staged = {k: v for k, v in st.items() if "stag" in k and not k.endswith("_total")}
     assert staged and not any(staged.values()), staged
     assert st["kvshim_lookup_hit_chunks_total"] == 3 + 2

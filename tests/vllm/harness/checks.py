@@ -31,6 +31,15 @@ def prompt(seed: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 1000, n)]
 
 
+def released(h: SchedulerHarness, timeout: float = 5.0) -> dict[str, float]:
+    """The server's counters once every hold and lookup is gone. A load
+    counts as ended once its copies end; its RELEASE follows off the
+    request's path (shim/worker.go, Worker.load), so right after settle()
+    the server may still hold its chunks for a moment."""
+    wait_stat(h, "kvshim_l1_holds", 0, timeout)
+    return wait_stat(h, "kvshim_lookups_live", 0, timeout)
+
+
 def wait_stat(h: SchedulerHarness, name: str, want: float, timeout: float = 5.0) -> dict[str, float]:
     """Server counters move when asynchronous copies commit: poll them
     until ``name`` equals ``want``; return the server's counters."""
