@@ -35,6 +35,7 @@ from harness import (
     run_until_scheduled,
     server_stats,
     store,
+    wait_jobs,
     wait_stat,
 )
 
@@ -463,6 +464,7 @@ def test_connector_asks_vllm_for_a_block_outermost_layout(kv):
     p = prompt(13, 2 * CHUNK + 1)
     store(h, r, p, max_tokens=1)
     wait_stat(h, "kvshim_l1_commits_total", 2)
+    wait_jobs(h)  # the worker counts the save once its COMMIT is answered
     w = r.kvshim.worker.stats().counters
     assert w["SavedChunks"] == 2 and w["CopySpans"] <= 2 * (CHUNK // BLOCK), w
 

@@ -20,7 +20,6 @@ so a rank or a group that got another's object fails the byte check.
 from __future__ import annotations
 
 import multiprocessing
-import time
 import uuid
 from typing import Any
 
@@ -89,15 +88,6 @@ def hybrid_tp(request, proc, tiny_model_dir):
         proc.call("teardown")
 
 
-def wait_ranks(ranks: Ranks, timeout: float = 5.0) -> None:
-    """Until no rank has a copy left (saves committed, loads reported)."""
-    deadline = time.monotonic() + timeout
-    for rk in range(ranks.world):
-        while ranks.call(rk, "stats")["jobs"]:
-            assert time.monotonic() < deadline, f"rank {rk}: jobs still running after {timeout}s"
-            time.sleep(0.005)
-
-
 def store(h, ranks, tokens):
     """Chunked prefill, at least 128 tokens in step 1 (chunks 0-1 of every
     group saved), the rest in step 2 (chunk 2); the request keeps decoding
@@ -107,7 +97,7 @@ def store(h, ranks, tokens):
     h.step()
     assert req.num_computed_tokens == len(tokens)
     h.step()  # its first decode
-    wait_ranks(ranks)
+    ranks.wait_idle()
     return req
 
 
@@ -139,7 +129,7 @@ def restore(h, ranks, specs, stored, tokens, hit_chunks):
         assert checks[b.request_id] == (hit, {g: [] for g in range(len(specs))}), f"rank {rk}: {checks[b.request_id]}"
         assert not any(ranks.call(rk, "attr", "load_errors")), f"rank {rk}"
     h.settle(until=lambda st: b.request_id not in h.scheduler.requests)
-    wait_ranks(ranks)
+    ranks.wait_idle()
     return sum(ld["end"] - ld["start"] for ld in loads.values())
 
 
@@ -159,7 +149,7 @@ def test_hybrid_each_rank_restores_every_group_and_hits_fold(hybrid_tp):
     ranks.call(tp - 1, "drop_group_saves_in", 2, [windowed[0]])
     a2 = store(h, ranks, p2)
     wait_stat(h, "kvshim_l1_commits_total", 6 * ngroups * tp - 1)
-    wait_ranks(ranks)
+    ranks.wait_idle()
     saved = [ranks.call(rk, "stats")["worker"]["SavedChunks"] for rk in range(tp)]
     assert saved == [6 * ngroups] * (tp - 1) + [6 * ngroups - 1]
     for rk in range(tp):
@@ -175,5 +165,5 @@ def test_hybrid_each_rank_restores_every_group_and_hits_fold(hybrid_tp):
     assert [ranks.call(rk, "stats")["worker"]["LoadedChunks"] for rk in range(tp)] == [loaded] * tp
     h.abort(a1.request_id, a2.request_id)
     h.settle()
-    wait_ranks(ranks)
+    ranks.wait_idle()
     assert_clean(h)

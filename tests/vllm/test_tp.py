@@ -99,6 +99,7 @@ def test_tp2_each_rank_restores_its_own_bytes_and_hits_fold(tp):
     # rank 0 has 3 chunks, rank 1 has 2.
     _store(h, runners, p2, skip_rank1_save_in_step=2)
     wait_stat(h, "kvshim_l1_commits_total", 3 * TP + 3 + 2)
+    runners[0].ranks.wait_idle()
     saved = [r.call("stats")["worker"]["SavedChunks"] for r in runners]
     assert saved == [6, 5]
     h.assert_no_leaks()

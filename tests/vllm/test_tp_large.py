@@ -182,6 +182,7 @@ def test_each_rank_restores_its_own_bytes_and_hits_fold(world):
     # chunk 2: every other rank has 3 chunks, it has 2.
     _store(h, ranks, p2, skip_save=(writers[-1], 2))
     wait_stat(h, "kvshim_l1_commits_total", 6 * len(writers) - 1)
+    ranks.wait_idle()
     saved = [ranks.call(rk, "stats")["worker"]["SavedChunks"] for rk in range(w)]
     assert saved == [6 if rk in writers[:-1] else 5 if rk == writers[-1] else 0 for rk in range(w)]
     h.assert_no_leaks()

@@ -81,6 +81,18 @@ class Ranks:
     def call(self, rank: int, sub: str, *args: Any) -> Any:
         return self.owner[rank].call("rank", rank, sub, *args)
 
+    def wait_idle(self, timeout: float = 5.0) -> None:
+        """Until no rank has a copy left: saves committed and counted (a
+        worker counts a save once its COMMIT is answered, just after the
+        server counted the commit), loads reported."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        for rk in range(self.world):
+            while self.call(rk, "stats")["jobs"]:
+                assert time.monotonic() < deadline, f"rank {rk}: jobs still running after {timeout}s"
+                time.sleep(0.005)
+
 
 class WorldHarness(SchedulerHarness):
     """SchedulerHarness whose runners are the remote ranks (their connector
