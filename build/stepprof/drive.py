@@ -55,7 +55,7 @@ def main() -> int:
         for n in names:
             dirs[n].mkdir()
             env = {"KVPROF_DIR": str(dirs[n]), "PYTHONPATH": f"{HERE}{os.pathsep}{procs.base_env()['PYTHONPATH']}"}
-            servers[n] = procs.start_vllm(n, env=env, wait=False, **CONFIGS[n])  # type: ignore[arg-type]  # type: ignore[arg-type]
+            servers[n] = procs.start_vllm(n, env=env, wait=False, **CONFIGS[n])  # type: ignore[arg-type]
         for s in servers.values():
             s.wait_ready()
             warm_up(s, prompt_ids(3072 + 8, seed=999))
