@@ -8,12 +8,14 @@ import "C"
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"time"
 	"unsafe"
 
 	"github.com/kvshim/kvshim/ipc"
+	"github.com/kvshim/kvshim/kv"
 	"github.com/kvshim/kvshim/layout"
 	"github.com/kvshim/kvshim/shim"
 )
@@ -31,8 +33,9 @@ func parseExtras(p *C.char) (shim.Extras, error) {
 //export kvshim_sched_match
 func kvshim_sched_match(h C.int64_t, reqID *C.char, toks *C.uint32_t, nToks C.size_t, extras *C.char, numComputed C.int64_t, out *C.int64_t) C.int {
 	return call(h, func(in *instance, s *shim.Scheduler) error {
-		return schedMatch(s, reqID, extras, numComputed, out, func(string) ([]uint32, error) {
-			return cSlice[uint32](unsafe.Pointer(toks), uint64(nToks), "tokens")
+		return schedMatch(s, reqID, extras, numComputed, out, func(string, shim.Extras, bool) (prompt, error) {
+			tokens, err := cSlice[uint32](unsafe.Pointer(toks), uint64(nToks), "tokens")
+			return prompt{tokens: tokens}, err
 		}, nil)
 	})
 }
@@ -40,7 +43,9 @@ func kvshim_sched_match(h C.int64_t, reqID *C.char, toks *C.uint32_t, nToks C.si
 // kvshim_sched_match_list is kvshim_sched_match for a Python caller holding
 // the GIL: the list is read (into a pooled buffer) only when the request is
 // not keyed yet, and the GIL is released once the arguments are read, while
-// the lookup hashes and waits for the server.
+// the lookup waits for the server. Where the CPU has the SHA extensions
+// and the request has no multimodal inputs, the chunk keys are hashed as
+// the list is read (pyChainKeys), under the GIL; elsewhere after it.
 //
 //export kvshim_sched_match_list
 func kvshim_sched_match_list(h C.int64_t, reqID *C.char, list unsafe.Pointer, extras *C.char, numComputed C.int64_t, out *C.int64_t) C.int {
@@ -50,30 +55,50 @@ func kvshim_sched_match_list(h C.int64_t, reqID *C.char, list unsafe.Pointer, ex
 		}
 		buf := tokenBufs.Get().(*[]uint32)
 		defer tokenBufs.Put(buf)
-		return schedMatch(s, reqID, extras, numComputed, out, func(req string) (tokens []uint32, err error) {
+		return schedMatch(s, reqID, extras, numComputed, out, func(req string, ex shim.Extras, chain bool) (prompt, error) {
 			if s.Keyed(req) {
-				return nil, nil // asked again while pending: Match reads no tokens
+				return prompt{}, nil // asked again while pending: Match reads no tokens
 			}
-			tokens, err = pyListTokens(list, (*buf)[:0])
+			if chain && len(ex.MM) == 0 {
+				root, gen, err := s.KeyRoot(ex)
+				if err != nil {
+					return prompt{}, err
+				}
+				if n, keys, ok := pyChainKeys(list, root, s.ChunkSize()); ok {
+					return prompt{hashed: true, n: n, keys: keys, gen: gen}, nil
+				}
+			}
+			tokens, err := pyListTokens(list, (*buf)[:0])
 			if cap(tokens) > cap(*buf) {
 				*buf = tokens[:0]
 			}
-			return tokens, err
+			return prompt{tokens: tokens}, err
 		}, releaseGIL)
 	})
 }
 
+// prompt is what a match export read of a request's prompt: its tokens, or
+// (hashed) its length n and the keys of its full chunks, chained from the
+// root of generation gen (shim.Scheduler.KeyRoot).
+type prompt struct {
+	tokens []uint32
+	hashed bool
+	n      int
+	keys   []kv.Hash
+	gen    uint64
+}
+
 // schedMatch is the body of both match exports: the arguments checked and
-// read in order (req_id, tokens, extras, out); then, the caller's memory
-// read, release (if any) lets go of the caller's lock (the GIL) while Match
-// hashes and waits for the server, and the lock is taken back on return.
+// read in order (req_id, extras, the prompt, out); then, the caller's
+// memory read, release (if any) lets go of the caller's lock (the GIL)
+// while Match hashes (unless read did) and waits for the server, and the
+// lock is taken back on return. Keys read of a generation found stale (a
+// reset, or the first request after a restart of a scheduler whose
+// deployment was reset) are read again, and after a second time as
+// tokens, which Match keys under the generation it learns.
 func schedMatch(s *shim.Scheduler, reqID, extras *C.char, numComputed C.int64_t, out *C.int64_t,
-	tokens func(req string) ([]uint32, error), release func() (reacquire func(), err error)) error {
+	read func(req string, ex shim.Extras, chain bool) (prompt, error), release func() (reacquire func(), err error)) error {
 	req, err := goString(reqID, "req_id")
-	if err != nil {
-		return err
-	}
-	toks, err := tokens(req)
 	if err != nil {
 		return err
 	}
@@ -81,25 +106,50 @@ func schedMatch(s *shim.Scheduler, reqID, extras *C.char, numComputed C.int64_t,
 	if err != nil {
 		return err
 	}
-	if out == nil {
-		return fmt.Errorf("out is NULL: %w", errInvalid)
-	}
-	if release != nil {
-		reacquire, err := release()
+	for try := 0; ; try++ {
+		p, err := read(req, ex, try < 2)
 		if err != nil {
 			return err
 		}
+		if out == nil {
+			return fmt.Errorf("out is NULL: %w", errInvalid)
+		}
+		n, pending, err := matchReleased(s, req, p, ex, int(numComputed), release)
+		if p.hashed && errors.Is(err, shim.ErrStaleRoot) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		*out = C.int64_t(n)
+		if pending {
+			*out = -1
+		}
+		return nil
+	}
+}
+
+// matchReleased asks s for p with the caller's lock released (release,
+// when not nil) and taken back before it returns. Errors of the match are
+// errInvalid.
+func matchReleased(s *shim.Scheduler, req string, p prompt, ex shim.Extras, numComputed int,
+	release func() (reacquire func(), err error)) (n int, pending bool, err error) {
+	if release != nil {
+		reacquire, err := release()
+		if err != nil {
+			return 0, false, err
+		}
 		defer reacquire()
 	}
-	n, pending, err := s.Match(req, toks, ex, int(numComputed))
+	if p.hashed {
+		n, pending, err = s.MatchHashes(req, p.n, p.keys, p.gen, ex, numComputed)
+	} else {
+		n, pending, err = s.Match(req, p.tokens, ex, numComputed)
+	}
 	if err != nil {
-		return fmt.Errorf("%w: %w", err, errInvalid)
+		err = fmt.Errorf("%w: %w", err, errInvalid)
 	}
-	*out = C.int64_t(n)
-	if pending {
-		*out = -1
-	}
-	return nil
+	return n, pending, err
 }
 
 //export kvshim_sched_after_alloc

@@ -92,6 +92,7 @@ var codeTable = []sentinel{
 	{"shim.ErrBadChunkSize", shim.ErrBadChunkSize, codeInval},
 	{"shim.ErrBadExtras", shim.ErrBadExtras, codeInval},
 	{"shim.ErrBadPrefix", shim.ErrBadPrefix, codeInval},
+	{"shim.ErrStaleRoot", shim.ErrStaleRoot, codeInval}, // never returned: schedMatch keys the request again
 	{"shim.ErrBadNamespaceSpec", shim.ErrBadNamespaceSpec, codeInval},
 	{"shim.ErrNoChunkHash", shim.ErrNoChunkHash, codeInval},
 	{"shim.ErrBadParams", shim.ErrBadParams, codeInval},

@@ -439,9 +439,12 @@ int kvshim_vllm_tensors(const char *in_json, void *buf, size_t cap, size_t *out_
  * the GIL held, list a py_object): the prompt is the Python list of ints
  * `list`, read in one C loop as kvshim_tokens_from_list reads it, and only
  * when req_id is not keyed yet (asked again while its lookup is pending,
- * the list is not read). The GIL is released once the arguments are read,
- * while the lookup hashes and waits for the server, and held again before
- * the call returns. Besides kvshim_sched_match's errors: KVSHIM_ENOTSUP,
+ * the list is not read). On x86-64 with the SHA extensions, and for a
+ * request with no "mm" extras, the chunk keys are hashed as the list is
+ * read (KVSHIM_LOOKUP_HASH=go: after it, as elsewhere). The GIL is
+ * released once the list is read, while the lookup (hashes, where they are
+ * not made yet, and) waits for the server, and held again before the call
+ * returns. Besides kvshim_sched_match's errors: KVSHIM_ENOTSUP,
  * list is no list or the process has no Python C API (nothing was asked);
  * KVSHIM_EINVAL naming the first item that is no int in [0, 2^32) (convert
  * with Python for the id itself). */

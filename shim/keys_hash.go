@@ -192,3 +192,12 @@ func (h *chunkHasher) chain(dst []kv.Hash, prev kv.Hash, first int, tokens []uin
 	}
 	return dst
 }
+
+// PlainChunkMessage returns the parts of the chunk message of a chunk with no
+// multimodal input, which chain hashes as pre ‖ prev ‖ mid ‖ tokens (u32le)
+// ‖ suf: for a caller that hashes the chain as it reads the tokens (the
+// library's reader of Python lists), then MatchHashes. The bytes are
+// chain's own (TestPlainChunkMessageIsChains).
+func PlainChunkMessage(chunkSize int) (pre, mid, suf []byte) {
+	return []byte(chunkTag), binary.LittleEndian.AppendUint32(nil, uint32(chunkSize)), appendMMSection(nil, nil, 0, chunkSize)
+}

@@ -2,6 +2,7 @@ package shim
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -153,6 +154,9 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	}, nil
 }
 
+// ChunkSize is the namespace's chunk size in tokens.
+func (s *Scheduler) ChunkSize() int { return s.chunk }
+
 // Groups are the KV-cache groups the scheduler was configured with.
 func (s *Scheduler) Groups() []GroupSpec { return slices.Clone(s.groups) }
 
@@ -173,11 +177,61 @@ func (s *Scheduler) Keyed(req string) bool {
 // KV-cache group); later calls read the answers once and cache them, so
 // repeated calls are side-effect free and read no tokens (see Keyed).
 func (s *Scheduler) Match(req string, tokens []uint32, ex Extras, numComputed int) (n int, pending bool, err error) {
+	return s.match(req, ex, numComputed, func(opt RequestOptions) (*schedReq, error) {
+		hashes, err := ChunkHashes(s.rootNS(), tokens, s.chunk, ex)
+		if err != nil {
+			return nil, err
+		}
+		return s.submit(req, len(tokens), hashes, ex, opt), nil
+	})
+}
+
+// ErrStaleRoot: MatchHashes was given chunk keys chained from a root of a
+// generation no longer in force (a reset came between KeyRoot and it).
+var ErrStaleRoot = errors.New("shim: chunk keys of an earlier generation")
+
+// KeyRoot returns the root that the chunk keys of a new request with
+// extras ex chain from (RootHash of this scheduler's namespace and
+// generation), and that generation: for a caller that hashes the prompt's
+// chunks itself (PlainChunkMessage) and asks MatchHashes. It asks the
+// server nothing (its caller may hold the GIL): the generation it knows
+// may be one that MatchHashes, which asks, finds stale.
+func (s *Scheduler) KeyRoot(ex Extras) (root kv.Hash, gen uint64, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	root, err = RootHash(s.rootNS(), ex)
+	return root, s.gen, err
+}
+
+// MatchHashes is Match for a prompt of prompt tokens whose full chunks'
+// keys the caller computed, chained from KeyRoot's root of generation gen.
+// A keyed request ignores them, as Match ignores its tokens. ErrStaleRoot
+// when the generation moved since KeyRoot: ask KeyRoot again.
+func (s *Scheduler) MatchHashes(req string, prompt int, hashes []kv.Hash, gen uint64, ex Extras, numComputed int) (n int, pending bool, err error) {
+	return s.match(req, ex, numComputed, func(opt RequestOptions) (*schedReq, error) {
+		if err := ex.Validate(); err != nil {
+			return nil, err
+		}
+		if want := NumFullChunks(prompt, s.chunk); len(hashes) != want {
+			return nil, fmt.Errorf("%w: %d chunk keys for %d tokens of chunk size %d, want %d", ErrBadPrefix, len(hashes), prompt, s.chunk, want)
+		}
+		if gen != s.gen {
+			return nil, fmt.Errorf("%w: keyed under %d, generation %d in force", ErrStaleRoot, gen, s.gen)
+		}
+		return s.submit(req, prompt, hashes, ex, opt), nil
+	})
+}
+
+// match is the body of Match and MatchHashes: key sets up a request not
+// keyed yet (s.mu held; the generation learnt for opt).
+func (s *Scheduler) match(req string, ex Extras, numComputed int, key func(opt RequestOptions) (*schedReq, error)) (n int, pending bool, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	r := s.reqs[req]
 	if r == nil {
-		if r, err = s.submit(req, tokens, ex); err != nil {
+		opt := s.options(req)
+		s.learnGeneration(!opt.SkipLoad)
+		if r, err = key(opt); err != nil {
 			return 0, false, err
 		}
 	}
@@ -207,14 +261,10 @@ func (s *Scheduler) Match(req string, tokens []uint32, ex Extras, numComputed in
 	return max(0, usable-numComputed), false, nil
 }
 
-func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, error) {
-	opt := s.options(req)
-	s.learnGeneration(!opt.SkipLoad)
-	hashes, err := ChunkHashes(s.rootNS(), tokens, s.chunk, ex)
-	if err != nil {
-		return nil, err
-	}
-	r := &schedReq{id: req, prompt: len(tokens), hashes: hashes, extras: ex, g: make([]groupReq, len(s.groups)), gen: s.gen,
+// submit keys req (a prompt of prompt tokens, the keys of its full chunks
+// hashes under generation s.gen) and sends its lookups. s.mu held.
+func (s *Scheduler) submit(req string, prompt int, hashes []kv.Hash, ex Extras, opt RequestOptions) *schedReq {
+	r := &schedReq{id: req, prompt: prompt, hashes: hashes, extras: ex, g: make([]groupReq, len(s.groups)), gen: s.gen,
 		opt: opt} // s.opts[req] is kept until the finish: a preempted request is keyed again
 	for i := range r.g {
 		s.nextLookup++
@@ -222,7 +272,7 @@ func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, e
 	}
 	s.reqs[req] = r
 	if len(hashes) == 0 || r.opt.SkipLoad {
-		return r, nil // nothing to look up: a miss (its chunks are still keyed for saves)
+		return r // nothing to look up: a miss (its chunks are still keyed for saves)
 	}
 	for i := range r.g {
 		lk := &ipc.LookupReq{LookupID: r.g[i].lookupID, Namespace: s.gns[i], WorldSize: uint32(s.cfg.Namespace.KVWorldSize()),
@@ -231,18 +281,18 @@ func (s *Scheduler) submit(req string, tokens []uint32, ex Extras) (*schedReq, e
 			// MLA objects are stored once and read by every rank.
 			lk.WorldSize = uint32(s.cfg.Namespace.WorldSize)
 		}
-		err = s.link.call(func(ctx context.Context, c *ipc.Client) error { return c.Lookup(ctx, lk) })
+		err := s.link.call(func(ctx context.Context, c *ipc.Client) error { return c.Lookup(ctx, lk) })
 		if err != nil {
 			s.free(r, 0) // no server: a miss (and no lookup of another group is used)
 			r.state = lookupNone
-			return r, nil
+			return r
 		}
 		r.g[i].state, r.g[i].holdsFreed = lookupPending, false
 		r.state = lookupPending
 		s.traceSubmitted(r, r.g[i].lookupID, s.gns[i])
 	}
 	r.submitted = time.Now()
-	return r, nil
+	return r
 }
 
 // poll reads the pending lookups' answers; a server that is gone or too

@@ -131,6 +131,10 @@ def test_threads_sharing_a_handle_read_their_own_output():
         assert errors == []
 
 
+class _Int(int):
+    """An int that is not exactly an int."""
+
+
 def test_match_list_reads_the_list_only_to_key_the_request():
     """native.Scheduler.match_list (the connector's path for vLLM's lists)
     answers as match does over the same ids; asked again for a request it
@@ -147,7 +151,11 @@ def test_match_list_reads_the_list_only_to_key_the_request():
         assert n == 3 * CHUNK
         assert rig.sched.match_list("list", [2**40]) == 3 * CHUNK  # keyed: not read
         assert rig.sched.match_list("other", tokens[:CHUNK] + [9] * (2 * CHUNK)) == CHUNK
-        for req in ("array", "list", "other"):
+        # An int the reader does not read in place (a subclass) in the
+        # second chunk: read through the C API, keyed the same.
+        mixed = tokens[:CHUNK] + [_Int(tokens[CHUNK])] + tokens[CHUNK + 1:]
+        assert rig.sched.match_list("mixed", mixed) == 3 * CHUNK
+        for req in ("array", "list", "other", "mixed"):
             rig.finished(req)
         with pytest.raises(InvalidArgumentError, match="item 1 is no int in"):
             rig.sched.match_list("list", [1, 2**40])  # forgotten once finished: read again
