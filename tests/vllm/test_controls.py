@@ -38,7 +38,6 @@ def hit(h, tokens, **kw):
     run_until_scheduled(h, req)
     loaded = sum(ld["end"] - ld["start"] for st in h.steps for ld in loads_of(st, req.request_id))
     h.settle()
-    wait_jobs(h)
     return req, loaded
 
 
@@ -108,7 +107,6 @@ def test_hit_sources_split_by_tier(kv, tmp_path):
     wait_l2_files(l2, 1)
     ha.add_request(ha.make_request(p, max_tokens=1))  # A: chunk 0 from disk, chunks 1 and 2 computed
     ha.settle()
-    wait_jobs(ha)
     wait_l2_files(l2, 3)
     first = len(hb.steps)
     _, loaded = hit(hb, p)

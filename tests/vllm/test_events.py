@@ -18,7 +18,7 @@ from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventPublisher
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from harness import CHUNK, ModelRunner, SchedulerHarness, kvshim_config, make_kv_cache_config, prompt, wait_jobs
+from harness import CHUNK, ModelRunner, SchedulerHarness, kvshim_config, make_kv_cache_config, prompt
 
 BS = 16  # the harness's block size
 
@@ -68,7 +68,6 @@ def kv_events(tiny_model_dir):
 def run(h: SchedulerHarness, tokens: list[int], **kw: Any) -> Any:
     req = h.add_request(h.make_request(tokens, max_tokens=1, **kw))
     h.settle()
-    wait_jobs(h)
     return req
 
 
@@ -129,7 +128,6 @@ def test_nothing_for_a_skipped_save(kv_events):
     a = h.add_request(h.make_request(tokens, max_tokens=1))
     b = h.add_request(h.make_request(tokens, max_tokens=1))
     h.settle()
-    wait_jobs(h)
     got = drain(h, rec, 1)
     counters = r.kvshim.worker.stats().counters
     assert (counters["SavedChunks"], counters["SkippedChunks"]) == (2, 2)

@@ -363,7 +363,6 @@ def test_multiturn_restores_the_answer_through_the_windows_it_kept(hybrid):
     p = prompt(41, 2 * CHUNK + 5)
     a = h.add_request(h.make_request(p, max_tokens=2 * CHUNK))
     h.settle()
-    wait_jobs(h)
     turn1 = p + h.outputs[a.request_id]
     # While A decoded, vLLM freed blocks behind its windows and handed some
     # out again while saves that read them could still run: those steps made
@@ -409,11 +408,9 @@ def restore_after_vllm_evicts(h, r, *, fillers: int, max_tokens: int) -> None:
     p = prompt(51, 3 * CHUNK + 5)
     h.add_request(h.make_request(p, max_tokens=1))
     h.settle()
-    wait_jobs(h)
     for i in range(fillers):
         h.add_request(h.make_request(prompt(60 + i, 5 * CHUNK), max_tokens=1))
         h.settle()
-        wait_jobs(h)
     r.scribble()
     b = h.add_request(h.make_request(p[: 3 * CHUNK] + prompt(52, 9), max_tokens=max_tokens))
     s = run_until_scheduled(h, b)
@@ -623,7 +620,6 @@ def test_mamba_multiturn_restores_the_state_saved_during_decode(hybrid):
     p = prompt(41, 2 * CHUNK + 5)
     a = h.add_request(h.make_request(p, max_tokens=2 * CHUNK))
     h.settle()
-    wait_jobs(h)
     turn1 = p + h.outputs[a.request_id]
     assert len(turn1) == 4 * CHUNK + 5
     saved = mamba_saved(h, a.request_id, r)
@@ -736,14 +732,12 @@ def test_attention_free_mamba_multiturn_with_vllms_prefix_cache_on(hybrid):
     p = prompt(41, 2 * CHUNK + 5)
     a = h.add_request(h.make_request(p, max_tokens=2 * CHUNK))
     h.settle()
-    wait_jobs(h)
     turn1 = p + h.outputs[a.request_id]
     assert len(turn1) == 4 * CHUNK + 5
     assert sorted(mamba_saved(h, a.request_id, r)[0]) == [1, 2, 3]
     for i in range(10):  # other prompts fill the pool: vLLM's cached state blocks of turn 1 are evicted
         h.add_request(h.make_request(prompt(60 + i, 5 * CHUNK), max_tokens=1))
         h.settle()
-        wait_jobs(h)
     r.scribble()
     b = h.add_request(h.make_request(turn1 + prompt(42, 9), max_tokens=1))
     s = run_until_scheduled(h, b)

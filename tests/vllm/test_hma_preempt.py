@@ -44,7 +44,6 @@ from harness import (
     run_until_scheduled,
     saves_of,
     skipped_tokens,
-    wait_jobs,
     wait_stat,
 )
 from kvshim.native import meta_json
@@ -98,7 +97,6 @@ def restore(h, r, tokens, hit_chunks):
         assert (loads[g]["start"], loads[g]["end"]) == (first * BLOCK // CHUNK, hit_chunks), (g, loads[g])
     assert r.prefix_checks[q.request_id] == (hit, {g: [] for g in range(len(r.specs))}), r.prefix_checks[q.request_id]
     h.settle()
-    wait_jobs(h)
 
 
 def test_window_freed_blocks_handed_out_while_their_save_is_in_flight(pressure):
@@ -145,7 +143,6 @@ def test_window_freed_blocks_handed_out_while_their_save_is_in_flight(pressure):
         resumer.join(timeout=15)
         srv.resume()
     h.settle()
-    wait_jobs(h)
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert resumer.fired, "the worker's bind did not wait for the window's save"
     assert not r.overwritten_while_stopped
@@ -185,7 +182,6 @@ def test_hybrid_request_preempted_while_its_saves_are_in_flight(pressure):
     # steps): its lookup hits its own saved chunks, every group's loaded
     # byte-exact into new blocks
     h.settle()
-    wait_jobs(h)
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert a.num_preemptions == 1
     n, wrong = r.prefix_checks.get(a.request_id, (0, None))
@@ -207,7 +203,6 @@ def test_failed_load_is_reported_by_request_and_recomputed(pressure):
     pa = prompt(89, 2 * CHUNK)
     h.add_request(h.make_request(pa, max_tokens=1))
     h.settle()
-    wait_jobs(h)
     wait_stat(h, "kvshim_l1_commits_total", 4)
     r.scribble()
     q = pa + prompt(90, 20)

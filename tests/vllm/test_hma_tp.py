@@ -129,7 +129,6 @@ def restore(h, ranks, specs, stored, tokens, hit_chunks):
         assert checks[b.request_id] == (hit, {g: [] for g in range(len(specs))}), f"rank {rk}: {checks[b.request_id]}"
         assert not any(ranks.call(rk, "attr", "load_errors")), f"rank {rk}"
     h.settle(until=lambda st: b.request_id not in h.scheduler.requests)
-    ranks.wait_idle()
     return sum(ld["end"] - ld["start"] for ld in loads.values())
 
 
@@ -165,5 +164,4 @@ def test_hybrid_each_rank_restores_every_group_and_hits_fold(hybrid_tp):
     assert [ranks.call(rk, "stats")["worker"]["LoadedChunks"] for rk in range(tp)] == [loaded] * tp
     h.abort(a1.request_id, a2.request_id)
     h.settle()
-    ranks.wait_idle()
     assert_clean(h)

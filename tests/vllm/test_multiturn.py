@@ -23,7 +23,6 @@ from harness import (
     run_until_scheduled,
     saves_of,
     server_stats,
-    wait_jobs,
     wait_stat,
 )
 
@@ -60,7 +59,6 @@ def test_turn_two_restores_the_prompt_and_the_answer(kv, pipelined):
     p = prompt(21, 2 * CHUNK + 5)  # 2 full chunks + 5 tokens
     a = h.add_request(h.make_request(p, max_tokens=2 * CHUNK))
     h.settle(pipelined=pipelined)
-    wait_jobs(h)
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
     answer = h.outputs[a.request_id]
     assert answer == [7] * (2 * CHUNK)
@@ -107,7 +105,6 @@ def test_the_last_sampled_token_is_not_saved(kv, pipelined):
     assert len(a.all_token_ids) == 4 * CHUNK
     assert a.num_computed_tokens == 4 * CHUNK - 1 + pipelined
     h.settle()
-    wait_jobs(h)
     turn2(h, r, list(a.all_token_ids) + prompt(24, 10), hit_chunks=3)
     assert [(x["first"], len(x["hashes"])) for x in saves_of(h, a.request_id)] == [(0, 2), (2, 1)]
     # turn 2's prefill computed chunk 3 (its own prompt's): saved as usual
@@ -126,7 +123,6 @@ def test_an_aborted_request_saves_nothing_at_the_abort(kv):
         h.step()
     h.abort(a.request_id)
     h.settle()
-    wait_jobs(h)
     assert a.num_computed_tokens == 4 * CHUNK - 1
     assert [(x["first"], len(x["hashes"])) for x in saves_of(h, a.request_id)] == [(0, 2), (2, 1)]
     wait_stat(h, "kvshim_l1_commits_total", 3)
@@ -145,7 +141,6 @@ def test_a_preempted_request_saves_its_answer_when_it_finishes(kv):
     h.settle(until=lambda s: b.request_id in s.scheduler_output.preempted_req_ids)
     assert b.status == RequestStatus.PREEMPTED and h.outputs[b.request_id]
     h.settle()
-    wait_jobs(h)
     assert h.outputs[b.request_id] == [7] * 60
     for req in (a, b):
         assert (2, 1) in [(x["first"], len(x["hashes"])) for x in saves_of(h, req.request_id)]

@@ -275,7 +275,6 @@ def test_preempted_while_its_save_is_in_flight(pressure):
     # (loaded byte-exact into new blocks, checked before its forward pass),
     # it recomputes the rest and finishes.
     h.settle()
-    wait_jobs(h)
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert a.num_preemptions == 1
     # a later request restores both saved chunks byte-exact: the save read
@@ -320,7 +319,6 @@ def test_finished_request_keeps_its_blocks_while_its_save_is_in_flight(pressure)
     assert set(r.reqs[bq.request_id].blocks) & a_blocks  # B got A's blocks back
     assert not r.overwritten_while_stopped
     h.settle()
-    wait_jobs(h)
     assert bq.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert any(a.request_id in (s.kv_connector_output.finished_sending or ()) for s in h.steps)
     st = server_stats(h.connector)
@@ -357,7 +355,6 @@ def test_running_request_waits_for_delay_freed_blocks_instead_of_preemption(pres
     assert waited == 3 and b.num_computed_tokens == 48 and b.num_preemptions == 0
     assert srv.resume()
     h.settle()
-    wait_jobs(h)
     assert not h.connector.has_pending_block_frees()
     assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.num_preemptions == 0
     turn2(h, r, pa + prompt(59, 10), hit_chunks=2)

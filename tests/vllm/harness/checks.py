@@ -11,7 +11,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvshim.native import meta_json
-from kvshim.vllm import KVShimConnector, KVShimMetadata
+from kvshim.vllm import KVShimMetadata
 
 from .runner import ModelRunner, as_kvshim
 from .scheduler import SchedulerHarness, StepResult
@@ -34,8 +34,8 @@ def prompt(seed: int, n: int) -> list[int]:
 def released(h: SchedulerHarness, timeout: float = 5.0) -> dict[str, float]:
     """The server's counters once every hold and lookup is gone. A load
     counts as ended once its copies end; its RELEASE follows off the
-    request's path (shim/worker.go, Worker.load), so right after settle()
-    the server may still hold its chunks for a moment."""
+    request's path (shim/worker.go, Worker.load): settle() waits for it
+    (wait_workers), a test that reads between steps waits here."""
     wait_stat(h, "kvshim_l1_holds", 0, timeout)
     return wait_stat(h, "kvshim_lookups_live", 0, timeout)
 
@@ -107,19 +107,9 @@ def store(h: SchedulerHarness, r: ModelRunner, tokens: Sequence[int], **kw: Any)
 
 
 def wait_jobs(h: SchedulerHarness, timeout: float = 5.0) -> None:
-    """vLLM gets a save's blocks back once the copy has read them; the
-    COMMIT that makes the chunks visible to lookups follows. Wait until
-    every worker has no job left (saves committed, loads reported)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    for r in h.runners:
-        conn = getattr(r, "connector", None)  # none in a proxy of a runner in another process
-        if not isinstance(conn, KVShimConnector):
-            continue
-        while conn.worker.stats().jobs:
-            assert time.monotonic() < deadline, f"worker jobs still running after {timeout}s"
-            time.sleep(0.002)
+    """Until every worker has no job left (h.wait_workers): for a test that
+    reads workers' counters between steps, not after settle()."""
+    h.wait_workers(timeout)
 
 
 def run_until_scheduled(h: SchedulerHarness, req: Request, timeout_s: float = 10.0, **kw: Any) -> StepResult:

@@ -104,6 +104,9 @@ class WorldHarness(SchedulerHarness):
         self.runners = [ranks]  # non-empty: execute() goes to runners_step
         self._aggregator = KVOutputAggregator(ranks.world)
 
+    def wait_workers(self, timeout_s: float = 5.0) -> None:
+        self.ranks.wait_idle(timeout_s)
+
     def runners_step(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput:
         outs = self.ranks.execute_all(scheduler_output)
         mros: list[ModelRunnerOutput | None] = [self.model_runner_output(scheduler_output, kv_connector_output=o) for o in outs]

@@ -291,7 +291,8 @@ class SchedulerHarness:
         **execute_kwargs: Any,
     ) -> list[StepResult]:
         """Step until the scheduler has no requests left (including finished
-        ones whose blocks a connector still holds); raise after ``max_steps``
+        ones whose blocks a connector still holds) and the workers no jobs
+        (wait_workers); raise after ``max_steps``
         steps that scheduled tokens, or after ``idle_timeout_s`` in a row of
         steps that scheduled none (only waiting for a connector's asynchronous
         save or load, which a loaded machine can make take any number of
@@ -313,6 +314,7 @@ class SchedulerHarness:
                 ):
                     continue
             elif not queue:
+                self.wait_workers(max(idle_deadline - time.monotonic(), 1.0))
                 return results
             so, mro = queue.pop()
             results.append(self.finish(so, mro))
@@ -350,7 +352,9 @@ class SchedulerHarness:
         so an engine with nothing to compute spins like EngineCore's busy
         loop: here with a 1 ms pause after every step that scheduled no
         token. ``pipelined=True`` overlaps steps as run_until_idle does
-        (EngineCore.step_with_batch_queue). Raises after ``timeout_s``."""
+        (EngineCore.step_with_batch_queue). Idle includes the workers
+        (wait_workers): what a test reads after settle() is what every copy
+        left. Raises after ``timeout_s``."""
         import time
 
         results: list[StepResult] = []
@@ -372,11 +376,26 @@ class SchedulerHarness:
                 if len(queue) < depth:
                     continue
             elif not queue:
+                self.wait_workers(max(deadline - time.monotonic(), 1.0))
                 return results
             so, mro = queue.pop()
             results.append(self.finish(so, mro))
             if until is not None and until(results[-1]):
                 done = True
+
+    def wait_workers(self, timeout_s: float = 5.0) -> None:
+        """Until no worker has a job left: saves committed and counted (vLLM
+        gets a save's blocks back once the copy read them; the COMMIT, and
+        the worker's count of it, follow), loads reported and their holds
+        RELEASEd (after the copies, off the request's path)."""
+        deadline = time.monotonic() + timeout_s
+        for r in self.runners:
+            conn = getattr(r, "connector", None)  # none in a proxy of a runner in another process
+            if not isinstance(conn, KVShimConnector):
+                continue
+            while conn.worker.stats().jobs:
+                assert time.monotonic() < deadline, f"worker jobs still running after {timeout_s}s"
+                time.sleep(0.002)
 
     # ---- checks ------------------------------------------------------------
 
