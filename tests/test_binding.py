@@ -164,6 +164,33 @@ def test_match_list_reads_the_list_only_to_key_the_request():
         assert rig.stats().requests == 0
 
 
+def test_match_list_keys_a_first_request_under_the_generation_in_force():
+    """A scheduler that starts after its deployment was reset knows the
+    generation only once it asks the server, which its first lookup does
+    after the list was read (and, where the library hashes as it reads,
+    hashed under generation 0): those keys are refused as stale and the
+    list read again, so the first request hits what was stored after the
+    reset."""
+    engine = f"gen-{uuid.uuid4().hex[:8]}"
+    with Rig(engine, fa_cache()) as rig:
+        assert rig.sched.reset() >= 1
+        tokens = list(range(700, 700 + 3 * CHUNK + 5))
+        rig.save("seed", np.array(tokens, dtype=np.uint32), list(range(len(tokens) // BLOCK)))
+        ns = {"model": "t", "dtype": "float16", "layout": "x", "world_size": 1, "chunk_size": CHUNK, "mla": False}
+        later = native.Scheduler({"server": "embedded", "engine_id": engine, "namespace": ns, "timeout_ms": 3000,
+                                  "block_size": BLOCK, "l1_size_gb": 0.0625})
+        try:
+            n = None
+            for _ in range(2000):
+                if (n := later.match_list("first", tokens)) is not None:
+                    break
+                time.sleep(0.002)
+            assert n == 3 * CHUNK
+            later.finished("first")
+        finally:
+            later.close()
+
+
 def _stopped(pid: int) -> bool:
     """Every thread of pid in state T (kill(SIGSTOP) returns before a thread
     running on another core has stopped)."""
