@@ -226,13 +226,19 @@ func AppendLookupReq(b []byte, r *LookupReq) ([]byte, error) {
 	b = putU64(b, r.LookupID)
 	b = append(b, r.Namespace[:]...)
 	b = putU32(b, r.WorldSize)
-	var mla byte
+	var mla, flags byte
 	if r.MLA {
 		mla = 1
 	}
-	b = append(b, mla, 0, 0, 0)
+	if r.AnswerFinal {
+		flags |= lookupAnswerFinal
+	}
+	b = append(b, mla, flags, 0, 0)
 	return appendHashes(b, r.Hashes), nil
 }
+
+// lookupAnswerFinal is LookupReq.AnswerFinal in the byte after the MLA flag.
+const lookupAnswerFinal = 1
 
 // DecodeLookupReq decodes a LookupReq.
 func DecodeLookupReq(b []byte) (*LookupReq, error) {
@@ -246,8 +252,14 @@ func DecodeLookupReq(b []byte) (*LookupReq, error) {
 	default:
 		d.fail("mla flag %d", mla)
 	}
-	if pad := d.take(3); pad != nil && (pad[0]|pad[1]|pad[2]) != 0 {
-		d.fail("non-zero padding")
+	if pad := d.take(3); pad != nil {
+		if pad[0]&^lookupAnswerFinal != 0 {
+			d.fail("lookup flags %#x", pad[0])
+		}
+		r.AnswerFinal = pad[0]&lookupAnswerFinal != 0
+		if pad[1]|pad[2] != 0 {
+			d.fail("non-zero padding")
+		}
 	}
 	r.Hashes = d.hashes()
 	if err := d.done(); err != nil {

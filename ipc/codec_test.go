@@ -76,7 +76,7 @@ var codecCases = []codecCase{
 		return &CommitResp{Status: st}
 	}, AppendCommitResp, DecodeCommitResp),
 	cc("LookupReq", func(r *rand.Rand, n int) *LookupReq {
-		m := &LookupReq{LookupID: r.Uint64(), WorldSize: r.Uint32(), MLA: r.IntN(2) == 1, Hashes: randHashes(r, n)}
+		m := &LookupReq{LookupID: r.Uint64(), WorldSize: r.Uint32(), MLA: r.IntN(2) == 1, AnswerFinal: r.IntN(2) == 1, Hashes: randHashes(r, n)}
 		randBytes(r, m.Namespace[:])
 		return m
 	}, AppendLookupReq, DecodeLookupReq),
@@ -295,4 +295,25 @@ func FuzzDecodeSocketMessages(f *testing.F) {
 		}
 		_ = decodeRefuse(b)
 	})
+}
+
+// The byte after a LOOKUP's MLA flag carries AnswerFinal (protocol 5) and
+// nothing else; the two after it stay zero.
+func TestDecodeLookupReqFlags(t *testing.T) {
+	b, err := AppendLookupReq(nil, &LookupReq{LookupID: 7, WorldSize: 1, AnswerFinal: true, Hashes: make([]kv.Hash, 1)})
+	assert.NilError(t, err)
+	at := 8 + len(kv.Namespace{}) + 4 + 1
+	assert.Equal(t, b[at], byte(1))
+	r, err := DecodeLookupReq(b)
+	assert.NilError(t, err)
+	assert.Assert(t, r.AnswerFinal)
+	for _, bad := range []struct {
+		off int
+		v   byte
+	}{{at, 2}, {at, 0x81}, {at + 1, 1}, {at + 2, 1}} {
+		c := append([]byte(nil), b...)
+		c[bad.off] = bad.v
+		_, err := DecodeLookupReq(c)
+		assert.ErrorIs(t, err, ErrMalformed, "byte %d = %#x", bad.off, bad.v)
+	}
 }

@@ -87,11 +87,16 @@
 //	  ... later: segment announcements as L1 grows, always sent before the
 //	  ring answer that names them; Client.Resolve waits for an unknown id.
 //
-// # Versions and KV events (protocol 4)
+// # Versions, KV events (protocol 4), answers in the ack (protocol 5)
 //
 // A hello may carry any version from MinProtocolVersion (3) to
-// ProtocolVersion (4); the welcome echoes the client's, so an older client
-// keeps working against a newer server. Version 4 adds OpEvents
+// ProtocolVersion (5); the welcome echoes the client's, so an older client
+// keeps working against a newer server (a newer client is refused by an
+// older server at the hello, never misread later). Version 5 adds
+// LookupReq.AnswerFinal: a LOOKUP final at registration (nothing to fill
+// from L2) is answered, and consumed, by its ack, sparing the scheduler the
+// OpLookupResult round trip it would start at once; a pending one's ack
+// stays empty. Version 4 adds OpEvents
 // (events.go): a scheduler announces the chunk keys it told vLLM's
 // KV-event publisher about and takes the events the server queued for its
 // session (an announced chunk evicted from L1 or dropped by an L2, or

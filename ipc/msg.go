@@ -13,8 +13,10 @@ import "github.com/kvshim/kvshim/kv"
 // a reason. Version 3: OpReset; a lookup's answer carries its namespace's
 // generation and the tier that served each chunk. Version 4: OpEvents and
 // the answers' FlagEventsPending (events.go); a version-3 peer is still
-// accepted (it never sends OpEvents, so it never sees the flag).
-const ProtocolVersion uint32 = 4
+// accepted (it never sends OpEvents, so it never sees the flag). Version 5:
+// LookupReq.AnswerFinal, a LOOKUP whose ack carries its answer when it is
+// final at registration (older clients never ask for it).
+const ProtocolVersion uint32 = 5
 
 // MinProtocolVersion is the oldest version a hello may carry.
 const MinProtocolVersion uint32 = 3
@@ -99,7 +101,12 @@ type LookupReq struct {
 	Namespace kv.Namespace
 	WorldSize uint32
 	MLA       bool
-	Hashes    []kv.Hash
+	// AnswerFinal (protocol 5): when the lookup is final at registration
+	// (no fill to wait for), its ack is its LookupResultResp, consumed as
+	// OpLookupResult would; a pending lookup's ack stays empty. Saves the
+	// round trip of asking at once.
+	AnswerFinal bool
+	Hashes      []kv.Hash
 }
 
 // LookupResultReq asks for (and, when final, consumes) a lookup's answer.

@@ -75,7 +75,8 @@ func dispatch(svc Service, op Op, b, out []byte) ([]byte, error) {
 	case OpAbort:
 		return typed(b, out, DecodeCommitReq, svc.Abort, AppendCommitResp)
 	case OpLookup:
-		return typed(b, out, DecodeLookupReq, noBody(svc.Lookup), appendNothing)
+		return typed(b, out, DecodeLookupReq, func(r *LookupReq) (*LookupResultResp, error) { return lookup(svc, r) },
+			appendAnswerIfAny)
 	case OpLookupResult:
 		return typed(b, out, DecodeLookupResultReq, svc.LookupResult, AppendLookupResultResp)
 	case OpFree:
@@ -114,6 +115,29 @@ func typed[Req, Resp any](b, out []byte, dec func([]byte) (Req, error), call fun
 		return nil, fmt.Errorf("encode answer: %v", err) // server bug, not the client's: not ErrMalformed
 	}
 	return out, nil
+}
+
+// lookup registers r and, when r asks for it, reads its answer if it is
+// final already (the session's calls are serialized: nothing else reads
+// it in between). An answer that cannot be read leaves the plain ack: the
+// client asks with OpLookupResult, as before protocol 5.
+func lookup(svc Service, r *LookupReq) (*LookupResultResp, error) {
+	if err := svc.Lookup(r); err != nil || !r.AnswerFinal {
+		return nil, err
+	}
+	res, err := svc.LookupResult(&LookupResultReq{LookupID: r.LookupID})
+	if err != nil || res.Status != StatusOK {
+		return nil, nil
+	}
+	return res, nil
+}
+
+// appendAnswerIfAny encodes a LOOKUP's ack: nothing, or its answer.
+func appendAnswerIfAny(b []byte, r *LookupResultResp) ([]byte, error) {
+	if r == nil {
+		return b, nil
+	}
+	return AppendLookupResultResp(b, r)
 }
 
 func noBody[Req any](f func(Req) error) func(Req) (struct{}, error) {
@@ -172,10 +196,26 @@ func (c *Client) Abort(ctx context.Context, r *CommitReq) (*CommitResp, error) {
 	return call(c, ctx, OpAbort, r, AppendCommitReq, DecodeCommitResp)
 }
 
-// Lookup sends OpLookup (the answer only acknowledges registration).
+// Lookup sends OpLookup (the answer acknowledges registration). A request
+// with AnswerFinal goes through LookupAnswer, which keeps the answer.
 func (c *Client) Lookup(ctx context.Context, r *LookupReq) error {
-	_, err := call(c, ctx, OpLookup, r, AppendLookupReq, decEmpty)
+	_, err := c.LookupAnswer(ctx, r)
 	return err
+}
+
+// LookupAnswer sends OpLookup and returns what the ack carries: for a
+// request with AnswerFinal, the lookup's final answer when it was final at
+// once (consumed: OpLookupResult then says Unknown); nil otherwise (ask with
+// LookupResult).
+func (c *Client) LookupAnswer(ctx context.Context, r *LookupReq) (*LookupResultResp, error) {
+	return call(c, ctx, OpLookup, r, AppendLookupReq, decodeAnswerIfAny)
+}
+
+func decodeAnswerIfAny(b []byte) (*LookupResultResp, error) {
+	if len(b) == 0 {
+		return nil, nil
+	}
+	return DecodeLookupResultResp(b)
 }
 
 // LookupResult sends OpLookupResult.

@@ -60,7 +60,9 @@ type Scheduler struct {
 	// request goes out in the metadata's preempted list, whose copies the
 	// workers wait for before the step's loads and forward pass).
 	fence map[int64]string
-	trace schedTrace // lifecycle records (schedtrace.go)
+	// answers: lookups answered in their ack (protocol 5), not read yet.
+	answers map[uint64]*ipc.LookupResultResp
+	trace   schedTrace // lifecycle records (schedtrace.go)
 	// gen is the generation requests are keyed under (controls.go: vLLM's
 	// reset_cache); genKnown: learnt from (or set on) the server.
 	gen      uint64
@@ -150,7 +152,7 @@ func NewScheduler(cfg SchedulerConfig) (*Scheduler, error) {
 	return &Scheduler{
 		cfg: cfg, ns: gns[0], groups: groups, gns: gns, chunk: chunk,
 		link: newLink(cfg.Socket, ipc.RoleScheduler, cfg.Instance, cfg.Timeout).directUnless(cfg.RingOnly),
-		reqs: map[string]*schedReq{}, fence: map[int64]string{},
+		reqs: map[string]*schedReq{}, fence: map[int64]string{}, answers: map[uint64]*ipc.LookupResultResp{},
 	}, nil
 }
 
@@ -281,8 +283,7 @@ func (s *Scheduler) submit(req string, prompt int, hashes []kv.Hash, ex Extras, 
 			// MLA objects are stored once and read by every rank.
 			lk.WorldSize = uint32(s.cfg.Namespace.WorldSize)
 		}
-		err := s.link.call(func(ctx context.Context, c *ipc.Client) error { return c.Lookup(ctx, lk) })
-		if err != nil {
+		if err := s.lookup(lk); err != nil {
 			s.free(r, 0) // no server: a miss (and no lookup of another group is used)
 			r.state = lookupNone
 			return r
@@ -405,7 +406,7 @@ func (s *Scheduler) submitWindows(r *schedReq) bool {
 		if s.cfg.Namespace.MLA {
 			lk.WorldSize = uint32(s.cfg.Namespace.WorldSize)
 		}
-		if err := s.link.call(func(ctx context.Context, c *ipc.Client) error { return c.Lookup(ctx, lk) }); err != nil {
+		if err := s.lookup(lk); err != nil {
 			continue // that group stays at its first answer
 		}
 		w.state, w.freed = lookupPending, false
@@ -496,7 +497,30 @@ func (s *Scheduler) freeGroup(r *schedReq, i int, from uint32) {
 }
 
 // lookupResult asks the server for lookup id's answer.
+// lookup registers lk, asking for its answer in the ack: a lookup final at
+// registration (everything it finds is in L1) is then answered without a
+// second round trip, kept in s.answers until lookupResult reads it. s.mu
+// held.
+func (s *Scheduler) lookup(lk *ipc.LookupReq) error {
+	lk.AnswerFinal = true
+	var res *ipc.LookupResultResp
+	err := s.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
+		res, err = c.LookupAnswer(ctx, lk)
+		return err
+	})
+	if err == nil && res != nil {
+		s.answers[lk.LookupID] = res
+	}
+	return err
+}
+
+// lookupResult reads lookup id's answer: the one its ack carried, or the
+// server's. s.mu held.
 func (s *Scheduler) lookupResult(id uint64) (res *ipc.LookupResultResp, err error) {
+	if res, ok := s.answers[id]; ok {
+		delete(s.answers, id)
+		return res, nil
+	}
 	err = s.link.call(func(ctx context.Context, c *ipc.Client) (err error) {
 		res, err = c.LookupResult(ctx, &ipc.LookupResultReq{LookupID: id})
 		return err
