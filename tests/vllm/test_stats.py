@@ -28,6 +28,7 @@ def test_worker_reports_saved_chunks_once(tiny_model_dir):
         h.add_request(h.make_request(prompt(5, 3 * CHUNK + 4), max_tokens=1))
         step = h.step()
         wait_stat(h, "kvshim_l1_commits_total", 3)
+        h.wait_workers()  # the worker counts a save once its COMMIT is answered, after the server did
         # The step's own stats read (vLLM's, in the runner) may already have
         # counted saves that ended within the step: the two reports add up.
         st = KVShimStats(data={})
