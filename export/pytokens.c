@@ -263,10 +263,20 @@ KV_SHA static int64_t kv_chain_items(void *const *items, ssize_t n, const void *
 	return n;
 }
 
+// CPUID is asked once (in a VM each CPUID exits to the hypervisor): 0 not
+// yet, 1 yes, -1 no.
+static int kv_sha_ni;
+
 int kv_chain_sha_ni(void) {
-	unsigned a, b, c, d;
-	if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_SSSE3) || !(c & bit_SSE4_1)) return 0;
-	return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & bit_SHA);
+	int v = __atomic_load_n(&kv_sha_ni, __ATOMIC_RELAXED);
+	if (v == 0) {
+		unsigned a, b, c, d;
+		int ok = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_SSSE3) && (c & bit_SSE4_1) &&
+		         __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & bit_SHA);
+		v = ok ? 1 : -1;
+		__atomic_store_n(&kv_sha_ni, v, __ATOMIC_RELAXED);
+	}
+	return v > 0;
 }
 #else
 static int64_t kv_chain_items(void *const *items, ssize_t n, const void *ltype, int layout, uint8_t *msg,
@@ -280,7 +290,7 @@ int kv_chain_sha_ni(void) { return 0; }
 
 int64_t kv_py_chain(void *list, uint8_t *msg, size_t nblocks, size_t prev_off, size_t ids_off, size_t chunk,
                     uint8_t *hashes, size_t max_hashes) {
-	if (kv_py_resolve() < 0 || !kv_long_layout || !chunk) return -1;
+	if (!kv_chain_sha_ni() || kv_py_resolve() < 0 || !kv_long_layout || !chunk) return -1;
 	ssize_t n = kv_PyList_Size(list);
 	if (n < 0) { kv_PyErr_Clear(); return -1; }
 	const struct kv_pylist *l = (const struct kv_pylist *)list;
@@ -292,6 +302,7 @@ int64_t kv_py_chain(void *list, uint8_t *msg, size_t nblocks, size_t prev_off, s
 int64_t kv_chain_fake_ints(const uint32_t *ids, size_t n, int layout, uint8_t *msg, size_t nblocks, size_t prev_off,
                            size_t ids_off, size_t chunk, uint8_t *hashes, size_t max_hashes) {
 	static int fake_type;
+	if (!kv_chain_sha_ni()) return -1;
 	struct kv_pylong *ints = calloc(n ? n : 1, sizeof *ints);
 	void **items = calloc(n ? n : 1, sizeof *items);
 	if (!ints || !items) { free(ints); free(items); return -3; }
