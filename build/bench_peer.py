@@ -65,7 +65,8 @@ answer is polled every 20 µs (KVSHIM_PEER_POLL_US) on both sides.
 The transport floor (64 keys of 32 B echoed: build/bench_ipc.py's pyzmq
 DEALER/ROUTER echo with msgpack, and kvshim_ping to the same `kvshim serve`,
 back to back and after 5 ms idle) is reported only as that: a floor, not a
-peer.
+peer; beside it, a call of an empty Go export after 3 ms of Python work (the
+first entry into Go after idle, under every call of the library from Python).
 
 Prints a table and, as its last line, one JSON object.
 """
@@ -520,8 +521,20 @@ def floor_client(sock: str, n: int) -> dict:
         h.check(lib.kvshim_ping(h.value, body.ctypes.data, body.nbytes, out, len(out), ctypes.byref(got)))
         cold.append((time.perf_counter_ns() - t0) / 1e3)
     h.close()
+    # An empty Go export after 3 ms of Python work, as a lookup finds the
+    # library between scheduler steps: the first entry into Go after idle,
+    # under every call from Python (the runtime takes an idle P and wakes
+    # its sysmon thread; docs/datapath.md, "What bounds each path here").
+    entry = []
+    for _ in range(200):
+        busy_until = time.perf_counter() + 0.003
+        while time.perf_counter() < busy_until:
+            pass
+        t0 = time.perf_counter_ns()
+        lib.kvshim_abi_version()
+        entry.append((time.perf_counter_ns() - t0) / 1e3)
     return {"zmq_echo_us": {k: round(zq[k], 1) for k in ("p50", "p99")}, "kvshim_ring_echo_us": pct(us),
-            "kvshim_ring_echo_after_5ms_idle_us": pct(cold)}
+            "kvshim_ring_echo_after_5ms_idle_us": pct(cold), "go_entry_after_3ms_busy_us": pct(entry)}
 
 
 # ------------------------------------------------------------------ servers
@@ -785,7 +798,8 @@ def main() -> int:
         print(f"{label:<44}{k['p50']:>11.0f}{k['p99']:>9.0f}{m['p50']:>13.0f}{m['p99']:>10.0f}{r50:>10.1f}x{r99:>6.1f}x")
     print(f"transport floor only, 64 keys of 32 B echoed (not LMCache): pyzmq {floor['zmq_echo_us']['p50']} µs, "
           f"kvshim ring {floor['kvshim_ring_echo_us']['p50']} µs p50, "
-          f"{floor['kvshim_ring_echo_after_5ms_idle_us']['p50']} µs after 5 ms idle")
+          f"{floor['kvshim_ring_echo_after_5ms_idle_us']['p50']} µs after 5 ms idle; "
+          f"an empty Go call after 3 ms of Python work {floor['go_entry_after_3ms_busy_us']['p50']} µs")
     print(json.dumps(out))
     return 0 if ok else 1
 
