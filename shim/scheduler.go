@@ -496,7 +496,6 @@ func (s *Scheduler) freeGroup(r *schedReq, i int, from uint32) {
 	}
 }
 
-// lookupResult asks the server for lookup id's answer.
 // lookup registers lk, asking for its answer in the ack: a lookup final at
 // registration (everything it finds is in L1) is then answered without a
 // second round trip, kept in s.answers until lookupResult reads it. s.mu
